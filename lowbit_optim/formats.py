@@ -1,0 +1,146 @@
+"""The concrete state formats and the registry that maps short names to them.
+
+A quantized format is a small OptimState subclass; a plain format (fp32, bf16) is an ordinary
+tensor dtype behind the same interface, so the optimizer treats every format alike.
+"""
+
+import torch
+from torch import Tensor
+
+from . import quant
+from .state import CodebookState, OptimState, check_block_size
+
+_REGISTRY: dict = {}
+
+
+def register_format(fmt) -> None:
+    """Make ``fmt`` (an OptimState subclass or PlainFormat) available as ``state_format=fmt.name``.
+    OptimState subclasses with a ``name`` register themselves when defined."""
+    existing = _REGISTRY.get(fmt.name)
+    if existing is not None and existing is not fmt and getattr(existing, "__qualname__", None) != getattr(fmt, "__qualname__", 0):
+        raise ValueError(f"state format name {fmt.name!r} is already taken by {existing!r}")
+    _REGISTRY[fmt.name] = fmt
+
+
+def registered_formats() -> dict:
+    """Name -> format, for every registered format (built-in ones first)."""
+    return dict(_REGISTRY)
+
+
+def get_format(spec):
+    """Resolve a format name or class. Raises a ValueError listing the choices for anything else."""
+    if isinstance(spec, str) and spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if isinstance(spec, PlainFormat) or (isinstance(spec, type) and issubclass(spec, OptimState) and spec.name is not None):
+        return spec
+    raise ValueError(
+        f"unknown state format {spec!r}; use one of {sorted(_REGISTRY)} or an OptimState subclass that sets a `name`"
+    )
+
+
+def is_quantized(fmt) -> bool:
+    return isinstance(fmt, type) and issubclass(fmt, OptimState)
+
+
+class PlainFormat:
+    """Unquantized state held as an ordinary tensor of ``dtype``."""
+
+    bits: int
+    default_block_size = None
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name, self.dtype = name, dtype
+        self.bits = torch.finfo(dtype).bits
+        register_format(self)
+
+    def zeros(self, shape, signed: bool = True, block_size=None, device=None, dtype=None) -> Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def from_float(self, x: Tensor, signed: bool = True, block_size=None) -> Tensor:
+        return x.detach().to(self.dtype, copy=True)
+
+    def __repr__(self):
+        return f"PlainFormat({self.name!r}, {self.dtype})"
+
+
+FP32 = PlainFormat("fp32", torch.float32)
+BF16 = PlainFormat("bf16", torch.bfloat16)
+
+
+def holds(fmt, state: Tensor, block_size: int | None, signed: bool) -> bool:
+    """Whether ``state`` is already stored in ``fmt`` with this block size and signedness."""
+    if isinstance(fmt, PlainFormat):
+        return not isinstance(state, OptimState) and state.dtype == fmt.dtype
+    return type(state) is fmt and state.block_size == block_size and state.signed == signed
+
+
+def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
+    """``state`` in format ``fmt`` (unchanged if it already is): how checkpoints change format."""
+    if holds(fmt, state, block_size, signed):
+        return state
+    values = state.dequantize() if isinstance(state, OptimState) else state
+    return fmt.from_float(values.float(), signed, block_size)
+
+
+class OptimState8bit(CodebookState):
+    """8-bit blockwise state with the dynamic-tree codebook of bitsandbytes and torchao: codes and
+    numerics identical to torchao's OptimState8bit."""
+
+    name = "8bit"
+    bits = 8
+    default_block_size = 256
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.dynamic_codebook(signed, exponent_bits=7, total_bits=8)
+
+
+class OptimState4bit(CodebookState):
+    """4-bit blockwise state (lpmm / torchao): signed dynamic codebook with 3 exponent bits for the
+    first moment, linear codebook without zero for the second moment."""
+
+    name = "4bit"
+    bits = 4
+    default_block_size = 128
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        if signed:
+            return quant.dynamic_codebook(True, exponent_bits=3, total_bits=4)
+        return quant.linear_codebook_without_zero(4)
+
+
+class OptimStateFp8(OptimState):
+    """float8 e4m3 codes (stored as their uint8 bit patterns) with a scale per block that maps the
+    block's absmax to 448, the largest e4m3 value."""
+
+    name = "fp8"
+    bits = 8
+    default_block_size = 256
+    fp8_dtype = torch.float8_e4m3fn
+    scale_max = torch.finfo(torch.float8_e4m3fn).max
+
+    @classmethod
+    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        return quant.fp8_encode(normalized, cls.fp8_dtype)
+
+    @classmethod
+    def decode(cls, codes: Tensor, signed: bool) -> Tensor:
+        return quant.fp8_decode(codes, cls.fp8_dtype)
+
+
+__all__ = [
+    "BF16",
+    "FP32",
+    "OptimState8bit",
+    "OptimState4bit",
+    "OptimStateFp8",
+    "PlainFormat",
+    "check_block_size",
+    "convert",
+    "get_format",
+    "holds",
+    "is_quantized",
+    "register_format",
+    "registered_formats",
+]

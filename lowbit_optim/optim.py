@@ -1,0 +1,339 @@
+"""torch.optim.Optimizer subclasses: param groups, state creation, format choice, the compiled step."""
+
+import fnmatch
+
+import torch
+from torch import Tensor, nn
+
+from . import formats
+from .functional import adam_step
+from .state import OptimState, check_block_size
+
+# One compiled step shared by every optimizer and format. Shapes are dynamic, so the number of
+# graphs depends on the formats and flags in use, never on the number of distinct parameter shapes.
+_compiled_adam_step = torch.compile(adam_step, fullgraph=True, dynamic=True)
+
+# Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
+# of 8 per function is normal here and must not silently fall back to eager.
+_RECOMPILE_LIMIT = 256
+
+# group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
+_STRUCTURAL_KEYS = ("state_format", "block_size", "min_quantize_numel")
+
+_MOMENTS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}  # name -> signed
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with optimizer state in any registered format (``state_format="8bit"``, ``"4bit"``,
+    ``"fp8"``, ``"bf16"``, ``"fp32"`` or an OptimState subclass), settable per param group.
+
+    Parameters with fewer than ``min_quantize_numel`` elements keep fp32 state; every larger one is
+    quantized, padded to whole blocks. The choice depends only on the parameter's full shape.
+    ``compile=False`` runs the same step function eagerly (slow; for debugging).
+    """
+
+    default_weight_decay = 0.0
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        state_format="fp32",
+        block_size: int | None = None,
+        min_quantize_numel: int = 4096,
+        bf16_stochastic_round: bool = False,
+        compile: bool = True,
+    ):
+        if weight_decay is None:
+            weight_decay = self.default_weight_decay
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            state_format=state_format,
+            block_size=block_size,
+            min_quantize_numel=min_quantize_numel,
+            bf16_stochastic_round=bf16_stochastic_round,
+        )
+        self._step_fn = _compiled_adam_step if compile else adam_step
+        super().__init__(params, defaults)
+
+    # ---- param groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(group)
+        fmt = formats.get_format(group["state_format"])
+        group["state_format"] = fmt.name  # names keep state_dict() loadable with weights_only=True
+        if group["block_size"] is not None:
+            check_block_size(group["block_size"], fmt.bits if formats.is_quantized(fmt) else 8)
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(
+                    "lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) "
+                    "as a real parameter instead, or use torch.optim.Adam"
+                )
+            if not p.is_floating_point():
+                raise TypeError(f"parameters must be floating point, got {p.dtype}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def state_format_of(self, param: Tensor, group: dict):
+        """The format this optimizer stores ``param``'s moments in (fp32 for small tensors)."""
+        fmt = formats.get_format(group["state_format"])
+        if formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]:
+            return formats.FP32
+        return fmt
+
+    def _block_size(self, fmt, group: dict) -> int | None:
+        if not formats.is_quantized(fmt):
+            return None
+        return group["block_size"] or fmt.default_block_size
+
+    def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
+        fmt = self.state_format_of(param, group)
+        block_size = self._block_size(fmt, group)
+        state["step"] = torch.tensor(0.0)
+        for name, signed in _MOMENTS.items():
+            if name != "max_exp_avg_sq" or group["amsgrad"]:
+                state[name] = fmt.zeros(param.shape, signed, block_size, device=param.device, dtype=param.dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            for group in self.param_groups:
+                self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        hyper = None
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state)
+            if hyper is None:  # once per group and step: a changed lr / beta / eps never recompiles
+                hyper = _hyperparameter_tensors(group, p.device)
+            param = p.detach()
+            flat = _flat(param)
+            self._step_fn(
+                flat,
+                _flat(grad),
+                state["step"],
+                _flat(state["exp_avg"]),
+                _flat(state["exp_avg_sq"]),
+                _flat(state["max_exp_avg_sq"]) if group["amsgrad"] else None,
+                *hyper,
+                decoupled_weight_decay=self.decoupled_weight_decay,
+                maximize=group["maximize"],
+                bf16_stochastic_round=group["bf16_stochastic_round"] and p.dtype == torch.bfloat16,
+            )
+            if not param.is_contiguous():
+                param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint of this or any other format (or of torch.optim.Adam/AdamW): states are
+        converted to this optimizer's formats; a checkpoint of the same format resumes bit-exactly."""
+        structural = [{k: g[k] for k in _STRUCTURAL_KEYS} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, keep in zip(self.param_groups, structural):
+            group.update(keep)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            for i, p in enumerate(group["params"]):
+                if p in self.state:
+                    self._convert_loaded_state(p, group, self.state[p], i)
+
+    def _convert_loaded_state(self, param: Tensor, group: dict, state: dict, index: int) -> None:
+        expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group["amsgrad"] else set())
+        missing = expected - state.keys()
+        if missing:
+            raise ValueError(
+                f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
+                f"not a checkpoint of Adam/AdamW{' with amsgrad=True' if group['amsgrad'] else ''}"
+            )
+        fmt = self.state_format_of(param, group)
+        block_size = self._block_size(fmt, group)
+        for name, signed in _MOMENTS.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if value.shape != param.shape:
+                raise ValueError(
+                    f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
+                    f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
+                )
+            state[name] = formats.convert(fmt, value, signed, block_size).to(param.device)
+        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu()
+
+
+class AdamW(Adam):
+    """AdamW (decoupled weight decay, default 1e-2) with optimizer state in any registered format."""
+
+    default_weight_decay = 1e-2
+    decoupled_weight_decay = True
+
+
+def _check_hyperparameters(group: dict) -> None:
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
+    if not isinstance(lr_value, (int, float)) or not lr_value >= 0:
+        raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"invalid betas {group['betas']!r}: each beta must be in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps {eps!r}: eps must be >= 0")
+    if not wd >= 0.0:
+        raise ValueError(f"invalid weight_decay {wd!r}: weight_decay must be >= 0")
+    if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
+        raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
+
+
+def _hyperparameter_tensors(group: dict, device) -> list[Tensor]:
+    beta1, beta2 = group["betas"]
+    values = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2)
+    return [torch.as_tensor(v, dtype=torch.float32).to(device) for v in values]
+
+
+def _flat(t: Tensor) -> Tensor:
+    if isinstance(t, OptimState):
+        # a new wrapper over the same codes, not an aten.view: dynamo cannot trace a subclass view
+        return t._like(t.codes, t.scale, shape=(t.numel(),))
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Migration aliases: torchao's class names and signatures
+# ------------------------------------------------------------------------------------------------
+
+
+def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=base.default_weight_decay,
+        amsgrad=False,
+        *,
+        block_size=None,
+        bf16_stochastic_round=False,
+    ):
+        base.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad,
+            state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
+        )  # fmt: skip
+
+    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+
+
+Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")
+AdamW8bit = _fixed_format_alias(AdamW, "8bit", "AdamW8bit")
+Adam4bit = _fixed_format_alias(Adam, "4bit", "Adam4bit")
+AdamW4bit = _fixed_format_alias(AdamW, "4bit", "AdamW4bit")
+AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8")
+AdamWFp8 = _fixed_format_alias(AdamW, "fp8", "AdamWFp8")
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-module overrides
+# ------------------------------------------------------------------------------------------------
+
+
+def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) -> list[dict]:
+    """Split ``model``'s parameters into param groups by module, e.g. to keep embeddings in fp32::
+
+        groups = param_groups_by_module(model, {nn.Embedding: {"state_format": "fp32"}})
+        opt = AdamW(groups, state_format="8bit")
+
+    ``overrides`` maps a module type or a glob over qualified module names (``"lm_head"``,
+    ``"blocks.*.attn"``) to group options. The first matching key wins; a parameter shared by several
+    modules (tied weights) goes to the group of the first module that holds it. Parameters matched by
+    no key form the first group, with ``group_defaults``. Values may also be a bare format name.
+    """
+    overrides = {k: ({"state_format": v} if isinstance(v, str) or isinstance(v, type) else dict(v)) for k, v in overrides.items()}
+    for key in overrides:
+        if not isinstance(key, (str, type)):
+            raise TypeError(f"override keys must be module types or name patterns, got {key!r}")
+    chosen: dict[Tensor, object] = {}
+    for module_name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if p in chosen:
+                continue
+            chosen[p] = next(
+                (key for key in overrides if (isinstance(key, type) and isinstance(module, key)) or (isinstance(key, str) and fnmatch.fnmatchcase(module_name, key))),
+                None,
+            )
+    groups = [{"params": [p for p, key in chosen.items() if key is None], **group_defaults}]
+    for key, options in overrides.items():
+        params = [p for p, k in chosen.items() if k is key]
+        if params:
+            groups.append({"params": params, **group_defaults, **options})
+    return [g for g in groups if g["params"]]
+
+
+def dequantize_state_dict(state_dict: dict) -> dict:
+    """A copy of an optimizer state dict with every quantized state replaced by a plain fp32 tensor,
+    e.g. to load a lowbit_optim checkpoint into torch.optim.AdamW (lowbit_optim optimizers convert
+    checkpoints themselves and need no such step)."""
+    state = {
+        key: {name: (v.dequantize(torch.float32) if isinstance(v, OptimState) else v) for name, v in s.items()}
+        for key, s in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
+
+
+def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of optimizer state (moments, scales, step counters) per parameter element."""
+    storages = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            for t in ([value.codes, value.scale] if isinstance(value, OptimState) else [value]):
+                if isinstance(t, Tensor):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    params = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p in optimizer.state)
+    return sum(storages.values()) / max(params, 1)
+
+
+__all__ = [
+    "Adam",
+    "AdamW",
+    "Adam8bit",
+    "AdamW8bit",
+    "Adam4bit",
+    "AdamW4bit",
+    "AdamFp8",
+    "AdamWFp8",
+    "bytes_per_param",
+    "dequantize_state_dict",
+    "param_groups_by_module",
+]

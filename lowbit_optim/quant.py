@@ -1,0 +1,169 @@
+"""Pure tensor functions for block quantization: codebooks, nearest-code encoding, nibble packing.
+
+Nothing here knows about tensor subclasses; every function works on plain tensors and is traceable
+by torch.compile.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+# Below this absmax a block is treated as all zeros (avoids 0/0 in the normalization).
+MIN_BLOCK_SCALE = 1e-12
+
+
+def dynamic_codebook(signed: bool, exponent_bits: int, total_bits: int) -> list[float]:
+    """The dynamic-tree codebook of Dettmers' 8-bit optimizers (arXiv:1511.04561, 2110.02861).
+
+    Exponent level ``i`` (decade 10**(i - exponent_bits + 1)) holds the midpoints of an even grid on
+    [0.1, 1]; higher decades get more fraction bits. An unsigned codebook spends the sign bit on a
+    finer fraction. Values are computed in fp32, exactly as bitsandbytes and torchao do, so codes
+    mean the same numbers in all three libraries.
+    """
+    fraction_bits = total_bits - 1 - exponent_bits  # bits below the exponent indicator
+    values: list[Tensor] = []
+    for level in range(exponent_bits):
+        grid_points = 2 ** (level + fraction_bits + (0 if signed else 1)) + 1
+        grid = torch.linspace(0.1, 1, grid_points, dtype=torch.float32)
+        midpoints = (grid[:-1] + grid[1:]) / 2.0
+        decade = 10 ** (level - exponent_bits + 1)
+        values.append(decade * midpoints)
+        if signed:
+            values.append(-decade * midpoints)
+    extra = 2**fraction_bits - 1  # codes left over when every exponent level is full
+    if extra > 0:
+        grid = torch.linspace(0.1, 1, extra + 1, dtype=torch.float32)
+        midpoints = (grid[:-1] + grid[1:]) / 2.0
+        values.append(decade * midpoints)
+        if signed:
+            values.append(-decade * midpoints)
+    codebook = sorted(torch.cat(values).tolist() + [0.0, 1.0])
+    assert len(codebook) == 2**total_bits, (len(codebook), total_bits)
+    return codebook
+
+
+def linear_codebook_without_zero(total_bits: int) -> list[float]:
+    """1/n, 2/n, ..., 1: lpmm's second-moment codebook. Having no zero code means a small v never
+    becomes 0, which would blow up the update m / (sqrt(v) + eps) (the "zero-point problem")."""
+    n = 2**total_bits
+    return torch.linspace(0, 1, n + 1, dtype=torch.float32)[1:].tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# Exact nearest-code encoding with a lookup table.
+#
+# The table is indexed by the top 16 bits of the fp32 value (its bf16 bit pattern). Every fp32 number
+# with the same top 16 bits lies in one narrow interval ("bucket"); if at most one decision boundary
+# (midpoint between neighbouring codes) falls inside each bucket, the exact nearest code is
+#     base_code[bucket] + (x >= threshold[bucket]),
+# one gather and one comparison instead of a binary search.
+# --------------------------------------------------------------------------------------------
+
+TABLE_BITS = 16
+
+
+def nearest_code_tables(codebook: list[float]) -> tuple[Tensor, Tensor]:
+    """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest``.
+
+    Ties (x exactly halfway between two codes) go to the larger code. NaN encodes as the code
+    nearest to zero (a block holding NaN has a NaN scale, so it decodes to NaN anyway).
+    """
+    values = torch.tensor(codebook, dtype=torch.float64)
+    if len(codebook) > 256 or not bool((values[1:] > values[:-1]).all()):
+        raise ValueError("a codebook must hold at most 256 strictly increasing values")
+    midpoints = (values[1:] + values[:-1]) / 2  # exact: fp32 values added in fp64
+
+    prefix = torch.arange(2**TABLE_BITS, dtype=torch.int64)
+    first = (prefix << 16).to(torch.int32).view(torch.float32).double()
+    last = ((prefix << 16) | 0xFFFF).to(torch.int32).view(torch.float32).double()
+    low, high = torch.minimum(first, last), torch.maximum(first, last)
+    is_nan = torch.isnan(low) | torch.isnan(high)
+    zero = torch.zeros(1, dtype=torch.float64)
+    low = torch.where(is_nan, zero, low)
+    high = torch.where(is_nan, zero, high)
+
+    def code_of(v: Tensor) -> Tensor:  # ties up: count midpoints <= v
+        return torch.searchsorted(midpoints, v, right=True)
+
+    base, top = code_of(low), code_of(high)
+    if bool((top - base > 1).any()):
+        raise ValueError(
+            "codebook too fine for a 16-bit lookup table: two decision boundaries fall in one bucket "
+            "of fp32 values sharing their top 16 bits"
+        )
+    split = top > base
+    # smallest fp32 >= midpoint: round the fp64 midpoint to fp32, step up one ulp if it fell below
+    boundary = midpoints[base.clamp(max=len(midpoints) - 1)]
+    boundary32 = boundary.float()
+    boundary32 = torch.where(boundary32.double() < boundary, torch.nextafter(boundary32, torch.tensor(math.inf)), boundary32)
+    threshold = torch.where(split, boundary32, torch.tensor(math.nan))  # NaN: comparison always False
+    return base.to(torch.uint8), threshold
+
+
+def encode_nearest(x: Tensor, base_code: Tensor, threshold: Tensor) -> Tensor:
+    """Exact nearest-code index (uint8) of fp32 ``x`` using the tables of ``nearest_code_tables``."""
+    bucket = (x.view(torch.int32) >> 16) & 0xFFFF
+    code = base_code[bucket].to(torch.int32) + (x >= threshold[bucket]).to(torch.int32)
+    return code.to(torch.uint8)
+
+
+def decode_codebook(codes: Tensor, codebook: Tensor) -> Tensor:
+    """Codebook values (fp32) of uint8 code indices."""
+    return codebook[codes.to(torch.int32)]
+
+
+def fp8_encode(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Round fp32 to the nearest float8 value (ties to even) and return its bit pattern as uint8."""
+    return x.to(dtype).view(torch.uint8)
+
+
+def fp8_decode(codes: Tensor, dtype: torch.dtype) -> Tensor:
+    return codes.view(dtype).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks and packing
+# --------------------------------------------------------------------------------------------
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def to_blocks(x: Tensor, block_size: int, padded_numel: int) -> Tensor:
+    """Flatten ``x``, zero-pad it to ``padded_numel`` and view it as (blocks, block_size)."""
+    flat = x.reshape(-1)
+    flat = torch.nn.functional.pad(flat, (0, padded_numel - flat.numel()))
+    return flat.view(-1, block_size)
+
+
+def block_absmax(blocks: Tensor) -> Tensor:
+    """Largest magnitude of each block, never below MIN_BLOCK_SCALE. NaN propagates."""
+    return blocks.abs().amax(dim=-1).clamp(min=MIN_BLOCK_SCALE)
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Two 4-bit codes per byte: element 2i in the high nibble, 2i+1 in the low one (torchao's order)."""
+    pairs = codes.view(-1, 2)
+    return (pairs[:, 0] << 4) | pairs[:, 1]
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    return torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Stochastic rounding
+# --------------------------------------------------------------------------------------------
+
+
+def bf16_stochastic_round(x: Tensor) -> Tensor:
+    """Round fp32 to bf16, up (away from zero) with probability equal to the dropped fraction, so
+    that E[round(x)] == x. Adds 16 random bits below the bf16 mantissa and truncates."""
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
+    rounded = (bits + noise) & -65536  # 0xFFFF0000 as a signed int32
+    # inf / NaN must not be perturbed into another class of value
+    rounded = torch.where(torch.isfinite(x), rounded, bits)
+    return rounded.view(torch.float32).to(torch.bfloat16)

@@ -1,0 +1,364 @@
+"""OptimState: the base tensor subclass for quantized optimizer state.
+
+A state looks like an ordinary float tensor of its logical shape, but stores ``codes`` (uint8, flat,
+padded to whole blocks, two codes per byte for 4-bit formats) and one fp32 ``scale`` per block.
+Every aten op is answered here, once, for all formats:
+
+- metadata ops (detach, clone, view, slice, device moves) act on the inner tensors;
+- ``copy_`` into a state quantizes, ``copy_`` out of it dequantizes;
+- any other op falls back to dequantize -> run -> (for in-place ops) quantize back, so a step
+  function written for fp32 tensors works unchanged. Ops returning views cannot be emulated that
+  way (a write to the view would be lost) and raise an error naming the op and the format.
+
+A format subclass only says how normalized values in [-1, 1] (or [-scale_max, scale_max]) become
+codes and back: see ``formats.py``.
+"""
+
+import functools
+from typing import Callable, ClassVar
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import return_and_correct_aliasing
+from torch.utils._pytree import tree_map
+
+from . import quant
+
+aten = torch.ops.aten
+
+_HANDLERS: dict = {}
+
+
+def implements(*ops):
+    """Register one handler for several aten ops (shared by every format)."""
+
+    def register(handler: Callable) -> Callable:
+        for op in ops:
+            _HANDLERS[op] = handler
+        return handler
+
+    return register
+
+
+def check_block_size(block_size, bits: int = 8) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two (e.g. 128 or 256), got {block_size!r}")
+    if block_size * bits < 8:
+        raise ValueError(f"block_size {block_size} is smaller than one byte of {bits}-bit codes; use at least {8 // bits}")
+    return block_size
+
+
+class OptimState(Tensor):
+    """Base class of block-quantized optimizer states. Subclasses set ``name``, ``bits``,
+    ``default_block_size`` and implement ``encode``/``decode`` (see ``CodebookState`` for the usual
+    case of a table of code values)."""
+
+    name: ClassVar[str | None] = None  # registry key; None for abstract bases
+    bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
+    default_block_size: ClassVar[int] = 256
+    scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+
+    codes: Tensor
+    scale: Tensor
+    block_size: int
+    signed: bool
+
+    # ---- what a format defines --------------------------------------------------------------
+
+    @classmethod
+    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        """fp32 values in [-scale_max, scale_max] -> uint8 codes (one per element, unpacked)."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, codes: Tensor, signed: bool) -> Tensor:
+        """uint8 codes (unpacked) -> fp32 values."""
+        raise NotImplementedError
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.bits not in (4, 8):
+            raise TypeError(f"{cls.__name__}.bits must be 8 or 4, got {cls.bits}")
+        torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
+        if cls.name is not None:
+            from .formats import register_format
+
+            register_format(cls)
+
+    @staticmethod
+    def __new__(cls, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
+        self.codes = codes
+        self.scale = scale
+        self.block_size = block_size
+        self.signed = signed
+
+    @classmethod
+    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+        """A state of logical ``shape`` holding zeros (all-zero scales)."""
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
+        blocks = quant.num_blocks(shape.numel(), block_size)
+        codes = cls.encode(torch.zeros(block_size, device=device), signed)  # zero's code, once
+        codes = codes.repeat(blocks)
+        if cls.bits == 4:
+            codes = quant.pack_nibbles(codes)
+        scale = torch.zeros(blocks, device=device)
+        return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
+
+    @classmethod
+    def from_float(cls, x: Tensor, signed: bool = True, block_size: int | None = None):
+        """Quantize a float tensor; the state keeps its shape, device and dtype (as appearance)."""
+        if not x.is_floating_point():
+            raise TypeError(f"{cls.__name__}.from_float needs a floating-point tensor, got {x.dtype}")
+        out = cls.zeros(x.shape, signed, block_size, device=x.device, dtype=x.dtype)
+        out.copy_(x)
+        return out
+
+    # ---- quantization (traced by torch.compile through copy_) ---------------------------------
+
+    @property
+    def padded_numel(self) -> int:
+        return self.scale.numel() * self.block_size
+
+    def quantize_(self, x: Tensor) -> None:
+        """Overwrite codes and scales with the quantization of float tensor ``x`` (same numel)."""
+        blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
+        scale = quant.block_absmax(blocks) / self.scale_max
+        codes = self.encode(blocks / scale[:, None], self.signed).view(-1)
+        if self.bits == 4:
+            codes = quant.pack_nibbles(codes)
+        self.codes.copy_(codes)
+        self.scale.copy_(scale)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The plain tensor this state stands for, in ``dtype`` (default: its appearance dtype)."""
+        codes = quant.unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+        values = self.decode(codes, self.signed).view(-1, self.block_size) * self.scale[:, None]
+        return values.view(-1)[: self.numel()].view(self.shape).to(dtype or self.dtype)
+
+    # ---- tensor-subclass protocol -------------------------------------------------------------
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], (self.block_size, self.signed, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["codes"], inner["scale"], outer_size, *meta)
+
+    def _stable_hash_for_caching(self) -> str:
+        # lets torch.compile's AOT cache reuse graphs across processes: the metadata is the whole key
+        return f"{type(self).__module__}.{type(self).__qualname__}:{self.block_size}:{self.signed}:{self.dtype}"
+
+    def _like(self, codes: Tensor, scale: Tensor, shape=None, dtype=None) -> "OptimState":
+        return type(self)(codes, scale, self.shape if shape is None else shape, self.block_size, self.signed, dtype or self.dtype)
+
+    def __repr__(self):
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, signed={self.signed}, "
+            f"block_size={self.block_size}, dtype={self.dtype}, device={self.device})"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func, _dequantize_and_run)
+        return handler(func, args, kwargs)
+
+
+class CodebookState(OptimState):
+    """A format given by a table of code values: ``codebook(signed)`` returns up to 2**bits sorted
+    floats in [-1, 1]; encoding picks the exact nearest one (ties to the larger), via lookup tables."""
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        raise NotImplementedError
+
+    @classmethod
+    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        base_code, threshold = _code_tables(cls, signed, normalized.device)
+        return quant.encode_nearest(normalized, base_code, threshold)
+
+    @classmethod
+    def decode(cls, codes: Tensor, signed: bool) -> Tensor:
+        return quant.decode_codebook(codes, _codebook_tensor(cls, signed, codes.device))
+
+
+def _codebook_tensor(cls, signed: bool, device: torch.device) -> Tensor:
+    return _table(cls, signed, "codebook", device)
+
+
+def _code_tables(cls, signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    return _table(cls, signed, "base_code", device), _table(cls, signed, "threshold", device)
+
+
+@functools.cache
+def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
+    """Codebook and encoding tables as Python lists, built once per format and signedness."""
+    codebook = cls.codebook(signed)
+    if len(codebook) > 2**cls.bits:
+        raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
+    base_code, threshold = quant.nearest_code_tables(codebook)
+    return {
+        "codebook": (codebook, torch.float32),
+        "base_code": (base_code.tolist(), torch.uint8),
+        "threshold": (threshold.tolist(), torch.float32),
+    }
+
+
+@functools.cache
+def _cached_table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
+    values, dtype = _table_values(cls, signed)[name]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
+    # While torch.compile traces (fake tensors) a cached real tensor cannot enter the graph, but a
+    # tensor built from Python numbers becomes a graph constant. Eager code uses the cached copy.
+    if torch._guards.detect_fake_mode() is not None:
+        values, dtype = _table_values(cls, signed)[name]
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_table(cls, signed, name, device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared handlers
+# ------------------------------------------------------------------------------------------------
+
+
+def _format_name(state: OptimState) -> str:
+    return f"{type(state).__name__} ({state.name!r} state format)"
+
+
+def _dequantize_arg(x):
+    return x.dequantize() if isinstance(x, OptimState) else x
+
+
+def _dequantize_and_run(func, args, kwargs):
+    """Generic fallback: run ``func`` on dequantized arguments; write mutated states back."""
+    schema = func._schema
+    mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    state = next(x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, OptimState))
+    if returns_view:
+        raise NotImplementedError(
+            f"{_format_name(state)} does not support aten.{func.__name__}: it returns a view, which a quantized "
+            f"state cannot provide. Call .dequantize() first to get a plain tensor."
+        )
+    plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    if not mutated:
+        return out
+    names = [a.name for a in schema.arguments]
+    for i in mutated:
+        original = args[i] if i < len(args) else kwargs.get(names[i])
+        if isinstance(original, OptimState):
+            new_value = plain_args[i] if i < len(args) else plain_kwargs[names[i]]
+            original.copy_(new_value)
+    # in-place and out= ops return their mutated argument: hand back the state, not the temporary
+    if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
+        i = next(i for i in mutated if schema.arguments[i].alias_info.before_set == schema.returns[0].alias_info.before_set)
+        return args[i] if i < len(args) else kwargs[names[i]]
+    return out
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _view_of_inner(func, args, kwargs):
+    # detach: needed by torch.optim state_dict and torch.save; alias: by torch.compile's functionalization
+    state = args[0]
+    out = state._like(func(state.codes), func(state.scale))
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    # needed by copy.deepcopy and user code cloning a state dict
+    state = args[0]
+    return state._like(state.codes.clone(), state.scale.clone())
+
+
+@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    # the codes are flat, so any shape with the same numel is free; needed by the optimizer's flat step
+    state, shape = args[0], args[1]
+    shape = _infer_shape(shape, state.numel())
+    out = state._like(state.codes, state.scale, shape=shape)
+    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
+
+
+def _infer_shape(shape, numel):
+    shape = list(shape)
+    if -1 in shape:
+        i = shape.index(-1)
+        rest = 1
+        for j, s in enumerate(shape):
+            if j != i:
+                rest *= s
+        shape[i] = numel // rest
+    return torch.Size(shape)
+
+
+@implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    # needed by FSDP2 / DCP to take row shards; only whole blocks can be cut out of a quantized state
+    state, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
+    rows = state.shape[0] if state.dim() else 1
+    start = 0 if start is None else min(max(start + rows if start < 0 else start, 0), rows)
+    end = rows if end is None else min(max(end + rows if end < 0 else end, start), rows)
+    row_numel = state.numel() // rows if rows else 0
+    first, last = start * row_numel, end * row_numel
+    if dim != 0 or step != 1:
+        raise NotImplementedError(f"{_format_name(state)} can only be sliced along dim 0 with step 1 (got dim={dim}, step={step})")
+    bs = state.block_size
+    if first % bs or (last % bs and last != state.numel()):
+        raise ValueError(
+            f"cannot slice {_format_name(state)} rows [{start}:{end}] of shape {tuple(state.shape)}: elements "
+            f"[{first}:{last}] do not start and end on block boundaries (block_size={bs}). "
+            f"Slice at multiples of {bs} elements or call .dequantize() first."
+        )
+    first_block, end_block = first // bs, quant.num_blocks(last, bs)
+    per_block = bs * state.bits // 8
+    codes = state.codes[first_block * per_block : end_block * per_block]
+    scale = state.scale[first_block:end_block]
+    out = state._like(codes, scale, shape=(end - start, *state.shape[1:]))
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    # .to(device) moves codes and scales; .to(dtype) only changes the appearance dtype (what
+    # dequantize() returns). Needed by torch.optim.Optimizer.load_state_dict and .cuda()/.cpu().
+    state = args[0]
+    device = kwargs.get("device")
+    codes, scale = state.codes, state.scale
+    if device is not None:
+        codes, scale = codes.to(device), scale.to(device)
+    return state._like(codes.clone() if codes is state.codes else codes, scale.clone() if scale is state.scale else scale, dtype=kwargs.get("dtype") or state.dtype)
+
+
+@implements(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    # the write path of every step function: quantize into a state, dequantize out of one
+    dst, src = args[0], args[1]
+    if not isinstance(dst, OptimState):
+        return dst.copy_(src.dequantize())
+    if dst.shape != src.shape:
+        raise RuntimeError(f"copy_ into {_format_name(dst)} of shape {tuple(dst.shape)} from shape {tuple(src.shape)}: shapes must match")
+    if type(src) is type(dst) and src.block_size == dst.block_size and src.signed == dst.signed:
+        dst.codes.copy_(src.codes)  # same format: bit-exact, no requantization
+        dst.scale.copy_(src.scale)
+    else:
+        dst.quantize_(src.dequantize() if isinstance(src, OptimState) else src)
+    return dst
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    # needed by DataLoader-style pinning checks and CPU offload
+    return args[0].codes.is_pinned() and args[0].scale.is_pinned()
