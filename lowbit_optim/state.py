@@ -20,7 +20,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from . import quant
 
@@ -243,29 +243,31 @@ def _dequantize_arg(x):
 def _dequantize_and_run(func, args, kwargs):
     """Generic fallback: run ``func`` on dequantized arguments; write mutated states back."""
     schema = func._schema
-    mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-    state = next(x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, OptimState))
-    if returns_view:
+    state = next(x for x in tree_leaves((args, kwargs)) if isinstance(x, OptimState))
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         raise NotImplementedError(
             f"{_format_name(state)} does not support aten.{func.__name__}: it returns a view, which a quantized "
             f"state cannot provide. Call .dequantize() first to get a plain tensor."
         )
     plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
+    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if not mutated:
         return out
-    names = [a.name for a in schema.arguments]
-    for i in mutated:
-        original = args[i] if i < len(args) else kwargs.get(names[i])
-        if isinstance(original, OptimState):
-            new_value = plain_args[i] if i < len(args) else plain_kwargs[names[i]]
-            original.copy_(new_value)
-    # in-place and out= ops return their mutated argument: hand back the state, not the temporary
+    bound, plain_bound = _bind(schema, args, kwargs), _bind(schema, plain_args, plain_kwargs)
+    for name in mutated:  # also lists of states, as in the _foreach_*_ ops
+        for original, new_value in zip(tree_leaves(bound.get(name)), tree_leaves(plain_bound.get(name))):
+            if isinstance(original, OptimState):
+                original.copy_(new_value)
+    # an in-place or out= op returns its mutated argument: hand back the state, not the temporary
     if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
-        i = next(i for i in mutated if schema.arguments[i].alias_info.before_set == schema.returns[0].alias_info.before_set)
-        return args[i] if i < len(args) else kwargs[names[i]]
+        return bound[mutated[0]]
     return out
+
+
+def _bind(schema, args, kwargs) -> dict:
+    """Argument name -> value, for positional and keyword arguments alike."""
+    return {**{a.name: v for a, v in zip(schema.arguments, args)}, **kwargs}
 
 
 @implements(aten.detach.default, aten.alias.default)

@@ -1,0 +1,85 @@
+"""Shared test tables: FormatInfo, built from the format registry, so a new format inherits every test.
+
+The example format of ``examples/custom_format.py`` is imported here, which registers it: the whole
+suite runs over it too, proving that a format written outside the package is a first-class citizen.
+"""
+
+import importlib.util
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import lowbit_optim
+from lowbit_optim.formats import get_format, is_quantized, registered_formats
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _import_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"examples.{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CUSTOM_FORMAT_EXAMPLE = _import_example("custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """What the tests need to know about a registered format."""
+
+    name: str
+    fmt: object
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.fmt)
+
+    @property
+    def block_size(self):
+        return self.fmt.default_block_size
+
+    def code_values(self, signed: bool) -> torch.Tensor:
+        """Every value a normalized code can stand for (sorted, finite, unique), in float64."""
+        codes = torch.arange(2**self.fmt.bits, dtype=torch.uint8)
+        values = self.fmt.decode(codes, signed).double()
+        return torch.unique(values[torch.isfinite(values)]) / self.fmt.scale_max
+
+    def max_rounding_error(self, signed: bool) -> float:
+        """Largest distance from a normalized value in [-1, 1] ([0, 1] unsigned) to its nearest code."""
+        values = self.code_values(signed)
+        low = -1.0 if signed else 0.0
+        inside = values[(values >= low) & (values <= 1.0)]
+        points = torch.cat([torch.tensor([low, 1.0], dtype=torch.float64), inside]).unique()
+        gaps = points[1:] - points[:-1]
+        return max(float(gaps.max()) / 2, float(inside.min() - low), float(1.0 - inside.max()))
+
+    def __repr__(self):
+        return self.name
+
+
+FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
+QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit", "fp8"]
+
+all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
+quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])
+
+
+def format_info(name: str) -> FormatInfo:
+    return FormatInfo(name, get_format(name))
+
+
+__all__ = [
+    "CUSTOM_FORMAT_EXAMPLE",
+    "FORMATS",
+    "QUANTIZED_FORMATS",
+    "FormatInfo",
+    "all_formats",
+    "format_info",
+    "lowbit_optim",
+    "quantized_formats",
+]
