@@ -12,6 +12,7 @@ from .formats import (
     registered_formats,
 )
 from .functional import adam_step
+from .precision import PARAM_UPDATES
 from .optim import (
     Adam,
     Adam4bit,
@@ -21,6 +22,7 @@ from .optim import (
     AdamW4bit,
     AdamW8bit,
     AdamWFp8,
+    AnyPrecisionAdamW,
     bytes_per_param,
     dequantize_state_dict,
     param_groups_by_module,
@@ -36,6 +38,7 @@ __all__ = [
     "AdamW4bit",
     "AdamW8bit",
     "AdamWFp8",
+    "AnyPrecisionAdamW",
     "BF16",
     "CodebookState",
     "FP32",
@@ -43,6 +46,7 @@ __all__ = [
     "OptimState4bit",
     "OptimState8bit",
     "OptimStateFp8",
+    "PARAM_UPDATES",
     "PlainFormat",
     "adam_step",
     "bytes_per_param",

@@ -7,7 +7,7 @@ arrive as 0-d tensors so that changing them never recompiles.
 
 from torch import Tensor
 
-from . import quant
+from . import precision
 
 
 def adam_step(
@@ -17,6 +17,7 @@ def adam_step(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor | None,
+    param_extra: Tensor | None,
     lr: Tensor,
     beta1: Tensor,
     beta2: Tensor,
@@ -27,15 +28,18 @@ def adam_step(
     *,
     decoupled_weight_decay: bool,
     maximize: bool,
-    bf16_stochastic_round: bool,
+    param_update: str,
 ) -> None:
     """One Adam (or AdamW, with ``decoupled_weight_decay``) update of one parameter, in fp32.
 
     ``1 - beta`` arrives precomputed in float64 (rounded once to fp32), like torch.optim and torchao
     do with Python floats; the order of operations follows torchao so 8-bit runs match it closely.
+    ``param_update`` says how the fp32 result lands in a bf16 parameter (see precision.py);
+    ``param_extra`` is that mode's buffer (Kahan compensation or int8 correction), if any.
     """
     step.add_(1)
-    p = param.float()
+    start = precision.read_param(param, param_extra, param_update)
+    p = start
     g = grad.float()
     if maximize:
         g = -g
@@ -58,7 +62,4 @@ def adam_step(
     denom = v.sqrt() / bias_correction2.sqrt() + eps
     p = p - lr * (m / bias_correction1) / denom
 
-    if bf16_stochastic_round:
-        param.copy_(quant.bf16_stochastic_round(p))
-    else:
-        param.copy_(p)
+    precision.write_param(param, param_extra, start, p, param_update)

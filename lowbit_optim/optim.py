@@ -5,7 +5,7 @@ import fnmatch
 import torch
 from torch import Tensor, nn
 
-from . import formats
+from . import formats, precision
 from .functional import adam_step
 from .state import OptimState, check_block_size
 
@@ -18,17 +18,24 @@ _compiled_adam_step = torch.compile(adam_step, fullgraph=True, dynamic=True)
 _RECOMPILE_LIMIT = 256
 
 # group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
-_STRUCTURAL_KEYS = ("state_format", "block_size", "min_quantize_numel")
+_STRUCTURAL_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
 
-_MOMENTS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}  # name -> signed
+# state name -> whether its values can be negative (picks the signed or unsigned codebook)
+_SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False, "compensation": True}
 
 
 class Adam(torch.optim.Optimizer):
     """Adam with optimizer state in any registered format (``state_format="8bit"``, ``"4bit"``,
-    ``"fp8"``, ``"bf16"``, ``"fp32"`` or an OptimState subclass), settable per param group.
+    ``"fp8"``, ``"bf16"``, ``"fp32"`` or an OptimState subclass), settable per param group. A dict
+    ``{"exp_avg": ..., "exp_avg_sq": ...}`` chooses per moment (amsgrad's max follows exp_avg_sq).
 
     Parameters with fewer than ``min_quantize_numel`` elements keep fp32 state; every larger one is
     quantized, padded to whole blocks. The choice depends only on the parameter's full shape.
+
+    ``param_update`` sets how updates land in bf16 parameters: "nearest", "stochastic", "kahan"
+    (compensation buffer in ``compensation_format``: "bf16", "fp32" or any state format) or
+    "int8-correction" (bf16 + int8 = 24-bit master weights); see precision.py.
+    ``bf16_stochastic_round=True`` is torchao's spelling of ``param_update="stochastic"``.
     ``compile=False`` runs the same step function eagerly (slow; for debugging).
     """
 
@@ -48,11 +55,17 @@ class Adam(torch.optim.Optimizer):
         state_format="fp32",
         block_size: int | None = None,
         min_quantize_numel: int = 4096,
+        param_update: str = "nearest",
+        compensation_format="bf16",
         bf16_stochastic_round: bool = False,
         compile: bool = True,
     ):
         if weight_decay is None:
             weight_decay = self.default_weight_decay
+        if bf16_stochastic_round:
+            if param_update not in ("nearest", "stochastic"):
+                raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
+            param_update = "stochastic"
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -63,7 +76,8 @@ class Adam(torch.optim.Optimizer):
             state_format=state_format,
             block_size=block_size,
             min_quantize_numel=min_quantize_numel,
-            bf16_stochastic_round=bf16_stochastic_round,
+            param_update=param_update,
+            compensation_format=compensation_format,
         )
         self._step_fn = _compiled_adam_step if compile else adam_step
         super().__init__(params, defaults)
@@ -74,10 +88,16 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_hyperparameters(group)
-        fmt = formats.get_format(group["state_format"])
-        group["state_format"] = fmt.name  # names keep state_dict() loadable with weights_only=True
-        if group["block_size"] is not None:
-            check_block_size(group["block_size"], fmt.bits if formats.is_quantized(fmt) else 8)
+        if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
+            group["param_update"] = "stochastic"
+        precision.check_param_update(group["param_update"])
+        # names keep state_dict() loadable with torch.load(weights_only=True)
+        group["state_format"] = _format_names(group["state_format"])
+        group["compensation_format"] = formats.get_format(group["compensation_format"]).name
+        for name in set(_moment_formats(group).values()) | {group["compensation_format"]}:
+            fmt = formats.get_format(name)
+            if group["block_size"] is not None and formats.is_quantized(fmt):
+                check_block_size(group["block_size"], fmt.bits)
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(
@@ -95,9 +115,11 @@ class Adam(torch.optim.Optimizer):
 
     # ---- state ------------------------------------------------------------------------------------
 
-    def state_format_of(self, param: Tensor, group: dict):
-        """The format this optimizer stores ``param``'s moments in (fp32 for small tensors)."""
-        fmt = formats.get_format(group["state_format"])
+    def state_format_of(self, param: Tensor, group: dict, state_name: str = "exp_avg"):
+        """The format this optimizer stores ``param``'s state ``state_name`` in (fp32 for small
+        tensors): a moment, or "compensation" for the Kahan buffer."""
+        name = group["compensation_format"] if state_name == "compensation" else _moment_formats(group)[state_name]
+        fmt = formats.get_format(name)
         if formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]:
             return formats.FP32
         return fmt
@@ -108,12 +130,21 @@ class Adam(torch.optim.Optimizer):
         return group["block_size"] or fmt.default_block_size
 
     def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
-        fmt = self.state_format_of(param, group)
-        block_size = self._block_size(fmt, group)
         state["step"] = torch.tensor(0.0)
-        for name, signed in _MOMENTS.items():
-            if name != "max_exp_avg_sq" or group["amsgrad"]:
-                state[name] = fmt.zeros(param.shape, signed, block_size, device=param.device, dtype=param.dtype)
+        for name in self._state_names(param, group):
+            state[name] = self._new_state(param, group, name)
+
+    def _new_state(self, param: Tensor, group: dict, name: str) -> Tensor:
+        if name == "param_correction":
+            return torch.zeros(param.shape, dtype=torch.int8, device=param.device)
+        fmt = self.state_format_of(param, group, name)
+        return fmt.zeros(param.shape, _SIGNED[name], self._block_size(fmt, group), device=param.device, dtype=param.dtype)
+
+    def _state_names(self, param: Tensor, group: dict) -> list[str]:
+        """The tensor states ``param`` has under ``group``'s options (besides "step")."""
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        extra = precision.extra_state_name(_param_update(param, group))
+        return names + ([extra] if extra else [])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -141,6 +172,8 @@ class Adam(torch.optim.Optimizer):
                 hyper = _hyperparameter_tensors(group, p.device)
             param = p.detach()
             flat = _flat(param)
+            mode = _param_update(p, group)
+            extra = precision.extra_state_name(mode)
             self._step_fn(
                 flat,
                 _flat(grad),
@@ -148,10 +181,11 @@ class Adam(torch.optim.Optimizer):
                 _flat(state["exp_avg"]),
                 _flat(state["exp_avg_sq"]),
                 _flat(state["max_exp_avg_sq"]) if group["amsgrad"] else None,
+                _flat(state[extra]) if extra else None,
                 *hyper,
                 decoupled_weight_decay=self.decoupled_weight_decay,
                 maximize=group["maximize"],
-                bf16_stochastic_round=group["bf16_stochastic_round"] and p.dtype == torch.bfloat16,
+                param_update=mode,
             )
             if not param.is_contiguous():
                 param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
@@ -179,18 +213,24 @@ class Adam(torch.optim.Optimizer):
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
                 f"not a checkpoint of Adam/AdamW{' with amsgrad=True' if group['amsgrad'] else ''}"
             )
-        fmt = self.state_format_of(param, group)
-        block_size = self._block_size(fmt, group)
-        for name, signed in _MOMENTS.items():
-            if name not in state:
+        names = self._state_names(param, group)
+        for name in list(state):
+            if name != "step" and name not in names:
+                del state[name]  # e.g. a Kahan buffer this optimizer does not use
+        for name in names:
+            value = state.get(name)
+            if value is None:  # a precision buffer the checkpoint did not have: start from zero error
+                state[name] = self._new_state(param, group, name)
                 continue
-            value = state[name]
             if value.shape != param.shape:
                 raise ValueError(
                     f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
                     f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
                 )
-            state[name] = formats.convert(fmt, value, signed, block_size).to(param.device)
+            if name != "param_correction":
+                fmt = self.state_format_of(param, group, name)
+                value = formats.convert(fmt, value, _SIGNED[name], self._block_size(fmt, group))
+            state[name] = value.to(param.device)
         state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu()
 
 
@@ -199,6 +239,45 @@ class AdamW(Adam):
 
     default_weight_decay = 1e-2
     decoupled_weight_decay = True
+
+
+class AnyPrecisionAdamW(AdamW):
+    """torchdistx's AnyPrecisionAdamW arguments on lowbit_optim's AdamW, so migrating is an import change.
+
+    ``momentum_dtype`` / ``variance_dtype`` / ``compensation_buffer_dtype`` take torch dtypes
+    (float32, bfloat16) or any registered state format name ("8bit", "4bit", ...).
+    ``use_kahan_summation`` applies to bf16 parameters (fp32 ones need no compensation).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        use_kahan_summation: bool = False,
+        momentum_dtype=torch.float32,
+        variance_dtype=torch.float32,
+        compensation_buffer_dtype=torch.bfloat16,
+        **kwargs,
+    ):
+        super().__init__(
+            params, lr, betas, eps, weight_decay,
+            state_format={"exp_avg": _dtype_format(momentum_dtype), "exp_avg_sq": _dtype_format(variance_dtype)},
+            param_update="kahan" if use_kahan_summation else "nearest",
+            compensation_format=_dtype_format(compensation_buffer_dtype),
+            **kwargs,
+        )  # fmt: skip
+
+
+def _dtype_format(dtype) -> str:
+    plain = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if isinstance(dtype, torch.dtype):
+        if dtype not in plain:
+            raise ValueError(f"unsupported state dtype {dtype}; use torch.float32, torch.bfloat16 or a format name such as '8bit'")
+        return plain[dtype]
+    return formats.get_format(dtype).name
 
 
 def _check_hyperparameters(group: dict) -> None:
@@ -214,6 +293,26 @@ def _check_hyperparameters(group: dict) -> None:
         raise ValueError(f"invalid weight_decay {wd!r}: weight_decay must be >= 0")
     if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
         raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
+
+
+def _format_names(spec):
+    """A format spec as registry names: one name, or {"exp_avg": name, "exp_avg_sq": name}."""
+    if not isinstance(spec, dict):
+        return formats.get_format(spec).name
+    if set(spec) != {"exp_avg", "exp_avg_sq"}:
+        raise ValueError(f"a per-moment state_format needs exactly the keys 'exp_avg' and 'exp_avg_sq', got {sorted(spec)}")
+    return {k: formats.get_format(v).name for k, v in spec.items()}
+
+
+def _moment_formats(group: dict) -> dict:
+    spec = group["state_format"]
+    exp_avg, exp_avg_sq = (spec["exp_avg"], spec["exp_avg_sq"]) if isinstance(spec, dict) else (spec, spec)
+    return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": exp_avg_sq}
+
+
+def _param_update(param: Tensor, group: dict) -> str:
+    # the rounding modes exist for bf16 weights; an fp32 weight takes the fp32 result as it is
+    return group["param_update"] if param.dtype == torch.bfloat16 else "nearest"
 
 
 def _hyperparameter_tensors(group: dict, device) -> list[Tensor]:
@@ -326,6 +425,7 @@ def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
 
 __all__ = [
     "Adam",
+    "AnyPrecisionAdamW",
     "AdamW",
     "Adam8bit",
     "AdamW8bit",

@@ -158,6 +158,16 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def bf16_round_nearest(x: Tensor) -> Tensor:
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32. Done on the bits because
+    torch.compile keeps bf16 intermediates of a fused kernel in fp32, so x.bfloat16().float() may
+    compile to no rounding at all, silently breaking Kahan summation."""
+    bits = x.view(torch.int32)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) & -65536  # 0xFFFF0000 as a signed int32
+    return torch.where(torch.isfinite(x), rounded, bits).view(torch.float32)
+
+
 def bf16_stochastic_round(x: Tensor) -> Tensor:
     """Round fp32 to bf16, up (away from zero) with probability equal to the dropped fraction, so
     that E[round(x)] == x. Adds 16 random bits below the bf16 mantissa and truncates."""

@@ -1,0 +1,73 @@
+"""How the fp32 result of a step lands in a low-precision (bf16) parameter.
+
+A bf16 weight keeps 8 significant bits: an update smaller than half its ulp rounds away, and training
+with small learning rates stalls. Each mode here reads the parameter as an fp32 "master" value and
+writes the step's new fp32 value back:
+
+- ``nearest``: round to nearest (the default; exact for fp32 parameters).
+- ``stochastic``: round up or down at random, unbiased on average (torchao's bf16_stochastic_round).
+- ``kahan``: Kahan summation; a compensation buffer (bf16, fp32 or any state format) carries the
+  part of each update that rounding dropped into the next step (torchdistx's AnyPrecisionAdamW).
+- ``int8-correction``: "24-bit master weights": an int8 holds the rounding error of the bf16 weight
+  in units of 1/256 of its ulp, so bf16 + int8 reconstructs the fp32 weight to ~16 significant bits
+  for 3 bytes per parameter.
+
+Modes other than ``nearest`` apply to bf16 parameters; parameters of other dtypes use ``nearest``.
+These are plain tensor functions traced by torch.compile inside the step.
+"""
+
+import torch
+from torch import Tensor
+
+from . import quant
+
+PARAM_UPDATES = ("nearest", "stochastic", "kahan", "int8-correction")
+
+# int8-correction: the rounding error of round-to-nearest lies in [-ulp/2, ulp/2] -> [-128, 128] units
+_CORRECTION_UNITS_PER_ULP = 256.0
+
+
+def check_param_update(mode: str) -> str:
+    if mode not in PARAM_UPDATES:
+        raise ValueError(f"unknown param_update {mode!r}; use one of {list(PARAM_UPDATES)}")
+    return mode
+
+
+def extra_state_name(mode: str) -> str | None:
+    """The optimizer-state key of the buffer a mode keeps beside the parameter, if any."""
+    return {"kahan": "compensation", "int8-correction": "param_correction"}.get(mode)
+
+
+def bf16_ulp(x: Tensor) -> Tensor:
+    """The spacing of bf16 numbers at ``x`` (bf16 values given as fp32): 2**(exponent - 7).
+    Zero and subnormals get 0, so their correction is dropped (they are below 1e-38)."""
+    exponent_only = x.view(torch.int32) & 0x7F800000
+    return exponent_only.view(torch.float32) * (2.0**-7)
+
+
+def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
+    """The fp32 value the step starts from."""
+    p = param.float()
+    if mode == "int8-correction":
+        p = p + extra.float() * (bf16_ulp(p) / _CORRECTION_UNITS_PER_ULP)
+    return p
+
+
+def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor, mode: str) -> None:
+    """Store fp32 ``new`` (computed from ``start`` = read_param(...)) into ``param`` (and ``extra``)."""
+    if mode == "stochastic":
+        param.copy_(quant.bf16_stochastic_round(new))
+    elif mode == "kahan":
+        # what the step wants to add, plus what earlier roundings dropped
+        wanted = (new - start) + extra.float()
+        rounded = quant.bf16_round_nearest(start + wanted)
+        extra.copy_(wanted - (rounded - start))
+        param.copy_(rounded)
+    elif mode == "int8-correction":
+        rounded = quant.bf16_round_nearest(new)
+        units = ((new - rounded) / bf16_ulp(rounded) * _CORRECTION_UNITS_PER_ULP).round()
+        units = torch.where(bf16_ulp(rounded) > 0, units, torch.zeros_like(units))
+        extra.copy_(units.clamp(-128, 127).to(torch.int8))
+        param.copy_(rounded)
+    else:
+        param.copy_(new)
