@@ -1,0 +1,408 @@
+"""Optimizer step time and state memory on the GPT-2-small parameter set, every optimizer in one process.
+
+Compares torch.optim.AdamW (foreach, fused), torchao's AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes'
+AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format. There is no forward pass: the
+parameters get fixed random gradients once, and each optimizer in turn steps them. Optimizers run one
+after another (the previous one freed) in one process: read the ratios between rows, not absolute
+times. On a shared machine other load still shifts rows unevenly; the JSON keeps every step's time
+(the minimum is the least disturbed) and a repeated run with ``--only`` settles a doubtful row.
+
+Columns:
+  first s      the first step: state allocation plus torch.compile (lowbit, torchao)
+  median s     median of ``--steps`` steps after ``--warmup`` untimed ones
+  vs fused     median step / torch AdamW(fused=True)'s median step
+  state B/p    optimizer-state bytes per parameter (unique storages, incl. scales, codebooks, steps)
+  floor B/p    bytes one step must move per parameter: param read+write, grad read, state read+write
+  GB/s         floor B/p * parameters / median step: achieved bandwidth against that floor
+  peak MiB     peak resident (CPU) or allocated (CUDA) memory above the level before the optimizer
+
+Examples::
+
+    python benchmarks/step_time.py                                    # GPT-2 small, fp32 params
+    python benchmarks/step_time.py --layers 2 --vocab 5000 --steps 3  # quick check
+    python benchmarks/step_time.py --only torch-fused,lowbit-8bit,torchao-8bit --json out.json
+
+Cold and warm compile (the "first s" column). Within one process, later rows may reuse graphs an
+earlier row compiled (lowbit's fp32 graph serves every format's small parameters), so run the rows you
+care about alone with ``--only``. Then, two runs:
+
+    rm -rf /tmp/inductor-cache
+    python benchmarks/step_time.py --only lowbit-8bit --cache-dir /tmp/inductor-cache   # cold: empty cache
+    python benchmarks/step_time.py --only lowbit-8bit --cache-dir /tmp/inductor-cache   # warm: same cache
+
+``--cache-dir`` sets TORCHINDUCTOR_CACHE_DIR before torch is imported; without it the environment
+(and inductor's default per-user cache, usually already warm) is left alone.
+"""
+
+import argparse
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12, help="transformer blocks (GPT-2 small: 12)")
+    parser.add_argument("--d", type=int, default=768, help="model width (GPT-2 small: 768)")
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--ctx", type=int, default=1024, help="context length / position embeddings (GPT-2: 1024)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter and gradient dtype")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--steps", type=int, default=10, help="timed steady-state steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first one")
+    parser.add_argument("--only", default=None, help="comma-separated optimizer labels to run (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.cache_dir:
+        # before `import torch`, so every inductor / AOT cache lookup in this process sees it
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(ARGS.cache_dir)
+
+import torch  # noqa: E402  (after --cache-dir)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: E402
+
+try:
+    import lowbit_optim
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import lowbit_optim
+
+REFERENCE = "torch-fused"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------------
+# The parameter set
+# ------------------------------------------------------------------------------------------------
+
+
+def gpt2_shapes(layers: int, d: int, vocab: int, ctx: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of GPT-2's parameters (HF layout: Conv1D weights are (in, out))."""
+    shapes = [("wte.weight", (vocab, d)), ("wpe.weight", (ctx, d))]
+    for i in range(layers):
+        block = {
+            "ln_1.weight": (d,),
+            "ln_1.bias": (d,),
+            "attn.c_attn.weight": (d, 3 * d),
+            "attn.c_attn.bias": (3 * d,),
+            "attn.c_proj.weight": (d, d),
+            "attn.c_proj.bias": (d,),
+            "ln_2.weight": (d,),
+            "ln_2.bias": (d,),
+            "mlp.c_fc.weight": (d, 4 * d),
+            "mlp.c_fc.bias": (4 * d,),
+            "mlp.c_proj.weight": (4 * d, d),
+            "mlp.c_proj.bias": (d,),
+        }
+        shapes += [(f"h.{i}.{name}", shape) for name, shape in block.items()]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    return shapes
+
+
+def build_params(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[torch.nn.Parameter]:
+    """Parameters with fixed random gradients, set once: every optimizer steps the same gradients."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for _, shape in shapes:
+        p = torch.nn.Parameter(0.02 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype))
+        p.grad = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        params.append(p)
+    return params
+
+
+# ------------------------------------------------------------------------------------------------
+# The optimizers: (label, factory) pairs; third-party imports happen inside the factory, so a library
+# that is missing or fails on this device only skips its rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _torchao(class_name: str):
+    def make(params):
+        import torchao.optim
+
+        return getattr(torchao.optim, class_name)(params, lr=1e-3)
+
+    return make
+
+
+def _bnb_adamw8bit(params):
+    import bitsandbytes.optim
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
+
+
+def _lowbit(state_format: str):
+    return lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format)
+
+
+def optimizer_factories() -> list[tuple[str, Callable]]:
+    return [
+        ("torch-foreach", lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)),
+        (REFERENCE, lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)),
+        ("torchao-8bit", _torchao("AdamW8bit")),
+        ("torchao-4bit", _torchao("AdamW4bit")),
+        ("torchao-fp8", _torchao("AdamWFp8")),
+        ("bnb-8bit", _bnb_adamw8bit),
+        *[(f"lowbit-{name}", _lowbit(name)) for name in lowbit_optim.registered_formats()],
+    ]
+
+
+def select(factories, only: str | None):
+    if not only:
+        return factories
+    wanted = [label.strip() for label in only.split(",") if label.strip()]
+    known = [label for label, _ in factories]
+    unknown = [label for label in wanted if label not in known]
+    if unknown:
+        raise SystemExit(f"unknown optimizer label(s) {unknown}; choose from {known}")
+    return [(label, make) for label, make in factories if label in wanted]
+
+
+# ------------------------------------------------------------------------------------------------
+# What is measured
+# ------------------------------------------------------------------------------------------------
+
+
+def _storages_of(value, storages: dict) -> None:
+    """Collect the storages behind ``value``, looking inside tensor subclasses (torchao's codes, scale,
+    qmap) recursively. Keyed by data pointer, so shared tensors (bnb's qmaps) count once."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            _storages_of(getattr(value, name), storages)
+        return
+    storage = value.untyped_storage()
+    storages[(value.device, storage.data_ptr())] = storage.nbytes()
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer, numel: int) -> float:
+    if isinstance(optimizer, lowbit_optim.Adam):
+        return lowbit_optim.bytes_per_param(optimizer)
+    storages: dict = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            _storages_of(value, storages)
+    return sum(storages.values()) / numel
+
+
+def floor_bytes_per_param(param_bytes: int, state_bytes: float) -> float:
+    """Minimum traffic of one step: param read + write, grad read, every state byte read + written."""
+    return 3 * param_bytes + 2 * state_bytes
+
+
+def _release_freed_memory() -> None:
+    # glibc keeps freed heap pages resident; returning them makes the next baseline (and delta) honest
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak memory above a baseline: CUDA allocator stats, or on Linux the process's peak RSS, which
+    /proc/self/clear_refs can reset. Elsewhere ru_maxrss, which never resets (then only growth beyond
+    the earlier peak shows)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = 0
+
+    @staticmethod
+    def _proc_status_kib(field: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def reset(self) -> None:
+        _release_freed_memory()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.baseline = self._proc_status_kib("VmRSS") * 1024
+        except (OSError, TypeError):
+            self.baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def peak_delta(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        hwm = self._proc_status_kib("VmHWM")
+        peak = hwm * 1024 if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(peak - self.baseline, 0)
+
+
+def timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Result:
+    label: str
+    first_step_s: float | None = None
+    median_step_s: float | None = None
+    step_times_s: list[float] = dataclasses.field(default_factory=list)
+    state_bytes_per_param: float | None = None
+    floor_bytes_per_param: float | None = None
+    floor_gb_per_s: float | None = None
+    peak_mem_delta_bytes: int | None = None
+    ratio_to_fused: float | None = None
+    note: str = ""
+
+
+def measure(label: str, make: Callable, params, args, device: torch.device) -> Result:
+    """One optimizer: first step, warmup, timed steps, state size. The optimizer is freed on return."""
+    result = Result(label)
+    memory = PeakMemory(device)
+    memory.reset()
+    try:
+        optimizer = make(params)
+        result.first_step_s = timed_step(optimizer, device)
+        for _ in range(args.warmup):
+            timed_step(optimizer, device)
+        result.step_times_s = [timed_step(optimizer, device) for _ in range(args.steps)]
+    except Exception as exc:  # e.g. bnb / torchao unsupported on this device: one row says so, the rest run
+        traceback.print_exc(file=sys.stderr)
+        message = (str(exc).splitlines() or [""])[0][:120]
+        result.note = f"skipped: {type(exc).__name__}: {message}"
+        return result
+    numel = sum(p.numel() for p in params)
+    result.median_step_s = statistics.median(result.step_times_s)
+    result.state_bytes_per_param = state_bytes_per_param(optimizer, numel)
+    result.floor_bytes_per_param = floor_bytes_per_param(params[0].element_size(), result.state_bytes_per_param)
+    result.floor_gb_per_s = result.floor_bytes_per_param * numel / result.median_step_s / 1e9
+    result.peak_mem_delta_bytes = memory.peak_delta()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+COLUMNS = ["optimizer", "first s", "median s", "vs fused", "state B/p", "floor B/p", "GB/s", "peak MiB", "note"]
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def row_cells(r: Result) -> list[str]:
+    peak = None if r.peak_mem_delta_bytes is None else r.peak_mem_delta_bytes / 2**20
+    return [
+        r.label,
+        _fmt(r.first_step_s, ".3f"),
+        _fmt(r.median_step_s, ".4f"),
+        _fmt(r.ratio_to_fused, ".2f"),
+        _fmt(r.state_bytes_per_param, ".3f"),
+        _fmt(r.floor_bytes_per_param, ".2f"),
+        _fmt(r.floor_gb_per_s, ".2f"),
+        _fmt(peak, ".0f"),
+        r.note,
+    ]
+
+
+def progress_line(cells: list[str]) -> str:
+    return f"{cells[0]:<14}" + "".join(f"{c:>11}" for c in cells[1:-1]) + (f"  {cells[-1]}" if cells[-1] else "")
+
+
+def markdown_table(results: list[Result]) -> str:
+    align = ["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]  # numbers right-aligned
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def add_ratios(results: list[Result]) -> None:
+    reference = next((r.median_step_s for r in results if r.label == REFERENCE), None)
+    for r in results:
+        if reference and r.median_step_s is not None:
+            r.ratio_to_fused = r.median_step_s / reference
+
+
+def environment(args, shapes, numel: int, device: torch.device) -> dict:
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for module in ("torchao", "bitsandbytes"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: recorded, not fatal
+            versions[module] = None
+    return {
+        "config": dict(vars(args)),
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "torch_threads": torch.get_num_threads(),
+        "num_params": numel,
+        "num_tensors": len(shapes),
+        "versions": versions,
+        "torchinductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+    }
+
+
+def main(args: argparse.Namespace) -> list[Result]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available")
+    factories = select(optimizer_factories(), args.only)
+
+    shapes = gpt2_shapes(args.layers, args.d, args.vocab, args.ctx)
+    params = build_params(shapes, DTYPES[args.dtype], device, args.seed)
+    numel = sum(p.numel() for p in params)
+    env = environment(args, shapes, numel, device)
+    print(
+        f"{numel:,} parameters in {len(shapes)} tensors ({args.dtype}) on {env['device']}; "
+        f"torch {torch.__version__}, {env['torch_threads']} threads; "
+        f"{args.warmup} warmup + {args.steps} timed steps"
+    )
+    print(progress_line(COLUMNS))
+
+    results = []
+    for label, make in factories:
+        result = measure(label, make, params, args, device)
+        results.append(result)
+        _release_freed_memory()  # the optimizer is gone with measure()'s frame; drop its state now
+        add_ratios(results)
+        print(progress_line(row_cells(result)), flush=True)
+
+    print()
+    print(markdown_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**env, "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main(ARGS)
