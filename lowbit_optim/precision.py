@@ -9,7 +9,7 @@ writes the step's new fp32 value back:
 - ``kahan``: Kahan summation; a compensation buffer (bf16, fp32 or any state format) carries the
   part of each update that rounding dropped into the next step (torchdistx's AnyPrecisionAdamW).
 - ``int8-correction``: "24-bit master weights": an int8 holds the rounding error of the bf16 weight
-  in units of 1/256 of its ulp, so bf16 + int8 reconstructs the fp32 weight to ~16 significant bits
+  in units of 1/254 of its ulp, so bf16 + int8 reconstructs the fp32 weight to ~16 significant bits
   for 3 bytes per parameter.
 
 Modes other than ``nearest`` apply to bf16 parameters; parameters of other dtypes use ``nearest``.
@@ -23,8 +23,9 @@ from . import quant
 
 PARAM_UPDATES = ("nearest", "stochastic", "kahan", "int8-correction")
 
-# int8-correction: the rounding error of round-to-nearest lies in [-ulp/2, ulp/2] -> [-128, 128] units
-_CORRECTION_UNITS_PER_ULP = 256.0
+# int8-correction: round-to-nearest leaves an error in [-ulp/2, ulp/2]; 254 units per ulp map it onto
+# [-127, 127], so it never needs clamping
+CORRECTION_UNITS_PER_ULP = 254.0
 
 
 def check_param_update(mode: str) -> str:
@@ -49,7 +50,7 @@ def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     """The fp32 value the step starts from."""
     p = param.float()
     if mode == "int8-correction":
-        p = p + extra.float() * (bf16_ulp(p) / _CORRECTION_UNITS_PER_ULP)
+        p = p + extra.float() * (bf16_ulp(p) / CORRECTION_UNITS_PER_ULP)
     return p
 
 
@@ -65,9 +66,9 @@ def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor,
         param.copy_(rounded)
     elif mode == "int8-correction":
         rounded = quant.bf16_round_nearest(new)
-        units = ((new - rounded) / bf16_ulp(rounded) * _CORRECTION_UNITS_PER_ULP).round()
+        units = ((new - rounded) / bf16_ulp(rounded) * CORRECTION_UNITS_PER_ULP).round()
         units = torch.where(bf16_ulp(rounded) > 0, units, torch.zeros_like(units))
-        extra.copy_(units.clamp(-128, 127).to(torch.int8))
+        extra.copy_(units.to(torch.int8))
         param.copy_(rounded)
     else:
         param.copy_(new)

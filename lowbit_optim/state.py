@@ -15,6 +15,7 @@ codes and back: see ``formats.py``.
 """
 
 import functools
+import math
 from typing import Callable, ClassVar
 
 import torch
@@ -201,12 +202,14 @@ def _code_tables(cls, signed: bool, device: torch.device) -> tuple[Tensor, Tenso
 @functools.cache
 def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     """Codebook and encoding tables as Python lists, built once per format and signedness."""
-    codebook = cls.codebook(signed)
+    # decode returns fp32 values, so the decision boundaries must be those of the fp32 codebook
+    codebook = torch.tensor(cls.codebook(signed), dtype=torch.float32).tolist()
     if len(codebook) > 2**cls.bits:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
     base_code, threshold = quant.nearest_code_tables(codebook)
+    unused = [math.nan] * (2**cls.bits - len(codebook))  # codes encode never produces decode to NaN
     return {
-        "codebook": (codebook, torch.float32),
+        "codebook": (codebook + unused, torch.float32),
         "base_code": (base_code.tolist(), torch.uint8),
         "threshold": (threshold.tolist(), torch.float32),
     }

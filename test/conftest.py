@@ -6,6 +6,7 @@ suite runs over it too, proving that a format written outside the package is a f
 
 import importlib.util
 import pathlib
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _import_example(name: str):
     spec = importlib.util.spec_from_file_location(f"examples.{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # torch.save pickles the format class by module name
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,211 @@
+"""Param-update precision for bf16 weights: stochastic rounding, Kahan summation, int8 correction.
+
+The convergence test trains a small model in pure bf16 with lr=1e-5, where round-to-nearest drops
+most updates: every other mode must keep up with fp32-master AdamW, on several state formats.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import lowbit_optim
+from lowbit_optim import precision, quant
+
+TORCHDISTX_ARGS = [
+    "params", "lr", "betas", "eps", "weight_decay", "use_kahan_summation",
+    "momentum_dtype", "variance_dtype", "compensation_buffer_dtype",
+]  # fmt: skip
+
+
+def _compiled(fn):
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+# ---- rounding primitives ---------------------------------------------------------------------------
+
+
+def test_bf16_round_nearest_matches_torch_cast():
+    torch.manual_seed(0)
+    x = torch.randn(200_000) * torch.logspace(-38, 38, 200_000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.3895e38, 1e-40])])
+    for fn in (quant.bf16_round_nearest, _compiled(quant.bf16_round_nearest)):
+        assert torch.equal(fn(x), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_stochastic_rounding_is_unbiased(compiled):
+    """The mean of many stochastic roundings equals the fp32 value; each result is a neighbour."""
+    torch.manual_seed(0)
+    values = torch.tensor([1.0 + 2**-9, 1.0 + 3 * 2**-10, -0.3, 1e-3 + 1e-7, 123.456])
+    samples = 20_000
+    x = values.repeat_interleave(samples)
+    fn = _compiled(quant.bf16_stochastic_round) if compiled else quant.bf16_stochastic_round
+    rounded = fn(x).float().view(len(values), samples)
+    ulp = precision.bf16_ulp(values.bfloat16().float())
+    # each sample is one of the two bf16 neighbours; the mean's standard error is <= ulp / (2 sqrt(n))
+    assert bool(((rounded - values[:, None]).abs() <= ulp[:, None]).all())
+    assert bool(((rounded.mean(1) - values).abs() <= 5 * ulp / (2 * samples**0.5)).all())
+    assert not torch.equal(rounded[:, 0], rounded[:, 1])  # really random
+
+
+def test_int8_correction_reconstructs_fp32():
+    torch.manual_seed(0)
+    x = torch.randn(100_000) * 10
+    param, extra = x.bfloat16(), torch.zeros(100_000, dtype=torch.int8)
+    precision.write_param(param, extra, x, x, "int8-correction")
+    restored = precision.read_param(param, extra, "int8-correction")
+    # bf16 keeps 8 significant bits; the int8 adds ~8 more: error <= half a unit (plus fp32 rounding)
+    unit = precision.bf16_ulp(param.float()) / precision.CORRECTION_UNITS_PER_ULP
+    assert bool(((restored - x).abs() <= unit / 2 * 1.01).all())
+    assert float((param.float() - x).abs().max()) > 100 * float((restored - x).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["kahan", "int8-correction"])
+def test_compiled_write_keeps_rounding_error(mode):
+    """torch.compile must not fold the bf16 rounding away (it keeps bf16 intermediates in fp32)."""
+    extra_dtype = torch.bfloat16 if mode == "kahan" else torch.int8
+
+    def tiny_updates(param, extra):
+        start = precision.read_param(param, extra, mode)
+        precision.write_param(param, extra, start, start + 1e-5, mode)
+
+    results = []
+    for fn in (tiny_updates, _compiled(tiny_updates)):
+        param, extra = torch.full((64,), 0.1, dtype=torch.bfloat16), torch.zeros(64, dtype=extra_dtype)
+        for _ in range(5):
+            fn(param, extra)
+        results.append(precision.read_param(param, extra, mode) + (extra.float() if mode == "kahan" else 0))
+    assert torch.allclose(results[0], results[1], atol=1e-7)
+    start = float(torch.tensor(0.1).bfloat16())
+    assert float(results[1][0]) == pytest.approx(start + 5e-5, abs=3e-6)
+
+
+# ---- training in pure bf16 --------------------------------------------------------------------------
+
+
+def _loss_decrease(make_optimizer, dtype, steps=60) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64)).to(dtype)
+    x, y = torch.randn(256, 64, dtype=dtype), torch.randn(256, 64)
+    opt = make_optimizer(model.parameters())
+
+    def loss():
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+    first = loss().item()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    return first - loss().item()
+
+
+@pytest.fixture(scope="module")
+def fp32_master_decrease():
+    return _loss_decrease(lambda ps: torch.optim.AdamW(ps, lr=1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "4bit"])
+@pytest.mark.parametrize("mode", lowbit_optim.PARAM_UPDATES)
+def test_small_lr_bf16_training_tracks_fp32_master(mode, state_format, fp32_master_decrease):
+    decrease = _loss_decrease(
+        lambda ps: lowbit_optim.AdamW(ps, lr=1e-5, param_update=mode, state_format=state_format, min_quantize_numel=0),
+        torch.bfloat16,
+    )
+    if mode == "nearest":
+        assert decrease < 0.3 * fp32_master_decrease  # updates below half a bf16 ulp vanish
+    else:
+        assert decrease > 0.75 * fp32_master_decrease
+
+
+# ---- API ----------------------------------------------------------------------------------------------
+
+
+def _bf16_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 2)).to(torch.bfloat16)
+
+
+def _train(model, opt, steps):
+    for i in range(steps):
+        x = torch.randn(8, 80, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+
+def test_any_precision_adamw_maps_torchdistx_arguments():
+    import inspect
+
+    assert list(inspect.signature(lowbit_optim.AnyPrecisionAdamW).parameters)[: len(TORCHDISTX_ARGS)] == TORCHDISTX_ARGS
+    model = _bf16_model()
+    opt = lowbit_optim.AnyPrecisionAdamW(
+        model.parameters(), use_kahan_summation=True, momentum_dtype=torch.bfloat16, variance_dtype="8bit",
+        compensation_buffer_dtype="4bit", min_quantize_numel=0,
+    )  # fmt: skip
+    _train(model, opt, 1)
+    state = opt.state[model[0].weight]
+    assert state["exp_avg"].dtype == torch.bfloat16 and not isinstance(state["exp_avg"], lowbit_optim.OptimState)
+    assert type(state["exp_avg_sq"]) is lowbit_optim.OptimState8bit
+    assert type(state["compensation"]) is lowbit_optim.OptimState4bit
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="unsupported state dtype"):
+        lowbit_optim.AnyPrecisionAdamW(model.parameters(), momentum_dtype=torch.float16)
+
+
+def test_precision_buffers_only_for_bf16_params():
+    fp32 = torch.nn.Parameter(torch.randn(80))
+    bf16 = torch.nn.Parameter(torch.randn(80, dtype=torch.bfloat16))
+    opt = lowbit_optim.AdamW([fp32, bf16], param_update="int8-correction")
+    for p in (fp32, bf16):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert "param_correction" not in opt.state[fp32]
+    assert opt.state[bf16]["param_correction"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("cls", [lowbit_optim.Adam, lowbit_optim.AdamW, lowbit_optim.AdamW8bit, lowbit_optim.Adam4bit])
+def test_bf16_stochastic_round_flag(cls):
+    opt = cls(_bf16_model().parameters(), bf16_stochastic_round=True)
+    assert opt.param_groups[0]["param_update"] == "stochastic"
+
+
+def test_flag_conflict_and_unknown_mode_are_errors():
+    params = _bf16_model().parameters
+    with pytest.raises(ValueError, match="contradicts"):
+        lowbit_optim.AdamW(params(), bf16_stochastic_round=True, param_update="kahan")
+    with pytest.raises(ValueError, match="unknown param_update 'exact'"):
+        lowbit_optim.AdamW(params(), param_update="exact")
+
+
+@pytest.mark.parametrize("mode,compensation", [("kahan", "8bit"), ("kahan", "bf16"), ("int8-correction", "bf16")])
+def test_checkpoint_resumes_exactly(mode, compensation):
+    model = _bf16_model()
+    kwargs = dict(lr=1e-3, param_update=mode, compensation_format=compensation, state_format="4bit", min_quantize_numel=0)
+    opt = lowbit_optim.AdamW(model.parameters(), **kwargs)
+    _train(model, opt, 3)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.AdamW(resumed_model.parameters(), **kwargs)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    _train(model, opt, 3)
+    _train(resumed_model, resumed, 3)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    name = precision.extra_state_name(mode)
+    a, b = opt.state[model[0].weight][name], resumed.state[resumed_model[0].weight][name]
+    assert torch.equal(a.dequantize() if isinstance(a, lowbit_optim.OptimState) else a, b.dequantize() if isinstance(b, lowbit_optim.OptimState) else b)
+
+
+def test_loading_without_precision_buffer_starts_from_zero_error():
+    model = _bf16_model()
+    plain = lowbit_optim.AdamW(model.parameters())
+    _train(model, plain, 1)
+    kahan = lowbit_optim.AdamW(model.parameters(), param_update="kahan")
+    kahan.load_state_dict(plain.state_dict())
+    assert torch.equal(kahan.state[model[0].weight]["compensation"], torch.zeros(64, 80, dtype=torch.bfloat16))
+    _train(model, kahan, 1)
