@@ -325,7 +325,8 @@ def _flat(t: Tensor) -> Tensor:
     if isinstance(t, OptimState):
         # a new wrapper over the same codes, not an aten.view: dynamo cannot trace a subclass view
         return t._like(t.codes, t.scale, shape=(t.numel(),))
-    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)
+    return t.view(-1).detach() if t.is_contiguous() else t.reshape(-1)
 
 
 # ------------------------------------------------------------------------------------------------
