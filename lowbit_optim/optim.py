@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from . import formats, precision
 from .functional import adam_step
 from .state import OptimState, check_block_size
+from .distributed import like_param, local, map_local, shard_like
 
 # One compiled step shared by every optimizer and format. Shapes are dynamic, so the number of
 # graphs depends on the formats and flags in use, never on the number of distinct parameter shapes.
@@ -135,10 +136,13 @@ class Adam(torch.optim.Optimizer):
             state[name] = self._new_state(param, group, name)
 
     def _new_state(self, param: Tensor, group: dict, name: str) -> Tensor:
+        # a DTensor (FSDP2) parameter gets a DTensor state holding the state of its local shard
+        shard = local(param)
         if name == "param_correction":
-            return torch.zeros(param.shape, dtype=torch.int8, device=param.device)
-        fmt = self.state_format_of(param, group, name)
-        return fmt.zeros(param.shape, _SIGNED[name], self._block_size(fmt, group), device=param.device, dtype=param.dtype)
+            return like_param(torch.zeros(shard.shape, dtype=torch.int8, device=shard.device), param)
+        fmt = self.state_format_of(param, group, name)  # decided by the global shape
+        state = fmt.zeros(shard.shape, _SIGNED[name], self._block_size(fmt, group), device=shard.device, dtype=param.dtype)
+        return like_param(state, param)
 
     def _state_names(self, param: Tensor, group: dict) -> list[str]:
         """The tensor states ``param`` has under ``group``'s options (besides "step")."""
@@ -170,7 +174,10 @@ class Adam(torch.optim.Optimizer):
                 self._init_state(p, group, state)
             if hyper is None:  # once per group and step: a changed lr / beta / eps never recompiles
                 hyper = _hyperparameter_tensors(group, p.device)
-            param = p.detach()
+            param = local(p.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
+            if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
+                state["step"].add_(1)
+                continue
             flat = _flat(param)
             mode = _param_update(p, group)
             extra = precision.extra_state_name(mode)
@@ -227,9 +234,11 @@ class Adam(torch.optim.Optimizer):
                     f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
                     f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
                 )
+            value = shard_like(value, param)  # a full (unsharded) checkpoint value for a DTensor parameter
             if name != "param_correction":
                 fmt = self.state_format_of(param, group, name)
-                value = formats.convert(fmt, value, _SIGNED[name], self._block_size(fmt, group))
+                block_size = self._block_size(fmt, group)
+                value = map_local(lambda v: formats.convert(fmt, v, _SIGNED[name], block_size), value)
             state[name] = value.to(param.device)
         state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu()
 
@@ -322,6 +331,7 @@ def _hyperparameter_tensors(group: dict, device) -> list[Tensor]:
 
 
 def _flat(t: Tensor) -> Tensor:
+    t = local(t)
     if isinstance(t, OptimState):
         # a new wrapper over the same codes, not an aten.view: dynamo cannot trace a subclass view
         return t._like(t.codes, t.scale, shape=(t.numel(),))
@@ -413,14 +423,16 @@ def dequantize_state_dict(state_dict: dict) -> dict:
 
 
 def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
-    """Bytes of optimizer state (moments, scales, step counters) per parameter element."""
+    """Bytes of optimizer state (moments, scales, step counters) per parameter element (with FSDP2:
+    this rank's states per element of its shards)."""
     storages = {}
     for state in optimizer.state.values():
         for value in state.values():
+            value = local(value)
             for t in ([value.codes, value.scale] if isinstance(value, OptimState) else [value]):
                 if isinstance(t, Tensor):
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    params = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p in optimizer.state)
+    params = sum(local(p).numel() for g in optimizer.param_groups for p in g["params"] if p in optimizer.state)
     return sum(storages.values()) / max(params, 1)
 
 

@@ -164,6 +164,13 @@ class OptimState(Tensor):
             f"block_size={self.block_size}, dtype={self.dtype}, device={self.device})"
         )
 
+    def __get_tensor_shard__(self, index):
+        # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
+        # write the state through a view that can be cut at any row, so checkpoints reshard (distributed.py)
+        from .distributed import ShardView
+
+        return ShardView(self)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -367,3 +374,23 @@ def _copy_(func, args, kwargs):
 def _is_pinned(func, args, kwargs):
     # needed by DataLoader-style pinning checks and CPU offload
     return args[0].codes.is_pinned() and args[0].scale.is_pinned()
+
+
+def _collective_ops(*names):
+    """The c10d functional ops of these names that this torch build has registered (old and new
+    namespace); one registered later reaches the fallback, which does the same: dequantize and run."""
+    ops = []
+    for namespace in ("_c10d_functional", "c10d_functional"):
+        for name in names:
+            try:
+                ops.append(getattr(getattr(torch.ops, namespace), name).default)
+            except (AttributeError, RuntimeError):
+                pass
+    return ops
+
+
+@implements(*_collective_ops("all_gather_into_tensor"))
+def _all_gather(func, args, kwargs):
+    # needed by DTensor.full_tensor() (and full_state_dict=True): gathers the exact dequantized values of
+    # every shard; shards are padded to blocks on their own, so their codes cannot simply be concatenated
+    return func(args[0].dequantize(), *args[1:], **kwargs)

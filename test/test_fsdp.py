@@ -1,0 +1,609 @@
+"""FSDP2 (``fully_shard``) with sharded optimizer states, and distributed checkpoints that reshard.
+
+Runs on CPU with the gloo backend. One 2-rank job (this file run as a script, twice) goes through every
+check in sequence and saves what it measured; the tests below only read those results, so the suite
+pays for two processes, and their torch.compile graphs, once.
+
+For each of the 8bit, 4bit and fp8 formats the job trains the same little model (one Linear per case
+below) for a few steps twice: on one process without FSDP (the reference) and FSDP2-sharded over the 2
+ranks, each rank taking half of every batch. It then checkpoints both with ``torch.distributed.checkpoint``
+and loads the checkpoints 2 -> 2 (through ``optimizer.state_dict()`` and through
+``get_state_dict`` / ``set_state_dict``), 2 -> 1 and 1 -> 2, and a ``full_state_dict=True`` one. The
+8bit scenario runs the compiled step (on the local shards), the others run it eagerly.
+
+Parameter cases (row-wise shards, as FSDP2 makes them):
+
+- ``aligned``: 9 x 512, uneven shards (5 and 4 rows); shard boundaries fall on block boundaries, so
+  resharding is bit-exact;
+- ``unaligned``: 7 x 1000, uneven shards whose boundary falls inside a block: resharding requantizes
+  the blocks that then mix two saved blocks;
+- ``invariant``: 2 x 3072 = 6144 elements, quantized although each rank holds 3072 < min_quantize_numel;
+- ``small``: 3 x 100 and its bias, in a group with min_quantize_numel=0: shards of 200, 100, 2 and 1
+  elements, smaller than a block;
+- ``one_row``: 1 x 4096: rank 1's shard is empty.
+
+The tests at the end run in this process: the copies DCP makes between saved and wanted chunks, for
+every registered format, and single-process checkpoints between formats.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORLD = 2
+FORMATS = ["8bit", "4bit", "fp8"]
+COMPILED = {"8bit"}  # the others run the same step eagerly: each compiled format costs its own graphs
+STEPS, MORE = 3, 2  # steps before the checkpoint, steps after it
+BATCH = 4
+CASES = {  # name -> (in_features, out_features): weight shape (out, in)
+    "aligned": (512, 9),
+    "unaligned": (1000, 7),
+    "invariant": (3072, 2),
+    "small": (100, 3),
+    "one_row": (4096, 1),
+}
+ALIGNED = ["aligned.weight", "invariant.weight", "one_row.weight"]  # shard boundaries on block boundaries
+UNALIGNED = ["unaligned.weight", "small.weight", "small.bias"]
+JOB_TIMEOUT_S = 420
+
+
+def _gloo_available() -> bool:
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+needs_gloo = pytest.mark.skipif(not _gloo_available(), reason="needs torch.distributed with the gloo backend")
+
+
+# ------------------------------------------------------------------------------------------------
+# The job (runs in the 2 worker processes)
+# ------------------------------------------------------------------------------------------------
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        for name, (fan_in, fan_out) in CASES.items():
+            self.add_module(name, torch.nn.Linear(fan_in, fan_out, bias=name == "small"))
+
+    def forward(self, inputs):
+        return sum(((module(x) - 1) ** 2).mean() for module, x in zip(self.children(), inputs))
+
+
+def _build(fmt: str, fsdp: bool):
+    import lowbit_optim
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net()
+    if fsdp:
+        fully_shard(model)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("small.")]},
+        {"params": list(model.small.parameters()), "min_quantize_numel": 0},
+    ]
+    return model, lowbit_optim.AdamW(groups, lr=1e-2, state_format=fmt, compile=fmt in COMPILED)
+
+
+def _batch(step: int, rank: int, world: int):
+    generator = torch.Generator().manual_seed(1000 + step)
+    inputs = [torch.randn(BATCH, fan_in, generator=generator) for fan_in, _ in CASES.values()]
+    per_rank = BATCH // world
+    return [x[rank * per_rank : (rank + 1) * per_rank] for x in inputs]
+
+
+def _train(model, opt, first: int, steps: int, rank: int, world: int) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        loss = model(_batch(step, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _values(t) -> torch.Tensor:
+    """Full dequantized fp32 values of a (possibly sharded, possibly quantized) tensor."""
+    from lowbit_optim import OptimState
+
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return (t.dequantize() if isinstance(t, OptimState) else t).float()
+
+
+def _params(model) -> dict:
+    return dict(model.named_parameters())
+
+
+def _full_states(model, opt) -> dict:
+    """name -> {"exp_avg": values, "exp_avg_sq": values, "step": float}; a collective for sharded ones."""
+    return {
+        name: {key: (float(v) if key == "step" else _values(v)) for key, v in opt.state[p].items()}
+        for name, p in _params(model).items()
+    }
+
+
+def _local_states(model, opt) -> dict:
+    """name -> {state: (codes, scale) or plain local tensor}, cloned, for bit-exact comparisons."""
+    from lowbit_optim import OptimState
+
+    out = {}
+    for name, p in _params(model).items():
+        out[name] = {}
+        for key, v in opt.state[p].items():
+            v = _local(v)
+            out[name][key] = (v.codes.clone(), v.scale.clone()) if isinstance(v, OptimState) else v.clone()
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
+def _rel_error(values: dict, reference: dict) -> dict:
+    """name.state -> max |difference| / max |reference|."""
+    out = {}
+    for name, states in reference.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref = states[key]
+            out[f"{name}.{key}"] = float((values[name][key] - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    return out
+
+
+def _save(model, opt, path, no_dist=False):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=no_dist)
+
+
+def _load(model, opt, path, no_dist=False):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)  # creates the optimizer states (a step with lr 0)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _init_states(model, opt):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lr = opt.param_groups[0]["lr"]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad()
+
+
+def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    import lowbit_optim
+
+    out = {}
+    ckpt_fsdp, ckpt_direct, ckpt_ref, ckpt_back = (str(workdir / f"{fmt}-{n}") for n in ("fsdp", "direct", "ref", "back"))
+
+    # -- training: FSDP2 on 2 ranks, and the 1-process reference (rank 0)
+    model, opt = _build(fmt, fsdp=True)
+    out["fsdp_losses"] = _train(model, opt, 0, STEPS, rank, world)
+    out["state_kinds"] = {
+        name: {key: [type(_local(v)).__name__, list(_local(v).shape), list(v.shape)] for key, v in opt.state[p].items() if key != "step"}
+        for name, p in _params(model).items()
+    }
+    out["bytes_per_param"] = lowbit_optim.bytes_per_param(opt)  # this rank's states per element of its shards
+    fsdp_states = _full_states(model, opt)
+    fsdp_params = {name: _values(p) for name, p in _params(model).items()}
+    saved_local = _local_states(model, opt)
+    saved_params = {name: _local(p).detach().clone() for name, p in _params(model).items()}
+    _save(model, opt, ckpt_fsdp)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_direct)
+    # full_state_dict=True gathers every state's exact values (DTensor.full_tensor()); loading them
+    # quantizes each rank's part anew
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    out["full_sd_plain"] = all(type(v) is torch.Tensor for s in optim_sd["state"].values() for k, v in s.items() if k != "step")
+    model7, opt7 = _build(fmt, fsdp=True)
+    _init_states(model7, opt7)
+    set_state_dict(model7, opt7, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    out["full_sd_error"] = _rel_error(_full_states(model7, opt7), fsdp_states)
+    if rank == 0:
+        ref_model, ref_opt = _build(fmt, fsdp=False)
+        out["ref_losses"] = _train(ref_model, ref_opt, 0, STEPS, 0, 1)
+        out["ref_state_kinds"] = {
+            name: {key: type(v).__name__ for key, v in ref_opt.state[p].items() if key != "step"} for name, p in _params(ref_model).items()
+        }
+        ref_states = _full_states(ref_model, ref_opt)
+        ref_codes = _local_states(ref_model, ref_opt)
+        out["fsdp_vs_ref"] = _rel_error(fsdp_states, ref_states)
+        out["fsdp_vs_ref_params"] = max(float((fsdp_params[n] - p.detach()).abs().max()) for n, p in _params(ref_model).items())
+        ref_params = {name: p.detach().clone() for name, p in _params(ref_model).items()}
+        _save(ref_model, ref_opt, ckpt_ref, no_dist=True)
+        out["ref_more_losses"] = _train(ref_model, ref_opt, STEPS, MORE, 0, 1)
+    dist.barrier()
+
+    # -- FSDP2 training goes on; then 2 -> 2 resumes must repeat it bit for bit
+    out["fsdp_more_losses"] = _train(model, opt, STEPS, MORE, rank, world)
+    final_local = _local_states(model, opt)
+    final_params = {name: _local(p).detach().clone() for name, p in _params(model).items()}
+
+    model2, opt2 = _build(fmt, fsdp=True)
+    _load(model2, opt2, ckpt_fsdp)
+    out["resume_loaded_exact"] = _same_tree(_local_states(model2, opt2), saved_local) and _same_tree(
+        {n: _local(p).detach() for n, p in _params(model2).items()}, saved_params
+    )
+    out["resume_losses"] = _train(model2, opt2, STEPS, MORE, rank, world)
+    out["resume_final_exact"] = _same_tree(_local_states(model2, opt2), final_local) and _same_tree(
+        {n: _local(p).detach() for n, p in _params(model2).items()}, final_params
+    )
+
+    model3, opt3 = _build(fmt, fsdp=True)  # the direct flow: optimizer.state_dict() / load_state_dict()
+    _init_states(model3, opt3)
+    state = {"model": model3.state_dict(), "optim": opt3.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_direct)
+    model3.load_state_dict(state["model"])
+    opt3.load_state_dict(state["optim"])
+    out["direct_loaded_exact"] = _same_tree(_local_states(model3, opt3), saved_local)
+    out["direct_more_losses"] = _train(model3, opt3, STEPS, MORE, rank, world)
+
+    # -- 2 -> 1: rank 0 loads the FSDP checkpoint into the model without FSDP
+    if rank == 0:
+        model4, opt4 = _build(fmt, fsdp=False)
+        _load(model4, opt4, ckpt_fsdp, no_dist=True)
+        loaded = _full_states(model4, opt4)
+        out["2to1_params_exact"] = all(torch.equal(fsdp_params[n], p.detach()) for n, p in _params(model4).items())
+        out["2to1_steps"] = [loaded[n]["step"] for n in loaded]
+        out["2to1_error"] = _rel_error(loaded, fsdp_states)
+        out["2to1_staging_left"] = any(hasattr(v, "_dcp_staging") for s in opt4.state.values() for v in s.values())
+        out["2to1_more_losses"] = _train(model4, opt4, STEPS, MORE, 0, 1)
+    dist.barrier()
+
+    # -- 1 -> 2: both ranks load the reference checkpoint into FSDP2; then back 2 -> 1
+    model5, opt5 = _build(fmt, fsdp=True)
+    _load(model5, opt5, ckpt_ref)
+    loaded = _full_states(model5, opt5)
+    loaded_params = {name: _values(p) for name, p in _params(model5).items()}
+    out["1to2_kinds"] = {name: type(_local(opt5.state[p]["exp_avg"])).__name__ for name, p in _params(model5).items()}
+    _save(model5, opt5, ckpt_back)
+    out["1to2_more_losses"] = _train(model5, opt5, STEPS, MORE, rank, world)
+    if rank == 0:
+        out["1to2_error"] = _rel_error(loaded, ref_states)
+        out["1to2_params_exact"] = all(torch.equal(loaded_params[n], p) for n, p in ref_params.items())
+        model6, opt6 = _build(fmt, fsdp=False)
+        _load(model6, opt6, ckpt_back, no_dist=True)
+        back = _local_states(model6, opt6)
+        out["round_trip_exact"] = {name: _same_tree(back[name], ref_codes[name]) for name in back}
+    dist.barrier()
+    return out
+
+
+def _same_tree(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(_same_tree(a[k], b[k]) if isinstance(a[k], dict) else _same(a[k], b[k]) for k in a)
+
+
+def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world, timeout=timedelta(seconds=180))
+    torch.set_num_threads(1)
+    results: dict = {}
+    path = workdir / f"results{rank}.pt"
+    for fmt in FORMATS:
+        start = time.perf_counter()
+        try:
+            results[fmt] = _scenario(fmt, rank, world, workdir)
+        except Exception:
+            results[fmt] = {"error": traceback.format_exc()}
+            torch.save(results, path)
+            raise  # the ranks may now disagree on which collective comes next: stop here
+        results[fmt]["seconds"] = time.perf_counter() - start
+        torch.save(results, path)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the job once per test session, and the tests
+# ------------------------------------------------------------------------------------------------
+
+
+def _run_job(workdir: pathlib.Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    logs = [open(workdir / f"log{rank}.txt", "w") for rank in range(WORLD)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(workdir)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        for rank, log in enumerate(logs)
+    ]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    results = []
+    for rank in range(WORLD):
+        path = workdir / f"results{rank}.pt"
+        found = torch.load(path, weights_only=False) if path.exists() else {}
+        found["log"] = (workdir / f"log{rank}.txt").read_text()[-6000:]
+        found["returncode"] = procs[rank].returncode
+        results.append(found)
+    return results
+
+
+def _run_job_once(shared: pathlib.Path) -> list[dict]:
+    """Under pytest-xdist, the first worker that needs the job runs it; the others wait and read it."""
+    import fcntl
+
+    with open(shared / "lowbit_fsdp_job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "lowbit_fsdp_job.pt"
+        if not done.exists():
+            with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as workdir:
+                torch.save(_run_job(pathlib.Path(workdir)), done)
+        return torch.load(done, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    if os.environ.get("PYTEST_XDIST_WORKER") and sys.platform != "win32":
+        return _run_job_once(tmp_path_factory.getbasetemp().parent)  # this session's, shared by its workers
+    with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as workdir:
+        return _run_job(pathlib.Path(workdir))
+
+
+@pytest.fixture(params=FORMATS)
+def result(request, job):
+    """(rank 0's, rank 1's) results for one format; fails with the job's traceback if it broke."""
+    fmt = request.param
+    for rank, found in enumerate(job):
+        if fmt not in found:
+            pytest.fail(f"rank {rank} has no results for {fmt} (exit code {found['returncode']}); its log ends with:\n{found['log']}")
+        if "error" in found[fmt]:
+            pytest.fail(f"rank {rank} failed on {fmt}:\n{found[fmt]['error']}")
+    return fmt, job[0][fmt], job[1][fmt]
+
+
+def _half_step(fmt: str, state: str) -> float:
+    """The largest error of one quantization relative to the block's absmax: half the widest code gap."""
+    from conftest import format_info
+
+    return format_info(fmt).max_rounding_error(signed=state == "exp_avg")
+
+
+def _check_within(errors: dict, fmt: str, names: list[str], half_steps: int) -> None:
+    """Each name's relative state errors are at most ``half_steps`` half code steps."""
+    for name in names:
+        for state in ("exp_avg", "exp_avg_sq"):
+            bound = half_steps * _half_step(fmt, state) * 1.001  # 1.001: the errors are computed in fp32
+            assert errors[f"{name}.{state}"] <= bound, (name, state, errors[f"{name}.{state}"], bound)
+
+
+@needs_gloo
+def test_quantize_decision_depends_on_global_shape(result):
+    fmt, rank0, rank1 = result
+    expected_class = {"8bit": "OptimState8bit", "4bit": "OptimState4bit", "fp8": "OptimStateFp8"}[fmt]
+    for name, kinds in rank0["ref_state_kinds"].items():
+        assert set(kinds.values()) == {expected_class}, (name, kinds)  # everything is quantized here
+    for found in (rank0, rank1):
+        for name, states in found["state_kinds"].items():
+            for key, (cls, local_shape, global_shape) in states.items():
+                assert cls == rank0["ref_state_kinds"][name][key], (name, key, cls)
+    # 6144 elements: quantized, although each rank holds 3072 (< min_quantize_numel = 4096)
+    assert rank0["state_kinds"]["invariant.weight"]["exp_avg"] == [expected_class, [1, 3072], [2, 3072]]
+    assert rank1["state_kinds"]["invariant.weight"]["exp_avg"] == [expected_class, [1, 3072], [2, 3072]]
+    # uneven shards, shards smaller than a block, an empty shard: states of the local shard's shape
+    assert [r["state_kinds"]["aligned.weight"]["exp_avg"][1] for r in (rank0, rank1)] == [[5, 512], [4, 512]]
+    assert [r["state_kinds"]["small.weight"]["exp_avg"][1] for r in (rank0, rank1)] == [[2, 100], [1, 100]]
+    assert [r["state_kinds"]["small.bias"]["exp_avg"][1] for r in (rank0, rank1)] == [[2], [1]]
+    assert [r["state_kinds"]["one_row.weight"]["exp_avg"][1] for r in (rank0, rank1)] == [[1, 4096], [0, 4096]]
+    # two 1-byte (or half-byte) moments plus scales and the padding of tiny shards; fp32 Adam: 8
+    assert all(1 < r["bytes_per_param"] < 3 for r in (rank0, rank1)), [r["bytes_per_param"] for r in (rank0, rank1)]
+
+
+@needs_gloo
+def test_two_ranks_match_one(result):
+    fmt, rank0, rank1 = result
+    assert rank0["fsdp_losses"] == rank1["fsdp_losses"]  # all-reduced
+    # the first steps agree to rounding; later ones differ by what the different quantization blocks did
+    assert rank0["fsdp_losses"][:2] == pytest.approx(rank0["ref_losses"][:2], rel=1e-5)
+    assert rank0["fsdp_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
+    assert rank0["fsdp_vs_ref_params"] < 0.5 * 1e-2 * STEPS  # half of lr x steps, the most Adam can move
+    # where shard boundaries are block boundaries the 2 ranks hold the very blocks of the 1-rank run:
+    # states agree to rounding (a rounding difference may flip a code: two half steps)
+    _check_within(rank0["fsdp_vs_ref"], fmt, ALIGNED, half_steps=2)
+    assert min(rank0["fsdp_vs_ref"][f"{n}.exp_avg"] for n in ALIGNED) < 1e-5
+    # elsewhere each step rounds differently on each side (two half steps per step)
+    _check_within(rank0["fsdp_vs_ref"], fmt, UNALIGNED, half_steps=2 * STEPS)
+
+
+@needs_gloo
+def test_resume_same_world_size_is_exact(result):
+    fmt, rank0, rank1 = result
+    for found in (rank0, rank1):
+        # get_state_dict / dcp.save / dcp.load / set_state_dict
+        assert found["resume_loaded_exact"] and found["resume_final_exact"]
+        assert found["resume_losses"] == found["fsdp_more_losses"]
+        # optimizer.state_dict() / dcp / optimizer.load_state_dict()
+        assert found["direct_loaded_exact"]
+        assert found["direct_more_losses"] == found["fsdp_more_losses"]
+
+
+@needs_gloo
+def test_full_state_dict(result):
+    fmt, rank0, rank1 = result
+    for found in (rank0, rank1):
+        assert found["full_sd_plain"]
+        _check_within(found["full_sd_error"], fmt, ALIGNED + UNALIGNED, half_steps=1)
+
+
+@needs_gloo
+def test_reshard_two_to_one(result):
+    fmt, rank0, _ = result
+    assert rank0["2to1_params_exact"]
+    assert rank0["2to1_steps"] == [float(STEPS)] * len(rank0["2to1_steps"])
+    assert not rank0["2to1_staging_left"]
+    errors = rank0["2to1_error"]
+    for name in ALIGNED:  # bit-exact: shard boundaries fall on block boundaries
+        assert errors[f"{name}.exp_avg"] == 0 and errors[f"{name}.exp_avg_sq"] == 0, errors
+    # blocks that mix two saved blocks are requantized once from the exact saved values
+    _check_within(errors, fmt, UNALIGNED, half_steps=1)
+    # training goes on where it stopped, now on 1 rank (close to the 2-rank continuation)
+    assert rank0["2to1_more_losses"] == pytest.approx(rank0["fsdp_more_losses"], rel=1e-2)
+
+
+@needs_gloo
+def test_reshard_one_to_two(result):
+    fmt, rank0, rank1 = result
+    assert rank0["1to2_params_exact"]
+    errors = rank0["1to2_error"]
+    for name in ALIGNED:
+        assert errors[f"{name}.exp_avg"] == 0 and errors[f"{name}.exp_avg_sq"] == 0, errors
+    _check_within(errors, fmt, UNALIGNED, half_steps=1)
+    assert rank0["1to2_more_losses"] == rank1["1to2_more_losses"]
+    assert rank0["1to2_more_losses"] == pytest.approx(rank0["ref_more_losses"], rel=1e-2)
+    # 1 -> 2 -> 1 gives back the very codes and scales where shard boundaries are block boundaries
+    for name in ALIGNED:
+        assert rank0["round_trip_exact"][name], rank0["round_trip_exact"]
+
+
+# ------------------------------------------------------------------------------------------------
+# In one process: how DCP's copies between saved and wanted chunks treat quantized states
+# ------------------------------------------------------------------------------------------------
+
+# (shape, rows of the first of two shards): shard boundaries on or off block boundaries
+SPLITS = [((10, 512), 5), ((5, 1024), 3), ((600, 9), 300), ((3, 100), 2), ((7000,), 3500), ((3,), 2), ((1, 300), 1)]
+
+
+def _quantized_formats():
+    from conftest import QUANTIZED_FORMATS
+
+    return QUANTIZED_FORMATS
+
+
+@pytest.mark.parametrize("info", _quantized_formats(), ids=str)
+@pytest.mark.parametrize("shape, cut", SPLITS, ids=str)
+def test_shard_view_reshards(info, shape, cut):
+    """2 -> 1 and 1 -> 2 copies, as dcp.load makes them: exact where the shard boundary is a block
+    boundary (or the blocks' elements come from one saved block), else within half a code step."""
+    from lowbit_optim.distributed import ShardView
+
+    fmt = info.fmt
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    one = fmt.from_float(x)  # the 1-rank layout, and the 2-rank one below (each shard padded alone)
+    two = [fmt.from_float(one.dequantize()[:cut]), fmt.from_float(one.dequantize()[cut:])]
+    assert isinstance(one.__get_tensor_shard__(None), ShardView)  # what DCP reads and writes
+
+    joined = fmt.zeros(shape)
+    ShardView(joined)[:cut].copy_(ShardView(two[0]))
+    ShardView(joined)[cut:].copy_(ShardView(two[1]))
+    split = [fmt.zeros(t.shape) for t in two]
+    ShardView(split[0]).copy_(ShardView(one)[:cut])
+    ShardView(split[1]).copy_(ShardView(one)[cut:])
+
+    row = x.numel() // shape[0]
+    on_blocks = cut * row % fmt.default_block_size == 0
+    for got, want in ((joined.dequantize(), torch.cat([t.dequantize() for t in two])), (torch.cat([t.dequantize() for t in split]), one.dequantize())):
+        if on_blocks:
+            assert torch.equal(got, want)
+        else:
+            assert (got - want).abs().max() <= info.max_rounding_error(signed=True) * want.abs().max() * 1.001
+    assert not any(hasattr(t, "_dcp_staging") for t in (joined, *split))  # every block was written
+    if x.numel() < fmt.default_block_size:  # a single saved block: its elements keep code and scale
+        assert torch.equal(torch.cat([t.dequantize() for t in split]), one.dequantize())
+
+
+def test_shard_view_plain_tensors():
+    """A plain (fp32) checkpoint into a quantized state quantizes it; a quantized one into a plain state
+    dequantizes it."""
+    from lowbit_optim import OptimState8bit
+    from lowbit_optim.distributed import ShardView
+
+    x = torch.randn(600, 9, generator=torch.Generator().manual_seed(0))
+    state = OptimState8bit.zeros(x.shape)
+    ShardView(state)[:300].copy_(x[:300])
+    ShardView(state)[300:].copy_(x[300:])
+    assert torch.equal(state.dequantize(), OptimState8bit.from_float(x).dequantize())
+    plain = torch.zeros(600, 9)
+    plain[100:400].copy_(ShardView(state)[100:400])
+    assert torch.equal(plain[100:400], state.dequantize()[100:400])
+    with pytest.raises(NotImplementedError, match="dim 0"):
+        ShardView(state)[:, :3]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_between_formats(tmp_path):
+    """dcp.save / dcp.load without a process group: an 8-bit checkpoint loads bit-exactly into 8-bit
+    state, converts into 4-bit and fp32 state; torch.optim.AdamW's checkpoint loads into 8-bit state."""
+    import torch.distributed.checkpoint as dcp
+
+    import lowbit_optim
+
+    def trained(optimizer_class, **kwargs):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 72)  # a 4608-element weight: quantized; the bias: fp32
+        opt = optimizer_class(model.parameters(), lr=1e-2, **kwargs)
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    def load(state_format, path):
+        model, opt = trained(lowbit_optim.AdamW, state_format=state_format, compile=False)  # states to load into
+        state = opt.state_dict()
+        # torch.optim.AdamW's param groups lack lowbit_optim's keys (state_format, ...): partial load
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        opt.load_state_dict(state)
+        return opt.state[model.weight]
+
+    _, opt8 = trained(lowbit_optim.AdamW, state_format="8bit", compile=False)
+    dcp.save(opt8.state_dict(), checkpoint_id=tmp_path / "8bit", no_dist=True)
+    saved = next(s for s in opt8.state.values() if isinstance(s["exp_avg"], lowbit_optim.OptimState))
+    same = load("8bit", tmp_path / "8bit")
+    assert torch.equal(same["exp_avg"].codes, saved["exp_avg"].codes) and torch.equal(same["exp_avg_sq"].scale, saved["exp_avg_sq"].scale)
+    assert torch.equal(load("fp32", tmp_path / "8bit")["exp_avg"], saved["exp_avg"].dequantize())
+    assert torch.equal(
+        load("4bit", tmp_path / "8bit")["exp_avg"].dequantize(), lowbit_optim.OptimState4bit.from_float(saved["exp_avg"].dequantize()).dequantize()
+    )
+
+    _, torch_opt = trained(torch.optim.AdamW)
+    dcp.save(torch_opt.state_dict(), checkpoint_id=tmp_path / "torch", no_dist=True)
+    exp_avg = next(s["exp_avg"] for s in torch_opt.state.values() if s["exp_avg"].numel() > 4096)
+    loaded = load("8bit", tmp_path / "torch")["exp_avg"]
+    assert torch.equal(loaded.dequantize(), lowbit_optim.OptimState8bit.from_float(exp_avg).dequantize())
+
+
+if __name__ == "__main__":  # one rank of the job: test_fsdp.py RANK WORLD WORKDIR
+    _job(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]))
