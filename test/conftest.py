@@ -18,15 +18,19 @@ from lowbit_optim.formats import get_format, is_quantized, registered_formats
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _import_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"examples.{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # torch.save pickles the format class by module name
-    spec.loader.exec_module(module)
-    return module
+def import_example(name: str):
+    """``examples/<name>.py`` as module ``examples.<name>`` (examples/ is no package), imported once.
+    Registered in sys.modules so torch.save can pickle the classes it defines by reference."""
+    module_name = f"examples.{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
 
 
-CUSTOM_FORMAT_EXAMPLE = _import_example("custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
+CUSTOM_FORMAT_EXAMPLE = import_example("custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ __all__ = [
     "FormatInfo",
     "all_formats",
     "format_info",
+    "import_example",
     "lowbit_optim",
     "quantized_formats",
 ]

@@ -1,26 +1,11 @@
 """The examples run and learn: the char-GPT with every registered format, and the custom-format script."""
 
-import importlib.util
-import sys
-
 import pytest
-from conftest import CUSTOM_FORMAT_EXAMPLE, FORMATS, ROOT
+from conftest import CUSTOM_FORMAT_EXAMPLE, FORMATS, import_example
 
 import lowbit_optim
 
-
-def _load_example(name: str):
-    # by path, like conftest: examples/ is not a package; registered in sys.modules for pickling/dataclasses
-    module_name = f"examples.{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "examples" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-char_gpt = _load_example("train_char_gpt")
+char_gpt = import_example("train_char_gpt")
 
 # 1 layer, d_model 64: the 64x64 attention projection (4096 elements) is the smallest weight, so every
 # weight matrix still reaches min_quantize_numel and gets the quantized format
