@@ -1,0 +1,473 @@
+"""Convergence of the char GPT under every optimizer-state format: accuracy you can see (issue #6).
+
+Trains the char GPT of examples/train_char_gpt.py (same model, data, schedule: AdamW, betas (0.9, 0.99),
+weight decay 0.1, linear warmup then cosine decay, grad-norm clipping at 1) with
+
+- ``lowbit fp32``: ``lowbit_optim.AdamW(state_format="fp32")``, numerically torch.optim.AdamW: the
+  reference every gap is measured against;
+- ``torch AdamW``: ``torch.optim.AdamW`` itself, a sanity row (its gap should be ~0);
+- ``lowbit <name>`` for every other format of ``lowbit_optim.registered_formats()`` (bf16, 8bit, 4bit,
+  fp8, and int8-linear from examples/custom_format.py, imported here);
+- ``torchao 8bit`` / ``torchao 4bit`` / ``torchao fp8``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
+  ``AdamWFp8`` as torchao ships them (they quantize a parameter only if its numel is >= 4096 and a
+  multiple of the block size; at d_model 128 every weight matrix qualifies).
+
+Each optimizer trains once per seed (``--seeds 0,1,2``). A seed fixes the model initialisation and the
+order of the training batches, identically for every optimizer, so gaps are paired: for each seed the
+relative gap ``val_loss / val_loss(lowbit fp32) - 1`` is computed, then its mean ± sd over seeds.
+
+Columns of the table (``--out-md``, default benchmarks/results/convergence.md):
+  final val loss    mean ± sd over seeds of the validation loss after the last step (fixed val batches)
+  gap vs fp32       mean ± sd over seeds of the paired relative gap to lowbit fp32, in %
+  state B/param     optimizer-state bytes per parameter: ``lowbit_optim.bytes_per_param`` for lowbit;
+                    for the others the unique storages of every state tensor (torchao subclasses
+                    unflattened to their inner codes/scales/codebooks; step counters included) / params
+  s/run             mean wall time of one training run (the first seed includes torch.compile)
+  ms/step           median step time over all steps of all seeds
+
+Every run's losses are saved next to the table (``--out-md`` with a .json suffix). The PNG
+(``--out-png``) shows, per optimizer, the mean over seeds of the training loss smoothed with a moving
+average (``--smooth`` steps) and the mean validation points. Runs go seed by seed (every optimizer
+with seed 0, then seed 1, ...) and the files are rewritten after each run, so an interrupted benchmark
+leaves complete tables for the runs it finished.
+
+Stability sweep (``--sweep``, written to ``--sweep-md``), after the 8-bit optimizers paper (Dettmers et
+al. 2022): short runs over eps ∈ {1e-8, 1e-6} x beta1 ∈ {0.9, 0.95} x beta2 ∈ {0.95, 0.999} x
+lr ∈ {--lr, --high-lr}; a run diverged if any training loss is NaN/inf or its final validation loss
+exceeds its initial one. Reports the fraction of diverged runs per optimizer. torchao's optimizers
+compile one graph per (shape, hyperparameter) combination, so they are left out of the sweep unless
+named with ``--only``.
+
+Expected time of the default comparison (2 layers, d_model 128, 300 steps, 10 optimizers x 3 seeds):
+about 25-35 minutes on 2 idle CPU cores (an estimate: ~60-80 s per 300-step run once compiled, plus a
+few minutes of torch.compile in the first round). Measured on a shared machine under a load of 6-9
+processes on its 2 cores: one round of 10 runs (seed 0, compiling included) took 28 minutes.
+``--sweep`` with defaults (7 lowbit/torch optimizers x 16 configurations x 100 steps, 1 seed) does
+about as many steps as one comparison round: ~10-15 minutes on idle cores (not measured).
+
+    python benchmarks/convergence.py                                   # full comparison
+    python benchmarks/convergence.py --steps 50 --seeds 0 --only "lowbit fp32,lowbit 8bit,torchao 8bit"
+    python benchmarks/convergence.py --sweep
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))  # lowbit_optim without pip install -e
+from train_char_gpt import GPT, CharDataset, evaluate, get_batch, load_text, lr_factor  # noqa: E402
+
+import lowbit_optim  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+REFERENCE = "lowbit fp32"
+
+
+def _import_custom_format() -> None:
+    """Register examples/custom_format.py's "int8-linear" (under the module name conftest uses)."""
+    name = "examples.custom_format"
+    path = ROOT / "examples" / "custom_format.py"
+    if name in sys.modules or not path.exists():
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_import_custom_format()
+
+
+# ---- optimizers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerSpec:
+    label: str
+    make: Callable  # (params, lr, betas, eps, weight_decay) -> optimizer
+    lowbit: bool
+    torchao: bool = False
+
+
+def optimizer_specs() -> list[OptimizerSpec]:
+    def lowbit(name):
+        return lambda params, **kw: lowbit_optim.AdamW(params, state_format=name, **kw)
+
+    specs = [
+        OptimizerSpec(REFERENCE, lowbit("fp32"), True),
+        OptimizerSpec("torch AdamW", lambda params, **kw: torch.optim.AdamW(params, **kw), False),
+    ]
+    specs += [OptimizerSpec(f"lowbit {name}", lowbit(name), True) for name in lowbit_optim.registered_formats() if name != "fp32"]
+    try:
+        import torchao.optim as ao
+    except ImportError:  # torchao is optional (the "bench" extra)
+        return specs
+    for name, cls in [("8bit", ao.AdamW8bit), ("4bit", ao.AdamW4bit), ("fp8", ao.AdamWFp8)]:
+        specs.append(OptimizerSpec(f"torchao {name}", lambda params, cls=cls, **kw: cls(params, **kw), False, torchao=True))
+    # each torchao row right after its lowbit twin, so a partial run already holds whole pairs
+    order = [REFERENCE, "lowbit 8bit", "torchao 8bit", "lowbit 4bit", "torchao 4bit", "lowbit fp8", "torchao fp8", "torch AdamW"]
+    return sorted(specs, key=lambda s: order.index(s.label) if s.label in order else len(order))
+
+
+def select(specs: list[OptimizerSpec], only: str | None) -> list[OptimizerSpec]:
+    if not only:
+        return specs
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
+    labels = [s.label for s in specs]
+    unknown = [w for w in wanted if w not in labels]
+    if unknown:
+        raise SystemExit(f"unknown optimizer label(s) {unknown}; choose from {labels}")
+    return [s for s in specs if s.label in wanted]
+
+
+def _storages(t, out: dict) -> None:
+    """Unique storages (data_ptr -> nbytes) of a tensor, unflattening tensor subclasses."""
+    if not isinstance(t, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            _storages(getattr(t, name), out)
+        return
+    storage = t.untyped_storage()
+    out[storage.data_ptr()] = storage.nbytes()
+
+
+def state_bytes_per_param(opt: torch.optim.Optimizer, lowbit: bool) -> float:
+    if lowbit:
+        return lowbit_optim.bytes_per_param(opt)
+    storages: dict = {}
+    for state in opt.state.values():
+        for value in state.values():
+            _storages(value, storages)
+    params = sum(p.numel() for g in opt.param_groups for p in g["params"] if p in opt.state)
+    return sum(storages.values()) / max(params, 1)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses a float
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+
+
+def train_run(spec: OptimizerSpec, dataset: CharDataset, args, seed: int, lr: float, betas, eps: float, steps: int, eval_every: int) -> dict:
+    """Train a fresh model from ``seed`` (init and batch order) with ``spec``'s optimizer."""
+    torch.manual_seed(seed)
+    model = GPT(dataset.vocab_size, args.block_size, args.layers, args.d_model, args.heads)
+    opt = spec.make(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=args.weight_decay)
+    warmup = min(100, steps // 10 + 1)
+    generator = torch.Generator().manual_seed(seed)
+    initial_val = evaluate(model, dataset.val, args, args.eval_batches)
+    train_losses, val_history, step_seconds = [], [], []
+    start = time.perf_counter()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        set_lr(opt, lr * lr_factor(step, steps, warmup))
+        _, loss = model(*get_batch(dataset.train, args.batch_size, args.block_size, generator))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = loss.item()
+        train_losses.append(value)
+        step_seconds.append(time.perf_counter() - t0)
+        if not math.isfinite(value):
+            break  # diverged: the rest would be NaN too
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            val_history.append((step + 1, evaluate(model, dataset.val, args, args.eval_batches)))
+    seconds = time.perf_counter() - start
+    val = evaluate(model, dataset.val, args, args.eval_batches) if math.isfinite(train_losses[-1]) else math.nan
+    val_history.append((len(train_losses), val))
+    return {
+        "label": spec.label,
+        "seed": seed,
+        "initial_val_loss": initial_val,
+        "val_loss": val,
+        "train_losses": train_losses,
+        "val_history": val_history,
+        "bytes_per_param": state_bytes_per_param(opt, spec.lowbit),
+        "params": sum(p.numel() for p in model.parameters()),
+        "seconds": seconds,
+        "step_seconds": step_seconds,
+    }
+
+
+# ---- comparison ------------------------------------------------------------------------------------
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    values = list(values)
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[dict], labels: list[str]) -> list[dict]:
+    """One row per optimizer: val loss mean/sd, paired gap to REFERENCE (per seed) mean/sd, bytes, time."""
+    by_label = {label: {r["seed"]: r for r in runs if r["label"] == label} for label in labels}
+    reference = by_label.get(REFERENCE)
+    rows = []
+    for label in labels:
+        seeds = by_label[label]
+        val_mean, val_sd = _mean_sd([r["val_loss"] for r in seeds.values()])
+        gaps = [(r["val_loss"] / reference[s]["val_loss"] - 1) * 100 for s, r in seeds.items() if reference and s in reference]
+        gap = _mean_sd(gaps) if gaps else None
+        steps = sorted(t for r in seeds.values() for t in r["step_seconds"])
+        rows.append(
+            {
+                "label": label,
+                "seeds": len(seeds),
+                "val_mean": val_mean,
+                "val_sd": val_sd,
+                "gap_mean": gap[0] if gap else None,
+                "gap_sd": gap[1] if gap else None,
+                "gaps": gaps,
+                "bytes_per_param": statistics.fmean(r["bytes_per_param"] for r in seeds.values()),
+                "seconds": statistics.fmean(r["seconds"] for r in seeds.values()),
+                "ms_per_step": 1000 * steps[len(steps) // 2],
+            }
+        )
+    return rows
+
+
+def markdown_table(rows: list[dict], runs: list[dict], args) -> str:
+    first = runs[0]
+    lines = [
+        f"Char GPT: {args.layers} layers, d_model {args.d_model}, {first['params']:,} params, {args.steps} steps, "
+        f"batch {args.batch_size} x {args.block_size}, peak lr {args.lr}, seeds {args.seeds}. "
+        f"Gap: per-seed relative difference of final val loss to `{REFERENCE}`, mean ± sd over seeds.",
+        "",
+        "| optimizer | seeds | final val loss | gap vs fp32 AdamW | state B/param | s/run | ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gap = f"{r['gap_mean']:+.2f} ± {r['gap_sd']:.2f} %" if r["gap_mean"] is not None else "-"
+        lines.append(
+            f"| {r['label']} | {r['seeds']} | {r['val_mean']:.4f} ± {r['val_sd']:.4f} | {gap} | {r['bytes_per_param']:.3f} | "
+            f"{r['seconds']:.1f} | {r['ms_per_step']:.1f} |"
+        )
+    lines += ["", "Per-seed final val loss:", "", "| optimizer | " + " | ".join(f"seed {s}" for s in _seeds(args)) + " |"]
+    lines.append("|---|" + "---:|" * len(_seeds(args)))
+    for r in rows:
+        per_seed = {x["seed"]: x["val_loss"] for x in runs if x["label"] == r["label"]}
+        lines.append(f"| {r['label']} | " + " | ".join(f"{per_seed[s]:.4f}" if s in per_seed else "-" for s in _seeds(args)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
+    cmap = plt.get_cmap("tab10")
+    for i, label in enumerate(labels):
+        mine = [r for r in runs if r["label"] == label]
+        n = min(len(r["train_losses"]) for r in mine)
+        curves = [_smooth(r["train_losses"][:n], args.smooth) for r in mine]
+        mean = [statistics.fmean(c[k] for c in curves) for k in range(n)]
+        style = "--" if label.startswith("torch") else "-"
+        val_steps = [s for s, _ in mine[0]["val_history"]]
+        same = [r for r in mine if len(r["val_history"]) == len(val_steps)]  # a diverged run stops early
+        val_mean = [statistics.fmean(r["val_history"][k][1] for r in same) for k in range(len(val_steps))]
+        for axis in (ax, zoom):
+            axis.plot(range(1, n + 1), mean, style, color=cmap(i % 10), label=label, linewidth=1.2)
+            axis.plot(val_steps, val_mean, "o", color=cmap(i % 10), markersize=4)
+    counts = sorted({sum(r["label"] == label for r in runs) for label in labels})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    ax.set_title(f"train loss (moving average {args.smooth}, mean of {seeds} seeds); dots: val loss")
+    zoom.set_title("last 40% of training")
+    last = [r["train_losses"][-1] for r in runs if math.isfinite(r["train_losses"][-1])]
+    start = int(0.6 * args.steps)
+    zoom.set_xlim(start, args.steps + 2)
+    if last:
+        window = [v for r in runs for v in _smooth(r["train_losses"], args.smooth)[start:] if math.isfinite(v)]
+        vals = [v for r in runs for _, v in r["val_history"][-1:] if math.isfinite(v)]
+        lo, hi = min(window + vals), max(window + vals)
+        zoom.set_ylim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
+    for axis in (ax, zoom):
+        axis.set_xlabel("step")
+        axis.set_ylabel("loss (nats/char)")
+        axis.grid(alpha=0.3)
+    zoom.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _seeds(args) -> list[int]:
+    return [int(s) for s in str(args.seeds).split(",") if s.strip()]
+
+
+def compare(args, specs: list[OptimizerSpec], dataset: CharDataset) -> dict:
+    runs = []
+    # seed-major: every optimizer once per round, so an interrupted run already covers every optimizer.
+    # Compiled graphs are process-wide, so only the first round pays for torch.compile.
+    seeds = _seeds(args)
+    for i, seed in enumerate(seeds):
+        for spec in specs:
+            r = train_run(spec, dataset, args, seed, args.lr, (0.9, 0.99), 1e-8, args.steps, args.eval_every)
+            runs.append(r)
+            print(f"{spec.label:<20} seed {seed}  val loss {r['val_loss']:.4f}  {r['bytes_per_param']:.3f} B/param  {r['seconds']:.1f} s", flush=True)
+            # rewritten after every run: an interrupted benchmark leaves the runs it finished
+            labels = [s.label for s in specs if any(x["label"] == s.label for x in runs)]
+            rows, table = _write(runs, labels, args, complete=len(runs) == len(seeds) * len(specs))
+    print("\n" + table)
+    return {"rows": rows, "runs": runs, "markdown": table}
+
+
+def _write(runs: list[dict], labels: list[str], args, complete: bool) -> tuple[list[dict], str]:
+    rows = summarize(runs, labels)
+    table = markdown_table(rows, runs, args)
+    status = "" if complete else f"**Partial: {len(runs)} run(s) finished so far (seeds per optimizer in the table).**\n\n"
+    out_md = pathlib.Path(args.out_md)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text("# Convergence: final validation loss by optimizer-state format\n\n" + status + table)
+    # every run's losses next to the table (same name, .json), to re-plot or re-summarize later
+    out_md.with_suffix(".json").write_text(json.dumps({"args": vars(args), "runs": runs}))
+    plot(runs, labels, args, pathlib.Path(args.out_png))
+    return rows, table
+
+
+# ---- stability sweep -------------------------------------------------------------------------------
+
+
+def sweep_grid(args) -> list[dict]:
+    return [
+        {"lr": lr, "eps": eps, "betas": (b1, b2)}
+        for lr in (args.lr, args.high_lr)
+        for eps in (1e-8, 1e-6)
+        for b1 in (0.9, 0.95)
+        for b2 in (0.95, 0.999)
+    ]
+
+
+def stability_sweep(args, specs: list[OptimizerSpec], dataset: CharDataset) -> dict:
+    grid = sweep_grid(args)
+    seeds = _seeds(args)[: args.sweep_seeds]
+    results = []
+    for spec in specs:
+        for config in grid:
+            for seed in seeds:
+                r = train_run(spec, dataset, args, seed, config["lr"], config["betas"], config["eps"], args.sweep_steps, 0)
+                finite = all(math.isfinite(v) for v in r["train_losses"]) and math.isfinite(r["val_loss"])
+                diverged = not finite or r["val_loss"] > r["initial_val_loss"]
+                results.append({**config, "label": spec.label, "seed": seed, "val_loss": r["val_loss"], "diverged": diverged, "finite": finite})
+                print(
+                    f"{spec.label:<20} lr {config['lr']:g} eps {config['eps']:g} betas {config['betas']}  seed {seed}  "
+                    f"val {r['val_loss']:.4f}{'  DIVERGED' if diverged else ''}",
+                    flush=True,
+                )
+    lines = [
+        f"Char GPT: {args.layers} layers, d_model {args.d_model}, {args.sweep_steps} steps per run, seeds {seeds}; grid "
+        f"lr ∈ {{{args.lr:g}, {args.high_lr:g}}} x eps ∈ {{1e-8, 1e-6}} x beta1 ∈ {{0.9, 0.95}} x beta2 ∈ {{0.95, 0.999}}. "
+        "Diverged: a NaN/inf training loss, or final val loss > initial val loss.",
+        "",
+        f"| optimizer | diverged (all) | diverged (lr {args.lr:g}) | diverged (lr {args.high_lr:g}) | non-finite | mean final val loss (lr {args.lr:g}) | mean final val loss (lr {args.high_lr:g}) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = []
+    for spec in specs:
+        mine = [r for r in results if r["label"] == spec.label]
+        low = [r for r in mine if r["lr"] == args.lr]
+        high = [r for r in mine if r["lr"] == args.high_lr]
+
+        def frac(rs):
+            return sum(r["diverged"] for r in rs) / max(len(rs), 1)
+
+        def mean_val(rs):
+            finite = [r["val_loss"] for r in rs if r["finite"]]
+            return f"{statistics.fmean(finite):.4f}" if finite else "-"
+
+        row = {"label": spec.label, "diverged": frac(mine), "runs": len(mine)}
+        rows.append(row)
+        lines.append(
+            f"| {spec.label} | {sum(r['diverged'] for r in mine)}/{len(mine)} ({100 * frac(mine):.0f}%) | "
+            f"{sum(r['diverged'] for r in low)}/{len(low)} | {sum(r['diverged'] for r in high)}/{len(high)} | "
+            f"{sum(not r['finite'] for r in mine)} | {mean_val(low)} | {mean_val(high)} |"
+        )
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    out = pathlib.Path(args.sweep_md)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("# Stability sweep: fraction of diverged runs by optimizer-state format\n\n" + table)
+    return {"rows": rows, "runs": results, "markdown": table}
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (init and batch order)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=10)
+    p.add_argument("--smooth", type=int, default=20, help="moving-average window of the plotted train loss")
+    p.add_argument("--only", help="comma-separated optimizer labels, e.g. 'lowbit fp32,lowbit 8bit,torchao 8bit'")
+    p.add_argument("--out-md", default=str(RESULTS / "convergence.md"))
+    p.add_argument("--out-png", default=str(RESULTS / "convergence.png"))
+    p.add_argument("--sweep", action="store_true", help="run the stability sweep instead of the comparison")
+    p.add_argument("--sweep-steps", type=int, default=100)
+    p.add_argument("--sweep-seeds", type=int, default=1, help="how many of --seeds the sweep uses")
+    p.add_argument("--high-lr", type=float, default=3e-2)
+    p.add_argument("--sweep-md", default=str(RESULTS / "stability.md"))
+    p.add_argument("--list", action="store_true", help="print the optimizer labels and exit")
+    args = p.parse_args(argv)
+    args.device = "cpu"  # evaluate() reads it
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    specs = optimizer_specs()
+    if args.list:
+        print("\n".join(s.label for s in specs))
+        return {}
+    if args.sweep and not args.only:
+        specs = [s for s in specs if not s.torchao]
+    specs = select(specs, args.only)
+    dataset = CharDataset(load_text())
+    start = time.perf_counter()
+    out = stability_sweep(args, specs, dataset) if args.sweep else compare(args, specs, dataset)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    return out
+
+
+if __name__ == "__main__":
+    main()
