@@ -51,7 +51,6 @@ about as many steps as one comparison round: ~10-15 minutes on idle cores (not m
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import pathlib
@@ -75,19 +74,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 REFERENCE = "lowbit fp32"
 
 
-def _import_custom_format() -> None:
-    """Register examples/custom_format.py's "int8-linear" (under the module name conftest uses)."""
-    name = "examples.custom_format"
-    path = ROOT / "examples" / "custom_format.py"
-    if name in sys.modules or not path.exists():
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-
-
-_import_custom_format()
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import custom_formats  # noqa: E402,F401  (registers "int8-linear")
 
 
 # ---- optimizers ------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Columns (quantiles over the pooled elements):
 """
 
 import argparse
-import importlib.util
 import math
 import pathlib
 import sys
@@ -46,18 +45,8 @@ BETAS = (0.9, 0.99)
 NEGLIGIBLE = 0.01  # an update element counts if |u| >= NEGLIGIBLE * RMS(u) of its parameter
 
 
-def _import_custom_format() -> None:
-    name = "examples.custom_format"
-    path = ROOT / "examples" / "custom_format.py"
-    if name in sys.modules or not path.exists():
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-
-
-_import_custom_format()
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import custom_formats  # noqa: E402,F401  (registers "int8-linear")
 
 
 def formats(only: str | None = None) -> dict:
