@@ -18,19 +18,20 @@ from lowbit_optim.formats import get_format, is_quantized, registered_formats
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def import_example(name: str):
-    """``examples/<name>.py`` as module ``examples.<name>`` (examples/ is no package), imported once.
-    Registered in sys.modules so torch.save can pickle the classes it defines by reference."""
-    module_name = f"examples.{name}"
+def import_script(path: str):
+    """``<path>.py`` (e.g. "examples/custom_format") as module ``examples.custom_format``, imported once:
+    examples/ and benchmarks/ are no packages. Registered in sys.modules so torch.save can pickle the
+    classes such a module defines by reference."""
+    module_name = path.replace("/", ".")
     if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "examples" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / f"{path}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
 
 
-CUSTOM_FORMAT_EXAMPLE = import_example("custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
+CUSTOM_FORMAT_EXAMPLE = import_script("examples/custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ __all__ = [
     "FormatInfo",
     "all_formats",
     "format_info",
-    "import_example",
+    "import_script",
     "lowbit_optim",
     "quantized_formats",
 ]

@@ -1,31 +1,19 @@
 """Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py): each main
 function runs on a tiny configuration, writes its files, and reports finite numbers."""
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import import_script
 
 TINY = ["--layers", "1", "--d-model", "64", "--heads", "2", "--block-size", "32", "--batch-size", "16"]
-
-
-def _load_benchmark(name: str):
-    module_name = f"benchmarks.{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
 
 
 @pytest.fixture(scope="module")
 def convergence():
     pytest.importorskip("matplotlib")
-    return _load_benchmark("convergence")
+    return import_script("benchmarks/convergence")
 
 
 def test_convergence_smoke(convergence, tmp_path):
@@ -57,7 +45,7 @@ def test_convergence_sweep_smoke(convergence, tmp_path):
 
 
 def test_state_error_smoke(tmp_path):
-    state_error = _load_benchmark("state_error")
+    state_error = import_script("benchmarks/state_error")
     md = tmp_path / "state_error.md"
     out = state_error.main([*TINY, "--snapshots", "2,5", "--formats", "8bit,4bit", "--out-md", str(md)])
     assert {(r["step"], r["format"]) for r in out["rows"]} == {(s, f) for s in (2, 5) for f in ("8bit", "4bit")}

@@ -1,11 +1,11 @@
 """The examples run and learn: the char-GPT with every registered format, and the custom-format script."""
 
 import pytest
-from conftest import CUSTOM_FORMAT_EXAMPLE, FORMATS, import_example
+from conftest import CUSTOM_FORMAT_EXAMPLE, FORMATS, import_script
 
 import lowbit_optim
 
-char_gpt = import_example("train_char_gpt")
+char_gpt = import_script("examples/train_char_gpt")
 
 # 1 layer, d_model 64: the 64x64 attention projection (4096 elements) is the smallest weight, so every
 # weight matrix still reaches min_quantize_numel and gets the quantized format
