@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import OptimState
+from .state import OptimState, slice_bounds
 
 aten = torch.ops.aten
 
@@ -68,9 +68,7 @@ def map_local(fn, t: Tensor) -> Tensor:
         return fn(t)
     shard = t.to_local()
     out = fn(shard)
-    if out is shard:
-        return t
-    return _dtensor_class().from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return t if out is shard else like_param(out, t)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,8 +150,7 @@ def _slice_view(view: ShardView, dim: int = 0, start=None, end=None, step: int =
         raise NotImplementedError(
             f"a quantized optimizer state can only be resharded along dim 0 (FSDP2's default Shard(0)); got dim={dim}, step={step}"
         )
-    start = 0 if start is None else min(max(start + rows if start < 0 else start, 0), rows)
-    end = rows if end is None else min(max(end + rows if end < 0 else end, start), rows)
+    start, end = slice_bounds(start, end, rows)
     return ShardView(view.state, view.start + start, view.start + end)
 
 

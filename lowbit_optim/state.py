@@ -316,13 +316,19 @@ def _infer_shape(shape, numel):
     return torch.Size(shape)
 
 
+def slice_bounds(start, end, rows: int) -> tuple[int, int]:
+    """aten.slice's start/end (None, negative or out of range) as 0 <= start <= end <= rows."""
+    start = 0 if start is None else min(max(start + rows if start < 0 else start, 0), rows)
+    end = rows if end is None else min(max(end + rows if end < 0 else end, start), rows)
+    return start, end
+
+
 @implements(aten.slice.Tensor)
 def _slice(func, args, kwargs):
     # needed by FSDP2 / DCP to take row shards; only whole blocks can be cut out of a quantized state
     state, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
     rows = state.shape[0] if state.dim() else 1
-    start = 0 if start is None else min(max(start + rows if start < 0 else start, 0), rows)
-    end = rows if end is None else min(max(end + rows if end < 0 else end, start), rows)
+    start, end = slice_bounds(start, end, rows)
     row_numel = state.numel() // rows if rows else 0
     first, last = start * row_numel, end * row_numel
     if dim != 0 or step != 1:
@@ -346,12 +352,9 @@ def _slice(func, args, kwargs):
 def _to_copy(func, args, kwargs):
     # .to(device) moves codes and scales; .to(dtype) only changes the appearance dtype (what
     # dequantize() returns). Needed by torch.optim.Optimizer.load_state_dict and .cuda()/.cpu().
-    state = args[0]
-    device = kwargs.get("device")
-    codes, scale = state.codes, state.scale
-    if device is not None:
-        codes, scale = codes.to(device), scale.to(device)
-    return state._like(codes.clone() if codes is state.codes else codes, scale.clone() if scale is state.scale else scale, dtype=kwargs.get("dtype") or state.dtype)
+    state, device = args[0], kwargs.get("device")
+    codes, scale = state.codes.to(device, copy=True), state.scale.to(device, copy=True)
+    return state._like(codes, scale, dtype=kwargs.get("dtype") or state.dtype)
 
 
 @implements(aten.copy_.default)
