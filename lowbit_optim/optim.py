@@ -5,7 +5,7 @@ import fnmatch
 import torch
 from torch import Tensor, nn
 
-from . import formats, precision
+from . import formats, fused_cpu, precision
 from .functional import adam_step
 from .state import OptimState, check_block_size
 from .distributed import like_param, local, map_local, shard_like
@@ -38,6 +38,11 @@ class Adam(torch.optim.Optimizer):
     "int8-correction" (bf16 + int8 = 24-bit master weights); see precision.py.
     ``bf16_stochastic_round=True`` is torchao's spelling of ``param_update="stochastic"``.
     ``compile=False`` runs the same step function eagerly (slow; for debugging).
+
+    ``fused`` (as in torch.optim): on the CPU the default (None) steps every parameter it can in
+    one call of the fused C kernel (fused_cpu.py; same numbers as the compiled step, in one pass
+    over memory) and the rest with the compiled step; True requires the kernel for every
+    parameter (an error says why one cannot use it); False always uses the compiled step.
     """
 
     default_weight_decay = 0.0
@@ -60,6 +65,7 @@ class Adam(torch.optim.Optimizer):
         compensation_format="bf16",
         bf16_stochastic_round: bool = False,
         compile: bool = True,
+        fused: bool | None = None,
     ):
         if weight_decay is None:
             weight_decay = self.default_weight_decay
@@ -80,7 +86,12 @@ class Adam(torch.optim.Optimizer):
             param_update=param_update,
             compensation_format=compensation_format,
         )
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        if fused and not compile:
+            raise ValueError("fused=True contradicts compile=False (the eager reference step); pass one of them")
         self._step_fn = _compiled_adam_step if compile else adam_step
+        self._fused = fused if compile else False
         super().__init__(params, defaults)
 
     # ---- param groups ---------------------------------------------------------------------------
@@ -163,6 +174,7 @@ class Adam(torch.optim.Optimizer):
 
     def _step_group(self, group: dict) -> None:
         hyper = None
+        fused = []  # what the fused CPU kernel steps, all in one call at the end
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -172,22 +184,25 @@ class Adam(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 self._init_state(p, group, state)
-            if hyper is None:  # once per group and step: a changed lr / beta / eps never recompiles
-                hyper = _hyperparameter_tensors(group, p.device)
             param = local(p.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 state["step"].add_(1)
                 continue
-            flat = _flat(param)
             mode = _param_update(p, group)
+            moments = [local(state["exp_avg"]), local(state["exp_avg_sq"])]
+            moments.append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
+            if self._use_fused(p, param, local(grad), state["step"], moments, mode):
+                fused.append((param, local(grad), state["step"], *moments))
+                continue
+            if hyper is None:  # once per group and step: a changed lr / beta / eps never recompiles
+                hyper = _hyperparameter_tensors(group, p.device)
+            flat = _flat(param)
             extra = precision.extra_state_name(mode)
             self._step_fn(
                 flat,
                 _flat(grad),
                 state["step"],
-                _flat(state["exp_avg"]),
-                _flat(state["exp_avg_sq"]),
-                _flat(state["max_exp_avg_sq"]) if group["amsgrad"] else None,
+                *(_flat(m) if m is not None else None for m in moments),
                 _flat(state[extra]) if extra else None,
                 *hyper,
                 decoupled_weight_decay=self.decoupled_weight_decay,
@@ -196,6 +211,20 @@ class Adam(torch.optim.Optimizer):
             )
             if not param.is_contiguous():
                 param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
+        if fused:
+            fused_cpu.adam_step(fused, group, decoupled_weight_decay=self.decoupled_weight_decay)
+
+    def _use_fused(self, p: Tensor, param: Tensor, grad: Tensor, step: Tensor, moments: list, mode: str) -> bool:
+        if self._fused is False or (self._fused is None and param.device.type != "cpu"):
+            return False
+        states = {name: m for name, m in zip(("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), moments) if m is not None}
+        reason = fused_cpu.unsupported_reason(param, grad, step, states, mode)
+        if reason is not None and self._fused:
+            raise RuntimeError(
+                f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "
+                "Pass fused=None to step such parameters with the compiled step."
+            )
+        return reason is None
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

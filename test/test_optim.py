@@ -200,7 +200,7 @@ def test_compiled_step_matches_eager(info):
     one code step at most)."""
     models = [make_mlp(), make_mlp()]
     opts = [
-        lowbit_optim.AdamW(m.parameters(), lr=LR, state_format=info.name, compile=compiled)
+        lowbit_optim.AdamW(m.parameters(), lr=LR, state_format=info.name, compile=compiled, fused=False)
         for m, compiled in zip(models, (True, False))
     ]
     for model, opt in zip(models, opts):
@@ -225,24 +225,27 @@ def test_compiled_step_matches_eager(info):
 TORCHAO_CLASSES = {"8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+STEP_KINDS = {"eager": dict(compile=False), "compiled": dict(fused=False), "fused": dict(fused=True)}
+
+
+@pytest.mark.parametrize("step_kind", STEP_KINDS)
 @pytest.mark.parametrize("state_format", TORCHAO_CLASSES)
-def test_matches_torchao(state_format, compiled, monkeypatch):
+def test_matches_torchao(state_format, step_kind, monkeypatch):
     """After 5 steps, params and states equal torchao's. torchao quantizes only tensors whose numel
     is a multiple of the block size, so the model is bias-free with a 6144-element (quantized) and a
     512-element (fp32 state) weight. torchao runs eagerly (its internal torch.compile patched out:
     compiling it would cost ~25 s of graphs that test nothing of ours). Observed: our eager step is
-    bit-identical to it, our compiled step within 3e-8 with identical codes (and bit-identical to
-    compiled torchao)."""
+    bit-identical to it, our compiled step (and the fused CPU kernel, bit-identical to it) within
+    3e-8 with identical codes (and bit-identical to compiled torchao)."""
     ao = pytest.importorskip("torchao.optim")
     ours_model, ao_model = make_mlp(8, bias=False), make_mlp(8, bias=False)
-    ours = lowbit_optim.AdamW(ours_model.parameters(), lr=LR, state_format=state_format, compile=compiled)
+    ours = lowbit_optim.AdamW(ours_model.parameters(), lr=LR, state_format=state_format, **STEP_KINDS[step_kind])
     reference = getattr(ao, TORCHAO_CLASSES[state_format])(ao_model.parameters(), lr=LR)
     train(ours_model, ours, 5)
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     train(ao_model, reference, 5)
 
-    assert_params_close(ours_model, ao_model, rtol=0, atol=1e-6 if compiled else 1e-7)
+    assert_params_close(ours_model, ao_model, rtol=0, atol=1e-7 if step_kind == "eager" else 1e-6)
     expected = moments(reference, ao_model)
     assert moments(ours, ours_model).keys() == expected.keys()
     for key, state in moments(ours, ours_model).items():
@@ -487,7 +490,7 @@ def test_hyperparameter_changes_do_not_recompile(info):
     scheduler (StepLR; OneCycleLR also cycles betas[0]) compiles nothing new, and takes effect
     (lr=0 leaves the params unchanged)."""
     model = make_mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, fused=False)
     train(model, opt, 2)
     graphs = unique_graphs()
     group = opt.param_groups[0]
@@ -527,11 +530,11 @@ def test_graph_count_does_not_grow_with_distinct_shapes(info):
     """Once the 4-shape MLP has stepped, a model with 26 other shapes (same ranks, same format)
     compiles no new graph."""
     model = make_mlp()
-    train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name), 1)
+    train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, fused=False), 1)
     graphs = unique_graphs()
     many = many_shapes_mlp()
     assert len({p.shape for p in many.parameters()}) >= 25
-    opt = lowbit_optim.AdamW(many.parameters(), lr=LR, state_format=info.name)
+    opt = lowbit_optim.AdamW(many.parameters(), lr=LR, state_format=info.name, fused=False)
     x = torch.randn(4, 64)
     for _ in range(2):
         opt.zero_grad()
@@ -575,7 +578,7 @@ def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):
     monkeypatch.setattr(lowbit_optim.optim, "_compiled_adam_step", isolated_compile(lowbit_optim.adam_step, counter))
 
     def step_all(params):
-        opt = lowbit_optim.AdamW(params, state_format="fp32")
+        opt = lowbit_optim.AdamW(params, state_format="fp32", fused=False)
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()

@@ -1,0 +1,337 @@
+/* One fused pass of Adam / AdamW over many parameters on the CPU: dequantize -> update -> quantize.
+ *
+ * Work is split into chunks of a few blocks; a thread decodes a chunk's states into small fp32
+ * buffers that stay in L1, updates them and the parameter, and re-encodes them, so every byte of
+ * state is read once and written once. The arithmetic is that of functional.adam_step as
+ * torch.compile lowers it (same operations, same order, no contraction into FMAs: compile with
+ * -ffp-contract=off), so this kernel and the compiled step produce the same bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_CODEBOOK = 2, KIND_E4M3 = 3 };
+
+typedef struct {
+    int32_t kind;
+    int32_t bits;              /* 8, or 4: two codes per byte, element 2i in the high nibble */
+    int64_t block_size;        /* quantized kinds: elements per scale */
+    float scale_max;           /* a block's absmax maps to this code value */
+    void *data;                /* values (plain kinds) or codes */
+    float *scale;              /* one per block (quantized kinds) */
+    const float *codebook;     /* KIND_CODEBOOK: value of each code */
+    const int32_t *base_code;  /* KIND_CODEBOOK: nearest-code tables indexed by the top 16 bits */
+    const float *threshold;
+} state_t;
+
+typedef struct {
+    int64_t numel;
+    int32_t param_kind;        /* KIND_F32 or KIND_BF16 (rounded to nearest) */
+    int32_t grad_kind;
+    void *param;
+    const void *grad;
+    float *step;
+    state_t exp_avg, exp_avg_sq, max_exp_avg_sq;
+} param_t;
+
+typedef struct {
+    float lr, beta1, beta2, weight_decay, eps, one_minus_beta1, one_minus_beta2;
+    int32_t decoupled_weight_decay, maximize, amsgrad;
+} hyper_t;
+
+#define MIN_BLOCK_SCALE 1e-12f
+#define MAX_CHUNK 8192
+
+static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+static inline float bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays a quiet NaN */
+    uint32_t u = bits_of(x);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return x != x ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+}
+
+static inline float e4m3_to_f32(uint8_t c) {
+    uint32_t sign = (uint32_t)(c & 0x80) << 24, exponent = (c >> 3) & 15, mantissa = c & 7;
+    float magnitude = exponent ? float_of(((exponent + 120) << 23) | (mantissa << 20)) : (float)mantissa * 0.001953125f;
+    if ((c & 0x7F) == 0x7F) magnitude = NAN;
+    return float_of(bits_of(magnitude) | sign);
+}
+
+static inline uint8_t f32_to_e4m3(float x) {  /* round to nearest even; what rounds above 448 -> NaN, as torch */
+    uint32_t u = bits_of(x), sign = (u >> 24) & 0x80;
+    uint32_t a = u & 0x7FFFFFFFu;
+    uint32_t code;
+    if (a >= 0x43F00000u) {               /* 480 and above, inf, NaN */
+        code = 0x7F;
+    } else if (a < 0x3C800000u) {         /* below 2**-6: subnormal, steps of 2**-9 */
+        /* adding 2**14, whose fp32 ulp is 2**-9, rounds to that grid (to nearest even) and leaves
+         * the multiple of 2**-9 in the low mantissa bits */
+        code = bits_of(float_of(a) + 16384.0f) - bits_of(16384.0f);
+    } else {
+        uint32_t odd = (a >> 20) & 1u;
+        code = (a + 0x7FFFFu + odd - (120u << 23)) >> 20;
+    }
+    return (uint8_t)(code | sign);
+}
+
+/* ---- the hot loops over one block: decode, absmax, encode --------------------------------------
+ * With AVX-512 (the library is built with -march=native) they are written with intrinsics: the
+ * compiler does not vectorize table gathers indexed by bytes. The scalar loops are the reference
+ * and the fallback; both compute exactly the same values. */
+
+static float e4m3_values[256];  /* KIND_E4M3 decodes through this table like a codebook */
+
+__attribute__((constructor)) static void fill_e4m3_values(void) {
+    for (int c = 0; c < 256; c++) e4m3_values[c] = e4m3_to_f32((uint8_t)c);
+}
+
+/* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block */
+static void decode_block(const uint8_t *c, int bits, const float *codebook, float scale, int64_t m, float *out) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 s = _mm512_set1_ps(scale);
+    if (bits == 8) {
+        for (; i + 16 <= m; i += 16) {
+            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + i)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, codebook, 4), s));
+        }
+    } else {
+        __m512 table = _mm512_loadu_ps(codebook);  /* 16 values: one register, a permute decodes */
+        __m512i shifts = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        for (; i + 16 <= m; i += 16) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(c + i / 2));
+            __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  /* b0 b0 b1 b1 ... */
+            __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(twice, shifts), _mm512_set1_epi32(15));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s));
+        }
+    }
+#endif
+    for (; i < m; i++) {
+        uint8_t code = bits == 8 ? c[i] : (i & 1 ? c[i / 2] & 15 : c[i / 2] >> 4);
+        out[i] = codebook[code] * scale;
+    }
+}
+
+/* the block's scale: absmax (at least MIN_BLOCK_SCALE; NaN if any value is NaN) / scale_max */
+static float block_scale(const float *x, int64_t bs, float scale_max) {
+    float absmax = 0.0f;
+    int nan = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= bs; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
+    absmax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < bs; i++) {
+        absmax = fmaxf(absmax, fabsf(x[i]));
+        nan |= x[i] != x[i];
+    }
+    return (nan ? NAN : fmaxf(absmax, MIN_BLOCK_SCALE)) / scale_max;
+}
+
+/* codes (one byte each) of x / scale: the exact nearest codebook value, or e4m3 rounding */
+static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes) {
+    int64_t i = 0;
+    if (s->kind == KIND_E4M3) {
+        for (; i < bs; i++) codes[i] = f32_to_e4m3(x[i] / scale);
+        return;
+    }
+    const int32_t *base = s->base_code;
+    const float *threshold = s->threshold;
+#ifdef __AVX512F__
+    __m512 sv = _mm512_set1_ps(scale);
+    for (; i + 16 <= bs; i += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), sv);
+        __m512i bucket = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+        __m512i code = _mm512_i32gather_epi32(bucket, base, 4);
+        __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(bucket, threshold, 4), _CMP_GE_OQ);
+        code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+    }
+#endif
+    for (; i < bs; i++) {
+        float v = x[i] / scale;
+        uint32_t bucket = bits_of(v) >> 16;
+        codes[i] = (uint8_t)(base[bucket] + (v >= threshold[bucket]));
+    }
+}
+
+/* ---- reading and writing one chunk of a state as fp32 ---------------------------------------- */
+
+static void load_state(const state_t *s, int64_t start, int64_t n, float *out) {
+    if (s->kind == KIND_F32) {
+        memcpy(out, (const float *)s->data + start, n * sizeof(float));
+        return;
+    }
+    if (s->kind == KIND_BF16) {
+        const uint16_t *src = (const uint16_t *)s->data + start;
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(src[i]);
+        return;
+    }
+    int64_t bs = s->block_size;
+    const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
+    for (int64_t b = 0; b * bs < n; b++) {
+        int64_t first = start + b * bs;
+        int64_t m = n - b * bs < bs ? n - b * bs : bs;
+        const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);
+        decode_block(c, s->bits, codebook, s->scale[first / bs], m, out + b * bs);
+    }
+}
+
+/* x holds the chunk's n values and room up to the next block boundary (zero-padded here, as the
+ * compiled step pads the last block). */
+static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
+    if (s->kind == KIND_F32) {
+        memcpy((float *)s->data + start, x, n * sizeof(float));
+        return;
+    }
+    if (s->kind == KIND_BF16) {
+        uint16_t *dst = (uint16_t *)s->data + start;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    int64_t bs = s->block_size;
+    int64_t padded = (n + bs - 1) / bs * bs;
+    for (int64_t i = n; i < padded; i++) x[i] = 0.0f;
+    uint8_t codes[MAX_CHUNK];
+    for (int64_t b = 0; b * bs < padded; b++) {
+        const float *xb = x + b * bs;
+        float scale = block_scale(xb, bs, s->scale_max);
+        s->scale[(start + b * bs) / bs] = scale;
+        if (s->bits == 8) {
+            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs);
+        } else {
+            encode_block(s, xb, scale, bs, codes);
+            uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
+            for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
+        }
+    }
+}
+
+static void load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *out) {
+    if (kind == KIND_F32) {
+        memcpy(out, (const float *)src + start, n * sizeof(float));
+    } else {
+        const uint16_t *h = (const uint16_t *)src + start;
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
+    }
+}
+
+static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
+    if (kind == KIND_F32) {
+        memcpy((float *)dst + start, x, n * sizeof(float));
+    } else {
+        uint16_t *h = (uint16_t *)dst + start;
+        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+    }
+}
+
+/* ---- the update ------------------------------------------------------------------------------ */
+
+typedef struct {
+    float lr_times_wd, bias_correction1, sqrt_bias_correction2;
+} scalars_t;
+
+/* torch.lerp as torch.compile lowers it: start + w * (end - start) for |w| < 0.5, else
+ * end - (1 - w) * (end - start); the multiplication by 1.0 it leaves in is exact and dropped. */
+static inline float lerp(float start, float end, float coeff, int high) {
+    return high ? end + coeff * (end - start) : start + coeff * (end - start);
+}
+
+static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float *p, float *g, float *m, float *v, float *vmax) {
+    float w1 = h->one_minus_beta1, w2 = h->one_minus_beta2;
+    int high1 = fabsf(w1) >= 0.5f, high2 = fabsf(w2) >= 0.5f;
+    float c1 = high1 ? -(1.0f - w1) : w1, c2 = high2 ? -(1.0f - w2) : w2;
+    float lr = h->lr, wd = h->weight_decay, eps = h->eps;
+    float lr_wd = k->lr_times_wd, bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2;
+    if (h->maximize)
+        for (int64_t i = 0; i < n; i++) g[i] = -g[i];
+    if (h->decoupled_weight_decay)
+        for (int64_t i = 0; i < n; i++) p[i] = p[i] - lr_wd * p[i];
+    else
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] + wd * p[i];
+    for (int64_t i = 0; i < n; i++) {
+        m[i] = lerp(m[i], g[i], c1, high1);
+        v[i] = lerp(v[i], g[i] * g[i], c2, high2);
+    }
+    float *denom_source = v;
+    if (h->amsgrad) {
+        for (int64_t i = 0; i < n; i++) vmax[i] = (vmax[i] != vmax[i] || v[i] != v[i]) ? NAN : fmaxf(vmax[i], v[i]);
+        denom_source = vmax;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float denom = sqrtf(denom_source[i]) / sbc2 + eps;
+        p[i] = p[i] - lr * (m[i] / bc1) / denom;
+    }
+}
+
+static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, int64_t start, int64_t n) {
+    float p[MAX_CHUNK], g[MAX_CHUNK], m[MAX_CHUNK], v[MAX_CHUNK], vmax[MAX_CHUNK];
+    load_values(t->param_kind, t->param, start, n, p);
+    load_values(t->grad_kind, t->grad, start, n, g);
+    load_state(&t->exp_avg, start, n, m);
+    load_state(&t->exp_avg_sq, start, n, v);
+    if (h->amsgrad) load_state(&t->max_exp_avg_sq, start, n, vmax);
+    update_chunk(h, k, n, p, g, m, v, vmax);
+    store_state(&t->exp_avg, start, n, m);
+    store_state(&t->exp_avg_sq, start, n, v);
+    if (h->amsgrad) store_state(&t->max_exp_avg_sq, start, n, vmax);
+    store_values(t->param_kind, t->param, start, n, p);
+}
+
+static int64_t chunk_size(const param_t *t) {
+    /* a whole number of blocks of every quantized state; 1024 elements keep the buffers in L1 */
+    int64_t size = 1024;
+    const state_t *states[3] = {&t->exp_avg, &t->exp_avg_sq, &t->max_exp_avg_sq};
+    for (int i = 0; i < 3; i++)
+        if (states[i]->kind >= KIND_CODEBOOK && states[i]->block_size > size) size = states[i]->block_size;
+    return size;
+}
+
+int lowbit_max_chunk(void) { return MAX_CHUNK; }
+
+/* Steps every parameter once; returns 0. Chunks of all parameters are shared among the threads. */
+int lowbit_adam_step(const param_t *params, int64_t count, const hyper_t *h, int threads) {
+    int64_t *first_chunk = malloc((count + 1) * sizeof(int64_t));
+    scalars_t *k = malloc((count ? count : 1) * sizeof(scalars_t));
+    if (!first_chunk || !k) { free(first_chunk); free(k); return 1; }
+    first_chunk[0] = 0;
+    for (int64_t j = 0; j < count; j++) {
+        const param_t *t = &params[j];
+        float step = *t->step + 1.0f;
+        *t->step = step;
+        k[j].lr_times_wd = h->lr * h->weight_decay;
+        k[j].bias_correction1 = 1.0f - powf(h->beta1, step);
+        k[j].sqrt_bias_correction2 = sqrtf(1.0f - powf(h->beta2, step));
+        int64_t size = chunk_size(t);
+        first_chunk[j + 1] = first_chunk[j] + (t->numel + size - 1) / size;
+    }
+    int64_t total = first_chunk[count];
+    #pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
+    for (int64_t c = 0; c < total; c++) {
+        int64_t lo = 0, hi = count - 1;  /* the parameter this chunk belongs to */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (first_chunk[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        const param_t *t = &params[lo];
+        int64_t size = chunk_size(t);
+        int64_t start = (c - first_chunk[lo]) * size;
+        int64_t n = t->numel - start < size ? t->numel - start : size;
+        step_chunk(t, h, &k[lo], start, n);
+    }
+    free(first_chunk);
+    free(k);
+    return 0;
+}

@@ -1,0 +1,231 @@
+"""The fused CPU kernel: every parameter's Adam step in one C call, one pass over memory.
+
+The compiled step (functional.adam_step under torch.compile) defines the numerics and serves every
+device and format. On the CPU, inductor turns it into several passes (moments, block absmax,
+encoding) with scalar table gathers; csrc/fused_adam_cpu.c does the same arithmetic in one pass
+per chunk of blocks, for every format it recognizes: plain fp32/bf16 states, codebook formats
+(CodebookState subclasses that keep its encode/decode) and FP8 e4m3. Anything else (a format
+with its own encoding, stochastic / Kahan / int8-correction parameter updates) takes the
+compiled step.
+
+The C file is compiled once per machine with the compiler torch.compile uses, cached next to
+inductor's cache, and called through ctypes: the core package still needs nothing but torch.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import torch
+from torch import Tensor
+
+from . import formats
+from .state import CodebookState, OptimState, _table
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+
+KIND_F32, KIND_BF16, KIND_CODEBOOK, KIND_E4M3 = range(4)
+_PLAIN_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
+
+
+class _State(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("block_size", ctypes.c_int64),
+        ("scale_max", ctypes.c_float),
+        ("data", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("codebook", ctypes.c_void_p),
+        ("base_code", ctypes.c_void_p),
+        ("threshold", ctypes.c_void_p),
+    ]
+
+
+class _Param(ctypes.Structure):
+    _fields_ = [
+        ("numel", ctypes.c_int64),
+        ("param_kind", ctypes.c_int32),
+        ("grad_kind", ctypes.c_int32),
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
+        ("exp_avg", _State),
+        ("exp_avg_sq", _State),
+        ("max_exp_avg_sq", _State),
+    ]
+
+
+class _Hyper(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_float) for name in ("lr", "beta1", "beta2", "weight_decay", "eps", "one_minus_beta1", "one_minus_beta2")] + [
+        (name, ctypes.c_int32) for name in ("decoupled_weight_decay", "maximize", "amsgrad")
+    ]
+
+
+# ---- building the library ---------------------------------------------------------------------
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> pathlib.Path:
+    try:  # beside inductor's cache, so an empty TORCHINDUCTOR_CACHE_DIR means a cold start for both
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return pathlib.Path(cache_dir()) / "lowbit_optim"
+    except Exception:  # noqa: BLE001 - a private helper; any failure just means our own directory
+        return pathlib.Path(tempfile.gettempdir()) / "lowbit_optim"
+
+
+def _machine_key() -> str:
+    # -march=native: a library built on one CPU may not run on another sharing the cache directory
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = os.uname().machine
+    return flags
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None where no C compiler is available."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _machine_key()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"fused_adam_cpu_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        result = subprocess.run(
+            [compiler, "-x", "c", str(SOURCE), *FLAGS, "-o", str(partial), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the fused CPU kernel with {compiler} failed:\n{result.stderr}")
+        os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
+    lib = ctypes.CDLL(str(path))
+    lib.lowbit_adam_step.argtypes = [ctypes.POINTER(_Param), ctypes.c_int64, ctypes.POINTER(_Hyper), ctypes.c_int]
+    lib.lowbit_adam_step.restype = ctypes.c_int
+    lib.lowbit_max_chunk.restype = ctypes.c_int
+    return lib
+
+
+# ---- what the kernel can take ------------------------------------------------------------------
+
+
+def _kernel_kind(state: Tensor) -> int | None:
+    """The kernel's name for how ``state`` is stored, or None if only the compiled step knows."""
+    if not isinstance(state, OptimState):
+        return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
+    cls = type(state)
+    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
+        return None
+    if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
+        return KIND_CODEBOOK
+    if (
+        cls.encode.__func__ is formats.OptimStateFp8.encode.__func__
+        and cls.decode.__func__ is formats.OptimStateFp8.decode.__func__
+        and cls.fp8_dtype == torch.float8_e4m3fn
+    ):
+        return KIND_E4M3
+    return None
+
+
+def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, param_update: str) -> str | None:
+    """Why the fused kernel cannot step this parameter (None if it can)."""
+    if library() is None:
+        return "no C compiler was found to build it (set CC)"
+    if param.device.type != "cpu":
+        return f"the parameter is on {param.device.type}, not the CPU"
+    if param.dtype not in _PLAIN_KINDS or grad.dtype not in _PLAIN_KINDS:
+        return f"parameter/gradient dtype {param.dtype}/{grad.dtype} (it takes float32 and bfloat16)"
+    if not (param.is_contiguous() and grad.is_contiguous()) or grad.layout != torch.strided:
+        return "a non-contiguous parameter or gradient"
+    if step.dtype != torch.float32 or step.device.type != "cpu":
+        return f"a step counter of dtype {step.dtype} on {step.device.type} (it takes a float32 CPU tensor)"
+    if param_update != "nearest":
+        return f"param_update={param_update!r} (it rounds bf16 parameters to nearest only)"
+    for name, state in states.items():
+        if _kernel_kind(state) is None:
+            return f"the {name} state {type(state).__name__} (a format with its own encoding)"
+        if isinstance(state, OptimState) and state.block_size > _max_chunk():
+            return f"block_size {state.block_size} of the {name} state (at most {_max_chunk()})"
+    return None
+
+
+@functools.cache
+def _max_chunk() -> int:
+    lib = library()
+    return lib.lowbit_max_chunk() if lib is not None else 0
+
+
+# ---- calling it --------------------------------------------------------------------------------
+
+
+def _describe(state: Tensor | None) -> _State:
+    if state is None:
+        return _State(kind=KIND_F32)
+    kind = _kernel_kind(state)
+    if not isinstance(state, OptimState):
+        return _State(kind=kind, data=state.data_ptr())
+    described = _State(
+        kind=kind,
+        bits=state.bits,
+        block_size=state.block_size,
+        scale_max=state.scale_max,
+        data=state.codes.data_ptr(),
+        scale=state.scale.data_ptr(),
+    )
+    if kind == KIND_CODEBOOK:
+        described.codebook = _table(type(state), state.signed, "codebook", state.device).data_ptr()
+        described.base_code = _int32_base_code(type(state), state.signed).data_ptr()
+        described.threshold = _table(type(state), state.signed, "threshold", state.device).data_ptr()
+    return described
+
+
+@functools.cache
+def _int32_base_code(cls, signed: bool) -> Tensor:
+    # int32 entries let the compiler gather 16 of them with one vector instruction
+    return _table(cls, signed, "base_code", torch.device("cpu")).to(torch.int32)
+
+
+def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) -> None:
+    """Step every (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq or None) of ``group``
+    (local, contiguous tensors) in one kernel call. Steps are counted like the compiled step."""
+    params = (_Param * len(items))()
+    for entry, (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq) in zip(params, items):
+        entry.numel = param.numel()
+        entry.param_kind = _PLAIN_KINDS[param.dtype]
+        entry.grad_kind = _PLAIN_KINDS[grad.dtype]
+        entry.param = param.data_ptr()
+        entry.grad = grad.data_ptr()
+        entry.step = step.data_ptr()
+        entry.exp_avg = _describe(exp_avg)
+        entry.exp_avg_sq = _describe(exp_avg_sq)
+        entry.max_exp_avg_sq = _describe(max_exp_avg_sq)
+    beta1, beta2 = group["betas"]
+    hyper = _Hyper(
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        one_minus_beta1=1 - beta1,
+        one_minus_beta2=1 - beta2,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=group["maximize"],
+        amsgrad=group["amsgrad"],
+    )
+    if library().lowbit_adam_step(params, len(items), ctypes.byref(hyper), torch.get_num_threads()) != 0:
+        raise MemoryError("the fused CPU kernel could not allocate its work list")

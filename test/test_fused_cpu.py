@@ -1,0 +1,181 @@
+"""The fused CPU kernel (lowbit_optim/fused_cpu.py) against the compiled step it stands in for.
+
+The kernel promises the compiled step's numbers, bit for bit: every test here compares the two with
+torch.equal (params, codes, scales, plain states) after a few steps with awkward shapes (padded last
+blocks, fp32-state small tensors), for every registered format and every optimizer flag the
+kernel takes. What it does not take must fall back to the compiled step, or raise with fused=True.
+"""
+
+import expecttest
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import lowbit_optim
+from conftest import all_formats
+from lowbit_optim import OptimState, fused_cpu
+from lowbit_optim.formats import OptimStateFp8
+
+# 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
+SHAPES = [(71, 64), (64, 96), (300,), (200,)]
+STEPS = 3
+
+
+def run(fused, *, shapes=SHAPES, dtype=torch.float32, cls=lowbit_optim.AdamW, **kwargs):
+    """Params and optimizer after STEPS steps on fixed random gradients."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+    kwargs = dict(lr=1e-2, weight_decay=0.1, min_quantize_numel=256) | kwargs
+    opt = cls(params, fused=fused, **kwargs)
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return params, opt
+
+
+def assert_identical(a, b) -> None:
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    for i, (x, y) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(x, y), f"param {i} differs by up to {float((x - y).abs().max())}"
+        assert opt_a.state[x].keys() == opt_b.state[y].keys()
+        for key, s in opt_a.state[x].items():
+            t = opt_b.state[y][key]
+            assert type(s) is type(t), (i, key)
+            if isinstance(s, OptimState):
+                assert torch.equal(s.codes, t.codes) and torch.equal(s.scale, t.scale), (i, key)
+            else:
+                assert torch.equal(s, t), (i, key)
+
+
+def kernel_takes(fmt_name: str) -> bool:
+    state = lowbit_optim.get_format(fmt_name).zeros(4096, signed=True)
+    return fused_cpu.unsupported_reason(torch.zeros(1), torch.zeros(1), torch.zeros(()), {"exp_avg": state}, "nearest") is None
+
+
+@all_formats
+def test_fused_matches_compiled_bitwise(info):
+    """Every registered format the kernel takes gives the compiled step's exact bits."""
+    if not kernel_takes(info.name):
+        with pytest.raises(RuntimeError, match="own encoding"):
+            run(True, state_format=info.name)
+        return
+    assert_identical(run(True, state_format=info.name), run(False, state_format=info.name))
+
+
+FLAG_CASES = {
+    "amsgrad": dict(state_format="8bit", amsgrad=True),
+    "Adam L2 + maximize": dict(cls=lowbit_optim.Adam, state_format="4bit", maximize=True),
+    "bf16 params": dict(state_format="8bit", dtype=torch.bfloat16),
+    "per-moment formats": dict(state_format={"exp_avg": "4bit", "exp_avg_sq": "fp8"}, amsgrad=True),
+    "betas <= 0.5": dict(state_format="8bit", betas=(0.3, 0.5)),  # lerp's other branch
+    "block_size 32": dict(state_format="4bit", block_size=32),
+    "block_size 2048": dict(state_format="8bit", block_size=2048),  # blocks longer than a chunk
+    "lr tensor, no decay": dict(state_format="fp8", lr=torch.tensor(3e-3), weight_decay=0.0),
+}
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=list(FLAG_CASES))
+def test_fused_matches_compiled_flags(case):
+    kwargs = FLAG_CASES[case]
+    assert_identical(run(True, **kwargs), run(False, **kwargs))
+
+
+def test_scalar_fallback_matches():
+    """Built without AVX-512, the kernel runs its scalar loops: the same bits again."""
+    expected = run(True, state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"})
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-mno-avx512f"])
+            fused_cpu.library.cache_clear()
+            assert_identical(run(True, state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"}), expected)
+    finally:
+        fused_cpu.library.cache_clear()
+
+
+def test_fused_step_compiles_nothing():
+    """On the CPU the default step of fp32 parameters with a kernel format is one C call: no graph."""
+    graphs = counters["stats"]["unique_graphs"]
+    run(None, state_format="8bit")
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_mixed_group_falls_back_per_parameter():
+    """A bf16 parameter under Kahan summation takes the compiled step, its fp32 neighbour the
+    kernel; together they give what the compiled step gives for both."""
+
+    def mixed(fused):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(71, 64, dtype=torch.bfloat16))]
+        opt = lowbit_optim.AdamW(params, lr=1e-2, state_format="8bit", param_update="kahan", fused=fused)
+        for _ in range(STEPS):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        return params, opt
+
+    assert_identical(mixed(None), mixed(False))
+
+
+class _E5M2(OptimStateFp8):  # unregistered (no name): a format whose encoding the kernel lacks
+    name = None
+    fp8_dtype = torch.float8_e5m2
+    scale_max = torch.finfo(torch.float8_e5m2).max
+
+
+class TestRefusals(expecttest.TestCase):
+    def reason(self, param=None, grad=None, states=None, param_update="nearest") -> str | None:
+        param = torch.zeros(8) if param is None else param
+        grad = torch.zeros_like(param) if grad is None else grad
+        states = {"exp_avg": torch.zeros(8)} if states is None else states
+        return fused_cpu.unsupported_reason(param, grad, torch.zeros(()), states, param_update)
+
+    def test_reasons(self):
+        self.assertIsNone(self.reason())
+        self.assertExpectedInline(self.reason(param=torch.zeros(8, device="meta")), """the parameter is on meta, not the CPU""")
+        self.assertExpectedInline(
+            self.reason(param=torch.zeros(8, dtype=torch.float16)),
+            """parameter/gradient dtype torch.float16/torch.float16 (it takes float32 and bfloat16)""",
+        )
+        self.assertExpectedInline(
+            self.reason(param_update="kahan"), """param_update='kahan' (it rounds bf16 parameters to nearest only)"""
+        )
+        self.assertExpectedInline(
+            self.reason(states={"exp_avg_sq": _E5M2.zeros(256, signed=False)}),
+            """the exp_avg_sq state _E5M2 (a format with its own encoding)""",
+        )
+        big = lowbit_optim.OptimState8bit.zeros(16384, block_size=16384)
+        self.assertExpectedInline(self.reason(states={"exp_avg": big}), """block_size 16384 of the exp_avg state (at most 8192)""")
+
+    def test_fused_true_names_the_parameter_and_the_way_out(self):
+        param = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+        param.grad = torch.randn_like(param)
+        opt = lowbit_optim.AdamW([param], state_format="8bit", param_update="stochastic", fused=True)
+        with self.assertRaises(RuntimeError) as caught:
+            opt.step()
+        self.assertExpectedInline(
+            str(caught.exception),
+            """fused=True, but the fused CPU kernel cannot step a parameter of shape (64, 96): param_update='stochastic' (it rounds bf16 parameters to nearest only). Pass fused=None to step such parameters with the compiled step.""",
+        )
+
+    def test_bad_fused_arguments(self):
+        with self.assertRaises(ValueError) as caught:
+            lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True, compile=False)
+        self.assertExpectedInline(
+            str(caught.exception), """fused=True contradicts compile=False (the eager reference step); pass one of them"""
+        )
+        with self.assertRaises(ValueError) as caught:
+            lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused="yes")
+        self.assertExpectedInline(str(caught.exception), """fused must be None, True or False, got 'yes'""")
+
+
+def test_without_a_compiler(monkeypatch):
+    """No C compiler: fused=None quietly takes the compiled step; fused=True says what is missing."""
+    monkeypatch.setattr(fused_cpu, "_compiler", lambda: None)
+    fused_cpu.library.cache_clear()
+    try:
+        assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
+        with pytest.raises(RuntimeError, match="no C compiler was found to build it"):
+            run(True, state_format="8bit", shapes=[(64, 96)])
+    finally:
+        fused_cpu.library.cache_clear()
