@@ -95,11 +95,12 @@ class OptimState8bit(CodebookState):
         return quant.dynamic_codebook(signed, exponent_bits=7, total_bits=8)
 
 
-class OptimState4bit(CodebookState):
-    """4-bit blockwise state (lpmm / torchao): signed dynamic codebook with 3 exponent bits for the
-    first moment, linear codebook without zero for the second moment."""
+class OptimState4bitTorchao(CodebookState):
+    """torchao's (and lpmm's) 4-bit blockwise state: signed dynamic codebook with 3 exponent bits
+    for the first moment, linear codebook without zero for the second; codes and numerics
+    identical to torchao's OptimState4bit."""
 
-    name = "4bit"
+    name = "4bit-torchao"
     bits = 4
     default_block_size = 128
 
@@ -108,6 +109,40 @@ class OptimState4bit(CodebookState):
         if signed:
             return quant.dynamic_codebook(True, exponent_bits=3, total_bits=4)
         return quant.linear_codebook_without_zero(4)
+
+
+class OptimStateNF4(OptimState4bitTorchao):
+    """4-bit NormalFloat first moment (about half the error of the dynamic codebook on Adam's m,
+    benchmarks/results/state_error.md); the second moment as in 4bit-torchao."""
+
+    name = "nf4"
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.normal_float_codebook(4) if signed else super().codebook(signed)
+
+
+class OptimState4bitPrecond(OptimState4bitTorchao):
+    """4-bit second moment on a codebook linear in sqrt(v) (smallest code 1/256 of the block's
+    absmax instead of 1/16), rounded to the code nearest in 1/sqrt(v), the preconditioner the
+    update multiplies by, rather than nearest in v; the first moment as in 4bit-torchao."""
+
+    name = "4bit-precond"
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return super().codebook(signed) if signed else quant.squared_linear_codebook_without_zero(4)
+
+    @classmethod
+    def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
+        return values if signed else -values.rsqrt()
+
+
+class OptimState4bit(OptimStateNF4, OptimState4bitPrecond):
+    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``): the NF4
+    first moment of ``nf4`` with the second moment of ``4bit-precond``."""
+
+    name = "4bit"
 
 
 class OptimStateFp8(OptimState):
@@ -134,6 +169,9 @@ __all__ = [
     "FP32",
     "OptimState8bit",
     "OptimState4bit",
+    "OptimState4bitPrecond",
+    "OptimState4bitTorchao",
+    "OptimStateNF4",
     "OptimStateFp8",
     "PlainFormat",
     "check_block_size",

@@ -90,10 +90,10 @@ def _cache_dir() -> pathlib.Path:
 def _machine_key() -> str:
     # -march=native: a library built on one CPU may not run on another sharing the cache directory
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line for line in cpuinfo if line.startswith("flags"))
     except (OSError, StopIteration):
-        flags = os.uname().machine
-    return flags
+        return os.uname().machine
 
 
 @functools.cache
@@ -109,7 +109,7 @@ def library() -> ctypes.CDLL | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         result = subprocess.run(
-            [compiler, "-x", "c", str(SOURCE), *FLAGS, "-o", str(partial), "-lm"], capture_output=True, text=True
+            [compiler, "-x", "c", str(SOURCE), *FLAGS, "-o", str(partial), "-lm"], capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
             raise RuntimeError(f"compiling the fused CPU kernel with {compiler} failed:\n{result.stderr}")

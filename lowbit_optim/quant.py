@@ -50,6 +50,28 @@ def linear_codebook_without_zero(total_bits: int) -> list[float]:
     return torch.linspace(0, 1, n + 1, dtype=torch.float32)[1:].tolist()
 
 
+def normal_float_codebook(total_bits: int) -> list[float]:
+    """NormalFloat (NF4 for 4 bits, Dettmers et al. 2023, arXiv:2305.14314): codes at evenly spaced
+    quantiles of a standard normal, normalized to [-1, 1], with an exact zero; 2**(bits-1) positive
+    and 2**(bits-1) - 1 negative codes. Values near zero, where most of a block's entries lie, are
+    dense; the tails are sparse. The outermost quantile ``offset`` is the mean of 1 - 1/(2(n-1))
+    and 1 - 1/(2n) for n = 2**bits codes, as in the paper."""
+    n = 2**total_bits
+    offset = ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n))) / 2
+    positive = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])
+    negative = -torch.special.ndtri(torch.linspace(offset, 0.5, n // 2, dtype=torch.float64)[:-1])
+    values = torch.cat([positive, negative, torch.zeros(1, dtype=torch.float64)])
+    return sorted((values / values.abs().max()).float().tolist())
+
+
+def squared_linear_codebook_without_zero(total_bits: int) -> list[float]:
+    """(1/n)**2, (2/n)**2, ..., 1: a second-moment codebook that is linear in sqrt(v), the quantity
+    the update divides by. Its smallest code is 1/n**2 of the block's absmax (1/256 for 4 bits,
+    against 1/16 for the linear codebook), and like that one it has no zero."""
+    n = 2**total_bits
+    return [(k / n) ** 2 for k in range(1, n + 1)]
+
+
 # --------------------------------------------------------------------------------------------
 # Exact nearest-code encoding with a lookup table.
 #
@@ -63,16 +85,35 @@ def linear_codebook_without_zero(total_bits: int) -> list[float]:
 TABLE_BITS = 16
 
 
-def nearest_code_tables(codebook: list[float]) -> tuple[Tensor, Tensor]:
-    """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest``.
+def decision_boundaries(values: Tensor, rounding_space=None) -> Tensor:
+    """The points (float64) between neighbouring code values where rounding switches code.
 
-    Ties (x exactly halfway between two codes) go to the larger code. NaN encodes as the code
-    nearest to zero (a block holding NaN has a NaN scale, so it decodes to NaN anyway).
+    Without ``rounding_space`` they are the midpoints: nearest value. With a strictly increasing
+    map f they are the t where f(t) is halfway between f(a) and f(b): nearest in that space
+    (found by bisection, to float64 precision).
+    """
+    low, high = values[:-1], values[1:]
+    if rounding_space is None:
+        return (low + high) / 2  # exact: fp32 values added in fp64
+    target = (rounding_space(low) + rounding_space(high)) / 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        below = rounding_space(mid) < target
+        low, high = torch.where(below, mid, low), torch.where(below, high, mid)
+    return high
+
+
+def nearest_code_tables(codebook: list[float], rounding_space=None) -> tuple[Tensor, Tensor]:
+    """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest``: the nearest
+    code, in value or in ``rounding_space`` (see ``decision_boundaries``).
+
+    Ties (x exactly on a boundary) go to the larger code. NaN encodes as the code nearest to zero
+    (a block holding NaN has a NaN scale, so it decodes to NaN anyway).
     """
     values = torch.tensor(codebook, dtype=torch.float64)
     if len(codebook) > 256 or not bool((values[1:] > values[:-1]).all()):
         raise ValueError("a codebook must hold at most 256 strictly increasing values")
-    midpoints = (values[1:] + values[:-1]) / 2  # exact: fp32 values added in fp64
+    midpoints = decision_boundaries(values, rounding_space)
 
     prefix = torch.arange(2**TABLE_BITS, dtype=torch.int64)
     first = (prefix << 16).to(torch.int32).view(torch.float32).double()

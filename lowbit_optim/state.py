@@ -15,6 +15,8 @@ codes and back: see ``formats.py``.
 """
 
 import functools
+import hashlib
+import inspect
 import math
 from typing import Callable, ClassVar
 
@@ -75,6 +77,12 @@ class OptimState(Tensor):
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
         """uint8 codes (unpacked) -> fp32 values."""
         raise NotImplementedError
+
+    @classmethod
+    def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
+        """A strictly increasing map of normalized values (float64): ``encode`` picks the code
+        nearest to a value in this space. The identity: the nearest value."""
+        return values
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -152,8 +160,25 @@ class OptimState(Tensor):
         return cls(inner["codes"], inner["scale"], outer_size, *meta)
 
     def _stable_hash_for_caching(self) -> str:
-        # lets torch.compile's AOT cache reuse graphs across processes: the metadata is the whole key
-        return f"{type(self).__module__}.{type(self).__qualname__}:{self.block_size}:{self.signed}:{self.dtype}"
+        # lets torch.compile's AOT cache reuse graphs across processes. The key holds the metadata and
+        # what the format computes (a class keeping its name while changing its codebook must not
+        # load graphs compiled for the old one)
+        cls = type(self)
+        return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{self.block_size}:{self.signed}:{self.dtype}"
+
+    @classmethod
+    @functools.cache
+    def _numerics_fingerprint(cls, signed: bool) -> str:
+        """A hash of the code that defines the format's numbers (its encode/decode and scaling)."""
+        parts = []
+        for name in ("encode", "decode", "rounding_space", "quantize_", "dequantize"):
+            fn = getattr(getattr(cls, name), "__func__", getattr(cls, name))
+            try:
+                parts.append(inspect.getsource(fn))
+            except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
+                parts.append(fn.__qualname__)
+        parts.append(f"{cls.bits}:{cls.scale_max}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def _like(self, codes: Tensor, scale: Tensor, shape=None, dtype=None) -> "OptimState":
         return type(self)(codes, scale, self.shape if shape is None else shape, self.block_size, self.signed, dtype or self.dtype)
@@ -182,7 +207,8 @@ class OptimState(Tensor):
 
 class CodebookState(OptimState):
     """A format given by a table of code values: ``codebook(signed)`` returns up to 2**bits sorted
-    floats in [-1, 1]; encoding picks the exact nearest one (ties to the larger), via lookup tables."""
+    floats in [-1, 1]; encoding picks the exact nearest one (ties to the larger), via lookup tables,
+    nearest in value or in the format's ``rounding_space``."""
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
@@ -196,6 +222,13 @@ class CodebookState(OptimState):
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
         return quant.decode_codebook(codes, _codebook_tensor(cls, signed, codes.device))
+
+    @classmethod
+    @functools.cache
+    def _numerics_fingerprint(cls, signed: bool) -> str:
+        tables = _table_values(cls, signed)
+        text = repr([tables[name][0] for name in ("codebook", "threshold")])
+        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
 
 
 def _codebook_tensor(cls, signed: bool, device: torch.device) -> Tensor:
@@ -213,7 +246,8 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     codebook = torch.tensor(cls.codebook(signed), dtype=torch.float32).tolist()
     if len(codebook) > 2**cls.bits:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
-    base_code, threshold = quant.nearest_code_tables(codebook)
+    space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
+    base_code, threshold = quant.nearest_code_tables(codebook, space)
     unused = [math.nan] * (2**cls.bits - len(codebook))  # codes encode never produces decode to NaN
     return {
         "codebook": (codebook + unused, torch.float32),

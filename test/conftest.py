@@ -55,14 +55,31 @@ class FormatInfo:
         values = self.fmt.decode(codes, signed).double()
         return torch.unique(values[torch.isfinite(values)]) / self.fmt.scale_max
 
+    def rounding_space(self, values: torch.Tensor, signed: bool) -> torch.Tensor:
+        """The space (float64, normalized values) in which ``encode`` picks the nearest code."""
+        return self.fmt.rounding_space(values * self.fmt.scale_max, signed)
+
+    def boundaries(self, signed: bool) -> torch.Tensor:
+        """Normalized values where rounding switches between neighbouring codes: the points halfway
+        between them in the rounding space, found here by plain bisection (float64)."""
+        values = self.code_values(signed)
+        low, high = values[:-1].clone(), values[1:].clone()
+        target = (self.rounding_space(low, signed) + self.rounding_space(high, signed)) / 2
+        for _ in range(200):
+            mid = (low + high) / 2
+            below = self.rounding_space(mid, signed) < target
+            low, high = torch.where(below, mid, low), torch.where(below, high, mid)
+        return high
+
     def max_rounding_error(self, signed: bool) -> float:
-        """Largest distance from a normalized value in [-1, 1] ([0, 1] unsigned) to its nearest code."""
+        """Largest distance from a normalized value in [-1, 1] ([0, 1] unsigned) to the code it
+        rounds to (half the largest gap when rounding is nearest in value)."""
         values = self.code_values(signed)
         low = -1.0 if signed else 0.0
         inside = values[(values >= low) & (values <= 1.0)]
-        points = torch.cat([torch.tensor([low, 1.0], dtype=torch.float64), inside]).unique()
-        gaps = points[1:] - points[:-1]
-        return max(float(gaps.max()) / 2, float(inside.min() - low), float(1.0 - inside.max()))
+        boundaries = self.boundaries(signed)
+        up, down = boundaries - values[:-1], values[1:] - boundaries  # worst case on either side of each boundary
+        return max(float(up.max()), float(down.max()), float(inside.min() - low), float(1.0 - inside.max()))
 
     def __repr__(self):
         return self.name
@@ -70,7 +87,7 @@ class FormatInfo:
 
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit", "fp8"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit", "fp8"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])

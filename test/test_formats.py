@@ -79,7 +79,8 @@ def encode_inputs(info: FormatInfo, signed: bool, seed: int = 0) -> torch.Tensor
     g = torch.Generator().manual_seed(seed)
     top = torch.tensor(float(info.fmt.scale_max))
     codes = encode_domain_codes(info, signed)
-    midpoints = ((codes[1:] + codes[:-1]) / 2).float()
+    # midpoints in value and the decision boundaries of the rounding space (the same for most formats)
+    midpoints = torch.cat([(codes[1:] + codes[:-1]) / 2, info.boundaries(signed) * info.fmt.scale_max]).float()
     n = 4096
     normalized = torch.cat(
         [
@@ -111,14 +112,15 @@ def encode_inputs(info: FormatInfo, signed: bool, seed: int = 0) -> torch.Tensor
 
 
 def assert_encodes_to_nearest(info: FormatInfo, signed: bool, x: torch.Tensor) -> None:
-    """``decode(encode(x))`` is at the brute-force minimum distance from x over all codes (float64).
-    On an exact tie any of the nearest codes is accepted."""
+    """``decode(encode(x))`` is at the brute-force minimum distance from x over all codes (float64),
+    measured in the format's rounding space. On an exact tie any of the nearest codes is accepted."""
     fmt = info.fmt
     codes = fmt.encode(x, signed)
     assert codes.dtype == torch.uint8 and codes.shape == x.shape
     assert int(codes.max()) < 2**fmt.bits, "a code does not fit in the format's bits"
-    chosen = (x.double() - fmt.decode(codes, signed).double()).abs()
-    best = (x.double()[:, None] - encode_domain_codes(info, signed)[None, :]).abs().amin(dim=1)
+    chosen = (fmt.rounding_space(x.double(), signed) - fmt.rounding_space(fmt.decode(codes, signed).double(), signed)).abs()
+    code_points = fmt.rounding_space(encode_domain_codes(info, signed), signed)
+    best = (fmt.rounding_space(x.double(), signed)[:, None] - code_points[None, :]).abs().amin(dim=1)
     bad = ~(chosen == best)  # NaN (a code that decodes to NaN) counts as wrong
     if bad.any():
         rows = [
@@ -202,7 +204,8 @@ def test_encode_picks_nearest_code(info, signed):
     [
         pytest.param(i, signed, id=f"{_signedness(signed)}-{i.name}")
         for i in QUANTIZED_FORMATS
-        if issubclass(i.fmt, CodebookState)  # the tie rule is CodebookState's; fp8 rounds ties to even
+        # the tie rule is CodebookState's (fp8 rounds ties to even); exact ties exist at midpoints in value
+        if issubclass(i.fmt, CodebookState) and i.fmt.rounding_space.__func__ is OptimState.rounding_space.__func__
         for signed in (True, False)
     ],
 )
@@ -735,12 +738,30 @@ class TestPinned(expecttest.TestCase):
 8bit unsigned: n=256 min=0 max=1 smallest_positive=3.25e-07
   first: 0, 3.25e-07, 7.75e-07, 2.125e-06
   last:  0.982422, 0.989453, 0.996484, 1
-4bit signed: n=16 min=-0.8875 max=1 smallest_positive=0.0055
+4bit-torchao signed: n=16 min=-0.8875 max=1 smallest_positive=0.0055
   first: -0.8875, -0.6625, -0.4375, -0.2125
   last:  0.4375, 0.6625, 0.8875, 1
-4bit unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
+4bit-torchao unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
   first: 0.0625, 0.125, 0.1875, 0.25
   last:  0.8125, 0.875, 0.9375, 1
+nf4 signed: n=16 min=-1 max=1 smallest_positive=0.0795803
+  first: -1, -0.696193, -0.525073, -0.394917
+  last:  0.44071, 0.562617, 0.722957, 1
+nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
+  first: 0.0625, 0.125, 0.1875, 0.25
+  last:  0.8125, 0.875, 0.9375, 1
+4bit-precond signed: n=16 min=-0.8875 max=1 smallest_positive=0.0055
+  first: -0.8875, -0.6625, -0.4375, -0.2125
+  last:  0.4375, 0.6625, 0.8875, 1
+4bit-precond unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.015625, 0.0351562, 0.0625
+  last:  0.660156, 0.765625, 0.878906, 1
+4bit signed: n=16 min=-1 max=1 smallest_positive=0.0795803
+  first: -1, -0.696193, -0.525073, -0.394917
+  last:  0.44071, 0.562617, 0.722957, 1
+4bit unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.015625, 0.0351562, 0.0625
+  last:  0.660156, 0.765625, 0.878906, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
@@ -749,11 +770,21 @@ fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   last:  0.785714, 0.857143, 0.928571, 1""")
 
     def test_4bit_codebooks(self):
-        info = format_info("4bit")
-        rendered = "\n".join(f"{_signedness(signed)}: {_floats(info.code_values(signed), '.9g')}" for signed in (True, False))
+        rendered = "\n".join(
+            f"{name} {_signedness(signed)}: {_floats(format_info(name).code_values(signed), '.9g')}"
+            for name in BUILTIN_QUANTIZED
+            if get_format(name).bits == 4
+            for signed in (True, False)
+        )
         self.assertExpectedInline(rendered, """\
-signed: -0.887499988, -0.662500024, -0.4375, -0.212499991, -0.0775000006, -0.0325000025, -0.00549999997, 0, 0.00549999997, 0.0325000025, 0.0775000006, 0.212499991, 0.4375, 0.662500024, 0.887499988, 1
-unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1""")
+4bit-torchao signed: -0.887499988, -0.662500024, -0.4375, -0.212499991, -0.0775000006, -0.0325000025, -0.00549999997, 0, 0.00549999997, 0.0325000025, 0.0775000006, 0.212499991, 0.4375, 0.662500024, 0.887499988, 1
+4bit-torchao unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1
+nf4 signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
+nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1
+4bit-precond signed: -0.887499988, -0.662500024, -0.4375, -0.212499991, -0.0775000006, -0.0325000025, -0.00549999997, 0, 0.00549999997, 0.0325000025, 0.0775000006, 0.212499991, 0.4375, 0.662500024, 0.887499988, 1
+4bit-precond unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
+4bit signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
+4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
 
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
@@ -771,6 +802,9 @@ unsigned last:  0.954296827, 0.961328149, 0.968359351, 0.975390673, 0.982421875,
         rendered = "\n".join(repr(get_format(name).zeros((3, 100))) for name in BUILTIN_QUANTIZED)
         self.assertExpectedInline(rendered, """\
 OptimState8bit(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
+OptimState4bitTorchao(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimStateNF4(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimState4bitPrecond(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)""")
 
@@ -783,6 +817,9 @@ OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, 
 
         self.assertExpectedInline("\n".join(f"{name}: {bytes_per_element(name)}" for name in BUILTIN_QUANTIZED), """\
 8bit: 1.015625
+4bit-torchao: 0.53125
+nf4: 0.53125
+4bit-precond: 0.53125
 4bit: 0.53125
 fp8: 1.015625""")
 
@@ -815,7 +852,7 @@ fp8: 1.015625""")
 # 7. Parity with torchao (8-bit and 4-bit states)
 # ------------------------------------------------------------------------------------------------
 
-TORCHAO_MODULES = {"8bit": ("torchao.optim.subclass_8bit", "OptimState8bit"), "4bit": ("torchao.optim.subclass_4bit", "OptimState4bit")}
+TORCHAO_MODULES = {"8bit": ("torchao.optim.subclass_8bit", "OptimState8bit"), "4bit-torchao": ("torchao.optim.subclass_4bit", "OptimState4bit")}
 torchao_formats = pytest.mark.parametrize("name", TORCHAO_MODULES)
 
 
@@ -884,3 +921,29 @@ def test_torchao_differs_only_where_it_misrounds(name, signed):
     theirs_error = (theirs.dequantize().view(-1).double() - x.view(-1).double()).abs()
     differ = ours_error != theirs_error
     assert bool((ours_error < theirs_error)[differ].all())
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. Compile-cache keys
+# ------------------------------------------------------------------------------------------------
+
+
+def _same_named_formats():
+    """Two unregistered codebook formats with one qualified name and different codebooks: what a
+    format looks like before and after an upgrade changes its codebook."""
+
+    def make(values):
+        cls = type("Renamed", (CodebookState,), {"bits": 4, "default_block_size": 128, "codebook": classmethod(lambda cls, signed: values)})
+        cls.__qualname__ = "Renamed"
+        return cls
+
+    return make([-1.0, 0.0, 1.0]), make([-1.0, -0.5, 0.0, 0.5, 1.0])
+
+
+def test_compile_cache_key_covers_the_numbers():
+    """torch.compile's on-disk cache finds graphs by the state's ``_stable_hash_for_caching``: a
+    codebook change must change it, or a new version would run graphs compiled for the old codebook."""
+    old, new = _same_named_formats()
+    keys = [cls.zeros(256)._stable_hash_for_caching() for cls in (old, new)]
+    assert keys[0] != keys[1]
+    assert keys[0] == old.zeros(512)._stable_hash_for_caching()  # shape is not part of it: one graph per format

@@ -222,7 +222,7 @@ def test_compiled_step_matches_eager(info):
 # 3. Same numbers as torchao
 # ------------------------------------------------------------------------------------------------
 
-TORCHAO_CLASSES = {"8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}
+TORCHAO_CLASSES = {"8bit": "AdamW8bit", "4bit-torchao": "AdamW4bit", "fp8": "AdamWFp8"}
 
 
 STEP_KINDS = {"eager": dict(compile=False), "compiled": dict(fused=False), "fused": dict(fused=True)}
@@ -304,6 +304,9 @@ class TestStateBytes(expecttest.TestCase):
  fp32: 8.0000
  bf16: 4.0000
  8bit: 2.0313
+4bit-torchao: 1.0625
+  nf4: 1.0625
+4bit-precond: 1.0625
  4bit: 1.0625
   fp8: 2.0313""",
         )
