@@ -105,7 +105,8 @@ def optimizer_specs() -> list[OptimizerSpec]:
     for name, cls in [("8bit", ao.AdamW8bit), ("4bit", ao.AdamW4bit), ("fp8", ao.AdamWFp8)]:
         specs.append(OptimizerSpec(f"torchao {name}", lambda params, cls=cls, **kw: cls(params, **kw), False, torchao=True))
     # each torchao row right after its lowbit twin, so a partial run already holds whole pairs
-    order = [REFERENCE, "lowbit 8bit", "torchao 8bit", "lowbit 4bit", "torchao 4bit", "lowbit fp8", "torchao fp8", "torch AdamW"]
+    order = [REFERENCE, "lowbit 8bit", "torchao 8bit", "lowbit 4bit", "lowbit 4bit-torchao", "torchao 4bit", "lowbit nf4", "lowbit 4bit-precond"]
+    order += ["lowbit fp8", "torchao fp8", "torch AdamW"]
     return sorted(specs, key=lambda s: order.index(s.label) if s.label in order else len(order))
 
 

@@ -1,14 +1,17 @@
 """Optimizer step time and state memory on the GPT-2-small parameter set, every optimizer in one process.
 
 Compares torch.optim.AdamW (foreach, fused), torchao's AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes'
-AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format. There is no forward pass: the
+AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format (on the CPU by default through
+the fused CPU kernel; ``lowbit-8bit-compiled`` and ``lowbit-4bit-compiled`` run the generic
+torch.compile'd step instead, ``fused=False``). There is no forward pass: the
 parameters get fixed random gradients once, and each optimizer in turn steps them. Optimizers run one
 after another (the previous one freed) in one process: read the ratios between rows, not absolute
 times. On a shared machine other load still shifts rows unevenly; the JSON keeps every step's time
 (the minimum is the least disturbed) and a repeated run with ``--only`` settles a doubtful row.
 
 Columns:
-  first s      the first step: state allocation plus torch.compile (lowbit, torchao)
+  first s      the first step: state allocation plus torch.compile (torchao, lowbit -compiled rows and
+               non-CPU devices) or building the fused CPU kernel (lowbit on the CPU, once per machine)
   median s     median of ``--steps`` steps after ``--warmup`` untimed ones
   vs fused     median step / torch AdamW(fused=True)'s median step
   state B/p    optimizer-state bytes per parameter (unique storages, incl. scales, codebooks, steps)
@@ -148,8 +151,8 @@ def _bnb_adamw8bit(params):
     return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
 
 
-def _lowbit(state_format: str):
-    return lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format)
+def _lowbit(state_format: str, fused: bool | None = None):
+    return lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format, fused=fused)
 
 
 def optimizer_factories() -> list[tuple[str, Callable]]:
@@ -161,6 +164,8 @@ def optimizer_factories() -> list[tuple[str, Callable]]:
         ("torchao-fp8", _torchao("AdamWFp8")),
         ("bnb-8bit", _bnb_adamw8bit),
         *[(f"lowbit-{name}", _lowbit(name)) for name in lowbit_optim.registered_formats()],
+        # the generic compiled step, which the fused CPU kernel stands in for (and which runs on GPUs)
+        *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False)) for name in ("8bit", "4bit")],
     ]
 
 

@@ -20,6 +20,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import torch
 from torch import Tensor
@@ -97,28 +98,37 @@ def _machine_key() -> str:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None where no C compiler is available."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the compiled kernel, None), or (None, why it is unavailable). Built on first use."""
     compiler = _compiler()
     if compiler is None:
-        return None
+        return None, "no C compiler was found to build it (set CC)"
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _machine_key()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"fused_adam_cpu_{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run(
-            [compiler, "-x", "c", str(SOURCE), *FLAGS, "-o", str(partial), "-lm"], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling the fused CPU kernel with {compiler} failed:\n{result.stderr}")
-        os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
-    lib = ctypes.CDLL(str(path))
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            command = [compiler, "-x", "c", str(SOURCE), *FLAGS, "-o", str(partial), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise OSError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+            os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        why = f"building it failed ({error})"
+        warnings.warn(f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead: {why}", stacklevel=2)
+        return None, why
     lib.lowbit_adam_step.argtypes = [ctypes.POINTER(_Param), ctypes.c_int64, ctypes.POINTER(_Hyper), ctypes.c_int]
     lib.lowbit_adam_step.restype = ctypes.c_int
     lib.lowbit_max_chunk.restype = ctypes.c_int
-    return lib
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel; None where it cannot be built (``unsupported_reason`` says why)."""
+    return _load()[0]
 
 
 # ---- what the kernel can take ------------------------------------------------------------------
@@ -144,8 +154,9 @@ def _kernel_kind(state: Tensor) -> int | None:
 
 def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, param_update: str) -> str | None:
     """Why the fused kernel cannot step this parameter (None if it can)."""
-    if library() is None:
-        return "no C compiler was found to build it (set CC)"
+    lib, why = _load()
+    if lib is None:
+        return why
     if param.device.type != "cpu":
         return f"the parameter is on {param.device.type}, not the CPU"
     if param.dtype not in _PLAIN_KINDS or grad.dtype not in _PLAIN_KINDS:

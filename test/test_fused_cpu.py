@@ -87,10 +87,10 @@ def test_scalar_fallback_matches():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-mno-avx512f"])
-            fused_cpu.library.cache_clear()
+            fused_cpu._load.cache_clear()
             assert_identical(run(True, state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"}), expected)
     finally:
-        fused_cpu.library.cache_clear()
+        fused_cpu._load.cache_clear()
 
 
 def test_fused_step_compiles_nothing():
@@ -170,12 +170,27 @@ class TestRefusals(expecttest.TestCase):
 
 
 def test_without_a_compiler(monkeypatch):
-    """No C compiler: fused=None quietly takes the compiled step; fused=True says what is missing."""
+    """No C compiler: fused=None takes the compiled step; fused=True says what is missing."""
     monkeypatch.setattr(fused_cpu, "_compiler", lambda: None)
-    fused_cpu.library.cache_clear()
+    fused_cpu._load.cache_clear()
     try:
         assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
         with pytest.raises(RuntimeError, match="no C compiler was found to build it"):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
-        fused_cpu.library.cache_clear()
+        fused_cpu._load.cache_clear()
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    """A compiler that cannot build the kernel: a warning with the compiler's message, then the
+    compiled step (fused=None), or an error naming the failure (fused=True)."""
+    monkeypatch.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-fno-such-flag"])
+    monkeypatch.setattr(fused_cpu, "_cache_dir", lambda: tmp_path)
+    fused_cpu._load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="fused CPU kernel is unavailable.*no-such-flag"):
+            assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
+        with pytest.raises(RuntimeError, match="building it failed"):
+            run(True, state_format="8bit", shapes=[(64, 96)])
+    finally:
+        fused_cpu._load.cache_clear()
