@@ -6,8 +6,9 @@ weight decay 0.1, linear warmup then cosine decay, grad-norm clipping at 1) with
 - ``lowbit fp32``: ``lowbit_optim.AdamW(state_format="fp32")``, numerically torch.optim.AdamW: the
   reference every gap is measured against;
 - ``torch AdamW``: ``torch.optim.AdamW`` itself, a sanity row (its gap should be ~0);
-- ``lowbit <name>`` for every other format of ``lowbit_optim.registered_formats()`` (bf16, 8bit, 4bit,
-  fp8, and int8-linear from examples/custom_format.py, imported here);
+- ``lowbit <name>`` for every other format of ``lowbit_optim.registered_formats()`` (bf16, 8bit, the
+  4-bit formats 4bit / nf4 / 4bit-precond / 4bit-torchao, fp8, and int8-linear from
+  examples/custom_format.py, imported here);
 - ``torchao 8bit`` / ``torchao 4bit`` / ``torchao fp8``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
   ``AdamWFp8`` as torchao ships them (they quantize a parameter only if its numel is >= 4096 and a
   multiple of the block size; at d_model 128 every weight matrix qualifies).
@@ -38,12 +39,11 @@ exceeds its initial one. Reports the fraction of diverged runs per optimizer. to
 compile one graph per (shape, hyperparameter) combination, so they are left out of the sweep unless
 named with ``--only``.
 
-Expected time of the default comparison (2 layers, d_model 128, 300 steps, 10 optimizers x 3 seeds):
-about 25-35 minutes on 2 idle CPU cores (an estimate: ~60-80 s per 300-step run once compiled, plus a
-few minutes of torch.compile in the first round). Measured on a shared machine under a load of 6-9
-processes on its 2 cores: one round of 10 runs (seed 0, compiling included) took 28 minutes.
-``--sweep`` with defaults (7 lowbit/torch optimizers x 16 configurations x 100 steps, 1 seed) does
-about as many steps as one comparison round: ~10-15 minutes on idle cores (not measured).
+Expected time of the default comparison (2 layers, d_model 128, 300 steps, 13 optimizers x 3 seeds):
+about 40-60 minutes on 2 CPU cores (~60-120 s per 300-step run, the forward and backward passes
+dominate). Measured on this shared 2-core machine: 6 optimizers x 3 seeds (the 4-bit study,
+``--only``) in about 30 minutes; ``--sweep`` (7 optimizers x 16 configurations x 100 steps, 1 seed)
+in 25 minutes, under a load of 2-4.
 
     python benchmarks/convergence.py                                   # full comparison
     python benchmarks/convergence.py --steps 50 --seeds 0 --only "lowbit fp32,lowbit 8bit,torchao 8bit"

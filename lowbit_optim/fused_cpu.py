@@ -139,6 +139,8 @@ def _kernel_kind(state: Tensor) -> int | None:
     if not isinstance(state, OptimState):
         return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
     cls = type(state)
+    if not (state.codes.is_contiguous() and state.scale.is_contiguous()):
+        return None
     if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
         return None
     if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
@@ -240,3 +242,8 @@ def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) 
     )
     if library().lowbit_adam_step(params, len(items), ctypes.byref(hyper), torch.get_num_threads()) != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list")
+    # what an in-place aten op would do: autograd then catches a later backward through old values
+    for item in items:
+        for t in item:
+            if t is not None and not isinstance(t, OptimState) and t is not item[1]:
+                torch.autograd.graph.increment_version(t)

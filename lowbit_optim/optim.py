@@ -397,6 +397,7 @@ def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
 
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")
 AdamW8bit = _fixed_format_alias(AdamW, "8bit", "AdamW8bit")
+# the 4-bit aliases take lowbit_optim's 4-bit recipe; state_format="4bit-torchao" is torchao's numerics
 Adam4bit = _fixed_format_alias(Adam, "4bit", "Adam4bit")
 AdamW4bit = _fixed_format_alias(AdamW, "4bit", "AdamW4bit")
 AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8")

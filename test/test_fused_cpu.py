@@ -194,3 +194,14 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
         fused_cpu._load.cache_clear()
+
+
+def test_fused_step_bumps_version_counters():
+    """Like an in-place aten op, the kernel's write makes autograd refuse a backward through a graph
+    that saved the parameter before the step."""
+    param = torch.nn.Parameter(torch.randn(64, 96))
+    loss = (param * param).sum()  # saves param for backward
+    loss.backward(retain_graph=True)
+    lowbit_optim.AdamW([param], state_format="8bit", fused=True).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
