@@ -143,6 +143,12 @@ class OptimState4bit(OptimStateNF4, OptimState4bitPrecond):
     first moment of ``nf4`` with the second moment of ``4bit-precond``."""
 
     name = "4bit"
+    format_version = 2  # version 1 was torchao's codebooks, now "4bit-torchao"
+
+    @classmethod
+    def legacy_format(cls, version: int):
+        # a checkpoint written before the 4-bit recipe changed loads as the 4bit-torchao state it is
+        return OptimState4bitTorchao if version == 1 else None
 
 
 class OptimStateFp8(OptimState):

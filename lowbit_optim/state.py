@@ -60,6 +60,9 @@ class OptimState(Tensor):
     bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+    # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
+    # were written with, and loading one of another version fails instead of decoding wrong numbers.
+    format_version: ClassVar[int] = 1
 
     codes: Tensor
     scale: Tensor
@@ -105,6 +108,30 @@ class OptimState(Tensor):
         self.scale = scale
         self.block_size = block_size
         self.signed = signed
+        self.format_version = type(self).format_version  # saved with the state by torch.save
+
+    def __setstate__(self, state):
+        # torch.load rebuilds a saved state here (with or without weights_only)
+        attributes = state[0] if isinstance(state, tuple) else state
+        saved = attributes.get("format_version", 1)
+        if saved != type(self).format_version:
+            legacy = type(self).legacy_format(saved)
+            if legacy is None:
+                raise ValueError(
+                    f"this checkpoint holds a {type(self).__name__} ({self.name!r} state format) written by a "
+                    f"lowbit_optim whose {self.name!r} codes meant other numbers (format version {saved}, this "
+                    f"version {type(self).format_version}); load it with the version that wrote it and save "
+                    "dequantize()d states"
+                )
+            # the same codes, read as the format that now holds their old meaning
+            self.__class__ = legacy
+            attributes["format_version"] = legacy.format_version
+        torch._utils._set_obj_state(self, state)
+
+    @classmethod
+    def legacy_format(cls, version: int) -> "type[OptimState] | None":
+        """The format whose codes mean what this one's meant in an earlier ``format_version``."""
+        return None
 
     @classmethod
     def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):

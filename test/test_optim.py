@@ -425,6 +425,53 @@ def test_8bit_checkpoint_converts_to_4bit():
     assert_quantized_from(format_info("4bit"), opt4, model, moments(opt8, model))
 
 
+def as_first_4bit_release(checkpoint: dict) -> dict:
+    """A 4bit-torchao checkpoint as the first release wrote its "4bit" ones: OptimState4bit states
+    (then torchao's codebooks) without a format_version."""
+    # state_dict() shares the optimizer's per-parameter dicts: edit copies
+    checkpoint = {"state": {k: dict(v) for k, v in checkpoint["state"].items()}, "param_groups": [dict(g) for g in checkpoint["param_groups"]]}
+    for state in checkpoint["state"].values():
+        for key, value in state.items():
+            if isinstance(value, lowbit_optim.OptimState4bitTorchao):
+                old = lowbit_optim.OptimState4bit(value.codes, value.scale, value.shape, value.block_size, value.signed)
+                del old.__dict__["format_version"]
+                state[key] = old
+    for group in checkpoint["param_groups"]:
+        group["state_format"] = "4bit"
+    return checkpoint
+
+
+def test_first_release_4bit_checkpoint_keeps_its_numbers():
+    """"4bit" meant torchao's codebooks before it became the NF4 recipe (format_version 2). Its old
+    checkpoints load as the 4bit-torchao states they are: with state_format="4bit-torchao" training
+    resumes bit-exactly; with "4bit" the values are converted, not misread."""
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="4bit-torchao")
+    train(model, opt, 3)
+    checkpoint = save_and_load(as_first_4bit_release(opt.state_dict()))
+
+    resumed = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="4bit-torchao")
+    resumed.load_state_dict(copy.deepcopy(checkpoint))
+    for key, state in moments(resumed, model).items():
+        other = moments(opt, model)[key]
+        assert type(state) is type(other), key
+        if isinstance(state, OptimState):
+            assert torch.equal(state.codes, other.codes) and torch.equal(state.scale, other.scale), key
+
+    converted = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="4bit")
+    converted.load_state_dict(checkpoint)
+    assert_quantized_from(format_info("4bit"), converted, model, moments(opt, model))
+
+
+class TestFormatVersions(expecttest.TestCase):
+    def test_unknown_earlier_version_is_refused(self):
+        state = lowbit_optim.OptimState8bit.from_float(torch.randn(300))
+        state.__dict__["format_version"] = 7
+        with self.assertRaises(ValueError) as caught:
+            save_and_load({"s": state})
+        self.assertExpectedInline(str(caught.exception), """this checkpoint holds a OptimState8bit ('8bit' state format) written by a lowbit_optim whose '8bit' codes meant other numbers (format version 7, this version 1); load it with the version that wrote it and save dequantize()d states""")
+
+
 @quantized_formats
 def test_dequantized_checkpoint_loads_into_torch_adamw(info):
     """dequantize_state_dict turns a lowbit checkpoint into one torch.optim.AdamW loads and uses."""
