@@ -1,7 +1,7 @@
 """Train a small character-level GPT with quantized optimizer state.
 
 The text is Python's own help pages (``pydoc_data.topics``, ~465k characters), so nothing is downloaded.
-The default run takes about 70 s on 2 CPU cores (measured with the fused CPU kernel) and prints the validation loss, the optimizer
+The default run takes about 70 s on 2 CPU cores and prints the validation loss, the optimizer
 state memory and a generated sample::
 
     python examples/train_char_gpt.py --state-format 8bit     # or 4bit, fp8, bf16, fp32, ...
