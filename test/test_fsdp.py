@@ -605,5 +605,47 @@ def test_dcp_checkpoint_between_formats(tmp_path):
     assert torch.equal(loaded.dequantize(), lowbit_optim.OptimState8bit.from_float(exp_avg).dequantize())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_of_first_release_4bit(tmp_path):
+    """A DCP checkpoint whose "4bit" states predate format_version (torchao's codebooks then) loads
+    as 4bit-torchao: bit-exactly into a 4bit-torchao optimizer, converted into a 4bit one."""
+    import torch.distributed.checkpoint as dcp
+
+    import lowbit_optim
+
+    def stepped(state_format, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 72)  # a 4608-element weight: quantized
+        opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format=state_format)
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = stepped("4bit-torchao", 0)
+    saved = opt.state[model.weight]
+    first_release = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        s = saved[key]
+        first_release[key] = lowbit_optim.OptimState4bit(s.codes, s.scale, s.shape, s.block_size, s.signed)
+        del first_release[key].__dict__["format_version"]
+    state_dict = opt.state_dict()
+    state_dict["state"] = {**state_dict["state"], 0: {**state_dict["state"][0], **first_release}}
+    dcp.save(state_dict, checkpoint_id=tmp_path, no_dist=True)
+
+    for state_format in ("4bit-torchao", "4bit"):
+        other_model, other = stepped(state_format, 1)
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+        other.load_state_dict(state)
+        loaded = other.state[other_model.weight]["exp_avg"]
+        if state_format == "4bit-torchao":
+            assert torch.equal(loaded.codes, saved["exp_avg"].codes) and torch.equal(loaded.scale, saved["exp_avg"].scale)
+        else:
+            expected = lowbit_optim.OptimState4bit.from_float(saved["exp_avg"].dequantize()).dequantize()
+            assert type(loaded) is lowbit_optim.OptimState4bit and torch.equal(loaded.dequantize(), expected)
+
+
 if __name__ == "__main__":  # one rank of the job: test_fsdp.py RANK WORLD WORKDIR
     _job(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]))
