@@ -15,6 +15,7 @@ inductor's cache, and called through ctypes: the core package still needs nothin
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import pathlib
 import shutil
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import formats
-from .state import CodebookState, OptimState, _table
+from .state import CodebookState, OptimState, _table, _table_values
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -46,6 +47,8 @@ class _State(ctypes.Structure):
         ("codebook", ctypes.c_void_p),
         ("base_code", ctypes.c_void_p),
         ("threshold", ctypes.c_void_p),
+        ("thresholds", ctypes.c_void_p),
+        ("nan_code", ctypes.c_int32),
     ]
 
 
@@ -204,7 +207,21 @@ def _describe(state: Tensor | None) -> _State:
         described.codebook = _table(type(state), state.signed, "codebook", state.device).data_ptr()
         described.base_code = _int32_base_code(type(state), state.signed).data_ptr()
         described.threshold = _table(type(state), state.signed, "threshold", state.device).data_ptr()
+        if state.bits == 4:  # 8-bit codes: the two table gathers measured faster than an 8-step search
+            thresholds, described.nan_code = _search_thresholds(type(state), state.signed)
+            described.thresholds = thresholds.data_ptr()
     return described
+
+
+@functools.cache
+def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
+    """A codebook's sorted decision thresholds, NaN-padded to 2**bits (NaN is never <= a value),
+    and the code of NaN: what the kernel's binary search needs to give the lookup tables' codes."""
+    thresholds = torch.tensor(_table_values(cls, signed)["decision_thresholds"][0], dtype=torch.float32)
+    padded = torch.full((2**cls.bits,), math.nan)
+    padded[: thresholds.numel()] = thresholds
+    nan_code = int(cls.encode(torch.tensor([math.nan]), signed)[0])
+    return padded, nan_code
 
 
 @functools.cache

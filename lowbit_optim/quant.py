@@ -103,6 +103,18 @@ def decision_boundaries(values: Tensor, rounding_space=None) -> Tensor:
     return high
 
 
+def decision_thresholds(codebook: list[float], rounding_space=None) -> Tensor:
+    """For each decision boundary, the smallest fp32 value at or above it: an fp32 x encodes to the
+    number of thresholds <= x (ties go to the larger code)."""
+    values = torch.tensor(codebook, dtype=torch.float64)
+    if len(codebook) > 256 or not bool((values[1:] > values[:-1]).all()):
+        raise ValueError("a codebook must hold at most 256 strictly increasing values")
+    boundaries = decision_boundaries(values, rounding_space)
+    # round the fp64 boundary to fp32, step up one ulp if it fell below
+    rounded = boundaries.float()
+    return torch.where(rounded.double() < boundaries, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+
+
 def nearest_code_tables(codebook: list[float], rounding_space=None) -> tuple[Tensor, Tensor]:
     """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest``: the nearest
     code, in value or in ``rounding_space`` (see ``decision_boundaries``).
@@ -110,10 +122,8 @@ def nearest_code_tables(codebook: list[float], rounding_space=None) -> tuple[Ten
     Ties (x exactly on a boundary) go to the larger code. NaN encodes as the code nearest to zero
     (a block holding NaN has a NaN scale, so it decodes to NaN anyway).
     """
-    values = torch.tensor(codebook, dtype=torch.float64)
-    if len(codebook) > 256 or not bool((values[1:] > values[:-1]).all()):
-        raise ValueError("a codebook must hold at most 256 strictly increasing values")
-    midpoints = decision_boundaries(values, rounding_space)
+    thresholds = decision_thresholds(codebook, rounding_space)
+    midpoints = thresholds.double()  # counting thresholds <= v is counting boundaries <= v, for fp32 v
 
     prefix = torch.arange(2**TABLE_BITS, dtype=torch.int64)
     first = (prefix << 16).to(torch.int32).view(torch.float32).double()
@@ -134,11 +144,7 @@ def nearest_code_tables(codebook: list[float], rounding_space=None) -> tuple[Ten
             "of fp32 values sharing their top 16 bits"
         )
     split = top > base
-    # smallest fp32 >= midpoint: round the fp64 midpoint to fp32, step up one ulp if it fell below
-    boundary = midpoints[base.clamp(max=len(midpoints) - 1)]
-    boundary32 = boundary.float()
-    boundary32 = torch.where(boundary32.double() < boundary, torch.nextafter(boundary32, torch.tensor(math.inf)), boundary32)
-    threshold = torch.where(split, boundary32, torch.tensor(math.nan))  # NaN: comparison always False
+    threshold = torch.where(split, thresholds[base.clamp(max=len(thresholds) - 1)], torch.tensor(math.nan))  # NaN: never >=
     return base.to(torch.uint8), threshold
 
 

@@ -275,11 +275,13 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
     space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
     base_code, threshold = quant.nearest_code_tables(codebook, space)
+    thresholds = quant.decision_thresholds(codebook, space)
     unused = [math.nan] * (2**cls.bits - len(codebook))  # codes encode never produces decode to NaN
     return {
         "codebook": (codebook + unused, torch.float32),
         "base_code": (base_code.tolist(), torch.uint8),
         "threshold": (threshold.tolist(), torch.float32),
+        "decision_thresholds": (thresholds.tolist(), torch.float32),
     }
 
 

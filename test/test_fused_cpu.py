@@ -205,3 +205,34 @@ def test_fused_step_bumps_version_counters():
     lowbit_optim.AdamW([param], state_format="8bit", fused=True).step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", "fp8", "bf16"])
+def test_non_finite_gradients_match_the_compiled_step(state_format):
+    """A NaN and an inf in the gradient poison the same blocks as in the compiled step: same
+    scales, same values, same codes outside NaN-scaled blocks (inside them any code decodes to NaN,
+    and the sign of a NaN, which fp8 codes keep, depends on how each compiler makes it)."""
+
+    def poisoned(fused):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(71, 64))
+        opt = lowbit_optim.AdamW([param], lr=1e-2, state_format=state_format, fused=fused)
+        param.grad = torch.randn_like(param)
+        param.grad[3, 5], param.grad[40, 1] = float("nan"), float("inf")
+        opt.step()
+        return param, opt.state[param]
+
+    (a, state_a), (b, state_b) = poisoned(True), poisoned(False)
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(a, b, **exact)
+    for key in ("exp_avg", "exp_avg_sq"):
+        s, t = state_a[key], state_b[key]
+        if isinstance(s, OptimState):
+            torch.testing.assert_close(s.scale, t.scale, **exact)
+            torch.testing.assert_close(s.dequantize(), t.dequantize(), **exact)
+            finite_blocks = ~s.scale.isnan()
+            codes_per_block = s.codes.view(s.scale.numel(), -1)
+            assert torch.equal(codes_per_block[finite_blocks], t.codes.view(t.scale.numel(), -1)[finite_blocks]), key
+            assert bool(s.scale.isnan().any()), "test setup: the NaN should poison a block"
+        else:
+            torch.testing.assert_close(s, t, **exact)
