@@ -39,10 +39,10 @@ exceeds its initial one. Reports the fraction of diverged runs per optimizer. to
 compile one graph per (shape, hyperparameter) combination, so they are left out of the sweep unless
 named with ``--only``.
 
-Expected time of the default comparison (2 layers, d_model 128, 300 steps, 13 optimizers x 3 seeds):
-about 40-60 minutes on 2 CPU cores (~60-120 s per 300-step run, the forward and backward passes
-dominate). Measured on this 2-core machine with the fused CPU kernel: the full comparison in about
-12 minutes; ``--sweep`` (10 optimizers x 16 configurations x 100 steps, 1 seed) in 18 minutes.
+Time on 2 idle CPU cores with the fused CPU kernel (measured): the default comparison (2 layers,
+d_model 128, 300 steps, 13 optimizers x 3 seeds, ~13-20 s per run) in about 12 minutes; ``--sweep``
+(10 optimizers x 16 configurations x 100 steps, 1 seed) in 18 minutes. Other load on the cores
+slows runs severalfold.
 
     python benchmarks/convergence.py                                   # full comparison
     python benchmarks/convergence.py --steps 50 --seeds 0 --only "lowbit fp32,lowbit 8bit,torchao 8bit"
