@@ -175,15 +175,9 @@ def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, 
     for name, state in states.items():
         if _kernel_kind(state) is None:
             return f"the {name} state {type(state).__name__} (a format with its own encoding)"
-        if isinstance(state, OptimState) and state.block_size > _max_chunk():
-            return f"block_size {state.block_size} of the {name} state (at most {_max_chunk()})"
+        if isinstance(state, OptimState) and state.block_size > lib.lowbit_max_chunk():
+            return f"block_size {state.block_size} of the {name} state (at most {lib.lowbit_max_chunk()})"
     return None
-
-
-@functools.cache
-def _max_chunk() -> int:
-    lib = library()
-    return lib.lowbit_max_chunk() if lib is not None else 0
 
 
 # ---- calling it --------------------------------------------------------------------------------
@@ -260,7 +254,7 @@ def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) 
     if library().lowbit_adam_step(params, len(items), ctypes.byref(hyper), torch.get_num_threads()) != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list")
     # what an in-place aten op would do: autograd then catches a later backward through old values
-    for item in items:
-        for t in item:
-            if t is not None and not isinstance(t, OptimState) and t is not item[1]:
-                torch.autograd.graph.increment_version(t)
+    for param, _grad, step, *moments in items:
+        for written in (param, step, *moments):
+            if written is not None and not isinstance(written, OptimState):
+                torch.autograd.graph.increment_version(written)

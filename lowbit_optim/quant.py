@@ -115,14 +115,13 @@ def decision_thresholds(codebook: list[float], rounding_space=None) -> Tensor:
     return torch.where(rounded.double() < boundaries, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
 
 
-def nearest_code_tables(codebook: list[float], rounding_space=None) -> tuple[Tensor, Tensor]:
-    """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest``: the nearest
-    code, in value or in ``rounding_space`` (see ``decision_boundaries``).
+def nearest_code_tables(thresholds: Tensor) -> tuple[Tensor, Tensor]:
+    """Build (base_code uint8[65536], threshold fp32[65536]) for ``encode_nearest`` from a codebook's
+    ``decision_thresholds``: the nearest code, in value or in the rounding space they were made in.
 
     Ties (x exactly on a boundary) go to the larger code. NaN encodes as the code nearest to zero
     (a block holding NaN has a NaN scale, so it decodes to NaN anyway).
     """
-    thresholds = decision_thresholds(codebook, rounding_space)
     midpoints = thresholds.double()  # counting thresholds <= v is counting boundaries <= v, for fp32 v
 
     prefix = torch.arange(2**TABLE_BITS, dtype=torch.int64)

@@ -274,8 +274,8 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     if len(codebook) > 2**cls.bits:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
     space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
-    base_code, threshold = quant.nearest_code_tables(codebook, space)
     thresholds = quant.decision_thresholds(codebook, space)
+    base_code, threshold = quant.nearest_code_tables(thresholds)
     unused = [math.nan] * (2**cls.bits - len(codebook))  # codes encode never produces decode to NaN
     return {
         "codebook": (codebook + unused, torch.float32),

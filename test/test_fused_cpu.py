@@ -22,9 +22,11 @@ STEPS = 3
 
 
 def run(fused, *, shapes=SHAPES, dtype=torch.float32, cls=lowbit_optim.AdamW, **kwargs):
-    """Params and optimizer after STEPS steps on fixed random gradients."""
+    """Params and optimizer after STEPS steps on fixed random gradients; ``dtype`` may be a list
+    (one per shape)."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+    dtypes = dtype if isinstance(dtype, list) else [dtype] * len(shapes)
+    params = [torch.nn.Parameter(torch.randn(s, dtype=d)) for s, d in zip(shapes, dtypes)]
     kwargs = dict(lr=1e-2, weight_decay=0.1, min_quantize_numel=256) | kwargs
     opt = cls(params, fused=fused, **kwargs)
     for _ in range(STEPS):
@@ -104,17 +106,8 @@ def test_mixed_group_falls_back_per_parameter():
     """A bf16 parameter under Kahan summation takes the compiled step, its fp32 neighbour the
     kernel; together they give what the compiled step gives for both."""
 
-    def mixed(fused):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(71, 64, dtype=torch.bfloat16))]
-        opt = lowbit_optim.AdamW(params, lr=1e-2, state_format="8bit", param_update="kahan", fused=fused)
-        for _ in range(STEPS):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            opt.step()
-        return params, opt
-
-    assert_identical(mixed(None), mixed(False))
+    mixed = dict(shapes=[(64, 96), (71, 64)], dtype=[torch.float32, torch.bfloat16], state_format="8bit", param_update="kahan")
+    assert_identical(run(None, **mixed), run(False, **mixed))
 
 
 class _E5M2(OptimStateFp8):  # unregistered (no name): a format whose encoding the kernel lacks
