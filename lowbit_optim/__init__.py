@@ -3,7 +3,9 @@
 from .formats import (
     BF16,
     FP32,
+    FactoredState,
     OptimState4bit,
+    OptimState4bitCalibrated,
     OptimState4bitPrecond,
     OptimState4bitTorchao,
     OptimState8bit,
@@ -30,7 +32,7 @@ from .optim import (
     dequantize_state_dict,
     param_groups_by_module,
 )
-from .state import CodebookState, OptimState
+from .state import CodebookState, OptimState, StateTensor
 
 __all__ = [
     "Adam",
@@ -45,8 +47,10 @@ __all__ = [
     "BF16",
     "CodebookState",
     "FP32",
+    "FactoredState",
     "OptimState",
     "OptimState4bit",
+    "OptimState4bitCalibrated",
     "OptimState4bitPrecond",
     "OptimState4bitTorchao",
     "OptimState8bit",
@@ -54,6 +58,7 @@ __all__ = [
     "OptimStateNF4",
     "PARAM_UPDATES",
     "PlainFormat",
+    "StateTensor",
     "adam_step",
     "bytes_per_param",
     "dequantize_state_dict",

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import OptimState, slice_bounds
+from .state import OptimState, StateTensor, slice_bounds
 
 aten = torch.ops.aten
 
@@ -280,6 +280,6 @@ def shard_like(value: Tensor, param: Tensor) -> Tensor:
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    if isinstance(value, OptimState):  # a quantized full state: cut its exact values, requantized per shard
+    if isinstance(value, StateTensor):  # a quantized full state: cut its exact values, requantized per shard
         value = value.dequantize(torch.float32)
     return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import CodebookState, OptimState, check_block_size
+from .state import CodebookState, OptimState, StateTensor, check_block_size
 
 _REGISTRY: dict = {}
 
@@ -31,7 +31,7 @@ def get_format(spec):
     """Resolve a format name or class. Raises a ValueError listing the choices for anything else."""
     if isinstance(spec, str) and spec in _REGISTRY:
         return _REGISTRY[spec]
-    if isinstance(spec, PlainFormat) or (isinstance(spec, type) and issubclass(spec, OptimState) and spec.name is not None):
+    if isinstance(spec, PlainFormat) or (isinstance(spec, type) and issubclass(spec, StateTensor) and spec.name is not None):
         return spec
     raise ValueError(
         f"unknown state format {spec!r}; use one of {sorted(_REGISTRY)} or an OptimState subclass that sets a `name`"
@@ -39,6 +39,12 @@ def get_format(spec):
 
 
 def is_quantized(fmt) -> bool:
+    """Whether ``fmt`` is a compressed format (a state subclass), not a plain dtype."""
+    return isinstance(fmt, type) and issubclass(fmt, StateTensor)
+
+
+def is_blockwise(fmt) -> bool:
+    """Whether ``fmt`` stores codes and a scale per block (and so takes a ``block_size``)."""
     return isinstance(fmt, type) and issubclass(fmt, OptimState)
 
 
@@ -70,7 +76,7 @@ BF16 = PlainFormat("bf16", torch.bfloat16)
 def holds(fmt, state: Tensor, block_size: int | None, signed: bool) -> bool:
     """Whether ``state`` is already stored in ``fmt`` with this block size and signedness."""
     if isinstance(fmt, PlainFormat):
-        return not isinstance(state, OptimState) and state.dtype == fmt.dtype
+        return not isinstance(state, StateTensor) and state.dtype == fmt.dtype
     return type(state) is fmt and state.block_size == block_size and state.signed == signed
 
 
@@ -78,7 +84,7 @@ def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
     """``state`` in format ``fmt`` (unchanged if it already is): how checkpoints change format."""
     if holds(fmt, state, block_size, signed):
         return state
-    values = state.dequantize() if isinstance(state, OptimState) else state
+    values = state.dequantize() if isinstance(state, StateTensor) else state
     return fmt.from_float(values.float(), signed, block_size)
 
 
@@ -151,6 +157,22 @@ class OptimState4bit(OptimStateNF4, OptimState4bitPrecond):
         return OptimState4bitTorchao if version == 1 else None
 
 
+class OptimState4bitCalibrated(OptimState4bit):
+    """The 4bit recipe with a calibrated second-moment block scale: absmax times <v, v> / <v, Q(v)>
+    (quant.calibrated_scale), so rounding does not bias a block's v up or down on average."""
+
+    name = "4bit-calibrated"
+    format_version = 1
+
+    @classmethod
+    def legacy_format(cls, version: int):
+        return None
+
+    @classmethod
+    def calibrated(cls, signed: bool) -> bool:
+        return not signed
+
+
 class OptimStateFp8(OptimState):
     """float8 e4m3 codes (stored as their uint8 bit patterns) with a scale per block that maps the
     block's absmax to 448, the largest e4m3 value."""
@@ -170,11 +192,15 @@ class OptimStateFp8(OptimState):
         return quant.fp8_decode(codes, cls.fp8_dtype)
 
 
+from .factored import FactoredState  # noqa: E402  (registered after the block formats)
+
 __all__ = [
     "BF16",
+    "FactoredState",
     "FP32",
     "OptimState8bit",
     "OptimState4bit",
+    "OptimState4bitCalibrated",
     "OptimState4bitPrecond",
     "OptimState4bitTorchao",
     "OptimStateNF4",
@@ -182,6 +208,7 @@ __all__ = [
     "PlainFormat",
     "check_block_size",
     "convert",
+    "is_blockwise",
     "get_format",
     "holds",
     "is_quantized",

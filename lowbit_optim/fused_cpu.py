@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import formats
-from .state import CodebookState, OptimState, _table, _table_values
+from .state import CodebookState, OptimState, StateTensor, _table, _table_values
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -139,12 +139,14 @@ def library() -> ctypes.CDLL | None:
 
 def _kernel_kind(state: Tensor) -> int | None:
     """The kernel's name for how ``state`` is stored, or None if only the compiled step knows."""
-    if not isinstance(state, OptimState):
+    if not isinstance(state, StateTensor):
         return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
+    if not isinstance(state, OptimState):
+        return None
     cls = type(state)
     if not (state.codes.is_contiguous() and state.scale.is_contiguous()):
         return None
-    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
+    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize or cls.calibrated(state.signed):
         return None
     if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
         return KIND_CODEBOOK

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from . import formats, fused_cpu, precision
 from .functional import adam_step
-from .state import OptimState, check_block_size
+from .state import StateTensor, check_block_size
 from .distributed import like_param, local, map_local, shard_like
 
 # One compiled step shared by every optimizer and format. Shapes are dynamic, so the number of
@@ -108,8 +108,13 @@ class Adam(torch.optim.Optimizer):
         group["compensation_format"] = formats.get_format(group["compensation_format"]).name
         for name in set(_moment_formats(group).values()) | {group["compensation_format"]}:
             fmt = formats.get_format(name)
-            if group["block_size"] is not None and formats.is_quantized(fmt):
+            if group["block_size"] is not None and formats.is_blockwise(fmt):
                 check_block_size(group["block_size"], fmt.bits)
+        for state_name, name in _moment_formats(group).items():
+            if formats.is_quantized(fmt := formats.get_format(name)):
+                fmt.check_signed(_SIGNED[state_name])
+        if formats.is_quantized(fmt := formats.get_format(group["compensation_format"])):
+            fmt.check_signed(_SIGNED["compensation"])
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(
@@ -137,7 +142,7 @@ class Adam(torch.optim.Optimizer):
         return fmt
 
     def _block_size(self, fmt, group: dict) -> int | None:
-        if not formats.is_quantized(fmt):
+        if not formats.is_blockwise(fmt):
             return None
         return group["block_size"] or fmt.default_block_size
 
@@ -361,9 +366,9 @@ def _hyperparameter_tensors(group: dict, device) -> list[Tensor]:
 
 def _flat(t: Tensor) -> Tensor:
     t = local(t)
-    if isinstance(t, OptimState):
-        # a new wrapper over the same codes, not an aten.view: dynamo cannot trace a subclass view
-        return t._like(t.codes, t.scale, shape=(t.numel(),))
+    if isinstance(t, StateTensor):
+        # a new wrapper over the same inner tensors, not an aten.view: dynamo cannot trace a subclass view
+        return t._like(shape=(t.numel(),))
     # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)
     return t.view(-1).detach() if t.is_contiguous() else t.reshape(-1)
 
@@ -446,7 +451,7 @@ def dequantize_state_dict(state_dict: dict) -> dict:
     e.g. to load a lowbit_optim checkpoint into torch.optim.AdamW (lowbit_optim optimizers convert
     checkpoints themselves and need no such step)."""
     state = {
-        key: {name: (v.dequantize(torch.float32) if isinstance(v, OptimState) else v) for name, v in s.items()}
+        key: {name: (v.dequantize(torch.float32) if isinstance(v, StateTensor) else v) for name, v in s.items()}
         for key, s in state_dict["state"].items()
     }
     return {**state_dict, "state": state}
@@ -459,7 +464,7 @@ def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     for state in optimizer.state.values():
         for value in state.values():
             value = local(value)
-            for t in ([value.codes, value.scale] if isinstance(value, OptimState) else [value]):
+            for t in (value._inner().values() if isinstance(value, StateTensor) else [value]):
                 if isinstance(t, Tensor):
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     params = sum(local(p).numel() for g in optimizer.param_groups for p in g["params"] if p in optimizer.state)

@@ -189,6 +189,17 @@ def block_absmax(blocks: Tensor) -> Tensor:
     return blocks.abs().amax(dim=-1).clamp(min=MIN_BLOCK_SCALE)
 
 
+def calibrated_scale(scale: Tensor, normalized: Tensor, decoded: Tensor) -> Tensor:
+    """``scale`` times c = <x, x> / <x, Q(x)> per block (x the normalized values, Q(x) their codes'
+    values), in float64: nearest rounding shrinks a block toward its codes, c undoes that on average
+    (the decoded block's projection onto x is x). c is 1 where it is undefined (an all-zero block);
+    NaN scales stay NaN."""
+    x, q = normalized.double(), decoded.double()
+    c = (x * x).sum(-1) / (x * q).sum(-1)
+    c = torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
+    return (scale.double() * c).float()
+
+
 def pack_nibbles(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte: element 2i in the high nibble, 2i+1 in the low one (torchao's order)."""
     pairs = codes.view(-1, 2)

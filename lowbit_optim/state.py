@@ -1,8 +1,8 @@
-"""OptimState: the base tensor subclass for quantized optimizer state.
+"""StateTensor and OptimState: the base tensor subclasses for compressed optimizer state.
 
-A state looks like an ordinary float tensor of its logical shape, but stores ``codes`` (uint8, flat,
-padded to whole blocks, two codes per byte for 4-bit formats) and one fp32 ``scale`` per block.
-Every aten op is answered here, once, for all formats:
+A state looks like an ordinary float tensor of its logical shape but stores inner tensors: for an
+OptimState, ``codes`` (uint8, flat, padded to whole blocks, two codes per byte for 4-bit formats)
+and one fp32 ``scale`` per block. Every aten op is answered here, once, for all formats:
 
 - metadata ops (detach, clone, view, slice, device moves) act on the inner tensors;
 - ``copy_`` into a state quantizes, ``copy_`` out of it dequantizes;
@@ -51,64 +51,95 @@ def check_block_size(block_size, bits: int = 8) -> int:
     return block_size
 
 
-class OptimState(Tensor):
-    """Base class of block-quantized optimizer states. Subclasses set ``name``, ``bits``,
-    ``default_block_size`` and implement ``encode``/``decode`` (see ``CodebookState`` for the usual
-    case of a table of code values)."""
+class StateTensor(Tensor):
+    """What every state subclass shares: it looks like an ordinary float tensor of its logical shape,
+    stores the inner tensors named in ``inner_names``, and answers aten ops through the shared handlers
+    below (reading dequantizes, ``copy_`` quantizes). Subclasses: OptimState (codes + block scales)
+    and FactoredState (row and column statistics, factored.py)."""
 
     name: ClassVar[str | None] = None  # registry key; None for abstract bases
-    bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
-    default_block_size: ClassVar[int] = 256
-    scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+    inner_names: ClassVar[tuple[str, ...]] = ()
+    holds_signed: ClassVar[bool] = True  # False: only nonnegative states (second moments)
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
     format_version: ClassVar[int] = 1
 
-    codes: Tensor
-    scale: Tensor
-    block_size: int
     signed: bool
-
-    # ---- what a format defines --------------------------------------------------------------
-
-    @classmethod
-    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
-        """fp32 values in [-scale_max, scale_max] -> uint8 codes (one per element, unpacked)."""
-        raise NotImplementedError
-
-    @classmethod
-    def decode(cls, codes: Tensor, signed: bool) -> Tensor:
-        """uint8 codes (unpacked) -> fp32 values."""
-        raise NotImplementedError
-
-    @classmethod
-    def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
-        """A strictly increasing map of normalized values (float64): ``encode`` picks the code
-        nearest to a value in this space. The identity: the nearest value."""
-        return values
-
-    # ---- construction ------------------------------------------------------------------------
+    block_size: int | None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.bits not in (4, 8):
-            raise TypeError(f"{cls.__name__}.bits must be 8 or 4, got {cls.bits}")
         torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
         if cls.name is not None:
             from .formats import register_format
 
             register_format(cls)
 
-    @staticmethod
-    def __new__(cls, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
-        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
-
-    def __init__(self, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
-        self.codes = codes
-        self.scale = scale
-        self.block_size = block_size
-        self.signed = signed
+    def __init__(self, *args, **kwargs):
         self.format_version = type(self).format_version  # saved with the state by torch.save
+
+    # ---- what a layout defines ----------------------------------------------------------------
+
+    def _meta(self) -> tuple:
+        """The constructor arguments after the inner tensors and the shape (the dtype comes last)."""
+        raise NotImplementedError
+
+    @classmethod
+    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+        """A state of logical ``shape`` holding zeros."""
+        raise NotImplementedError
+
+    def quantize_(self, x: Tensor) -> None:
+        """Overwrite the inner tensors with the representation of float tensor ``x`` (same numel)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The plain tensor this state stands for, in ``dtype`` (default: its appearance dtype)."""
+        raise NotImplementedError
+
+    def _rows(self, start: int, end: int) -> "StateTensor":
+        """The view of rows [start, end) that aten.slice along dim 0 returns."""
+        raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
+
+    # ---- shared -------------------------------------------------------------------------------
+
+    @classmethod
+    def check_signed(cls, signed: bool) -> None:
+        if signed and not cls.holds_signed:
+            raise ValueError(
+                f"the {cls.name!r} state format holds nonnegative states only: use it for exp_avg_sq, e.g. "
+                f"state_format={{'exp_avg': '4bit', 'exp_avg_sq': {cls.name!r}}}"
+            )
+
+    @classmethod
+    def from_float(cls, x: Tensor, signed: bool | None = None, block_size: int | None = None):
+        """Quantize a float tensor; the state keeps its shape, device and dtype (as appearance).
+        ``signed`` defaults to signed where the format holds signed values."""
+        if not x.is_floating_point():
+            raise TypeError(f"{cls.__name__}.from_float needs a floating-point tensor, got {x.dtype}")
+        signed = cls.holds_signed if signed is None else signed
+        out = cls.zeros(x.shape, signed, block_size, device=x.device, dtype=x.dtype)
+        out.copy_(x)
+        return out
+
+    def _inner(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in self.inner_names}
+
+    def _like(self, shape=None, dtype=None, **inner: Tensor) -> "StateTensor":
+        """The same kind of state over ``inner`` tensors (default: these), shape and dtype."""
+        tensors = [inner.get(name, t) for name, t in self._inner().items()]
+        return type(self)(*tensors, self.shape if shape is None else shape, *self._meta(), dtype or self.dtype)
+
+    def _map_inner(self, fn: Callable[[Tensor], Tensor], **kwargs) -> "StateTensor":
+        return self._like(**kwargs, **{name: fn(t) for name, t in self._inner().items()})
+
+    def _same_layout(self, other: Tensor) -> bool:
+        """Whether ``other`` stores values exactly as this state does (a copy is then bit-exact)."""
+        return (
+            type(other) is type(self)
+            and other._meta() == self._meta()
+            and all(a.shape == b.shape for a, b in zip(other._inner().values(), self._inner().values()))
+        )
 
     def __setstate__(self, state):
         # torch.load rebuilds a saved state here (with or without weights_only)
@@ -129,9 +160,112 @@ class OptimState(Tensor):
         torch._utils._set_obj_state(self, state)
 
     @classmethod
-    def legacy_format(cls, version: int) -> "type[OptimState] | None":
+    def legacy_format(cls, version: int) -> "type[StateTensor] | None":
         """The format whose codes mean what this one's meant in an earlier ``format_version``."""
         return None
+
+    def __tensor_flatten__(self):
+        return list(self.inner_names), (*self._meta(), self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(*(inner[name] for name in cls.inner_names), outer_size, *meta)
+
+    def _stable_hash_for_caching(self) -> str:
+        # lets torch.compile's AOT cache reuse graphs across processes. The key holds the metadata and
+        # what the format computes (a class keeping its name while changing its codebook must not
+        # load graphs compiled for the old one)
+        cls = type(self)
+        meta = ":".join(map(str, (*self._meta(), self.dtype)))
+        return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{meta}"
+
+    @classmethod
+    @functools.cache
+    def _numerics_fingerprint(cls, signed: bool) -> str:
+        """A hash of the code that defines the format's numbers (its encoding and scaling)."""
+        parts = []
+        for name in ("encode", "decode", "rounding_space", "calibrated", "quantize_", "dequantize"):
+            if not hasattr(cls, name):
+                continue
+            fn = getattr(getattr(cls, name), "__func__", getattr(cls, name))
+            try:
+                parts.append(inspect.getsource(fn))
+            except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
+                parts.append(fn.__qualname__)
+        parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max")))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def __repr__(self):
+        meta = "".join(f", {k}={v}" for k, v in self._describe().items())
+        return f"{type(self).__name__}(shape={tuple(self.shape)}{meta}, dtype={self.dtype}, device={self.device})"
+
+    def _describe(self) -> dict:
+        return {"signed": self.signed}
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func, _dequantize_and_run)
+        return handler(func, args, kwargs)
+
+
+class OptimState(StateTensor):
+    """Base class of block-quantized optimizer states. Subclasses set ``name``, ``bits``,
+    ``default_block_size`` and implement ``encode``/``decode`` (see ``CodebookState`` for the usual
+    case of a table of code values)."""
+
+    inner_names = ("codes", "scale")
+    bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
+    default_block_size: ClassVar[int] = 256
+    scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+
+    codes: Tensor
+    scale: Tensor
+    block_size: int
+
+    # ---- what a format defines --------------------------------------------------------------
+
+    @classmethod
+    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        """fp32 values in [-scale_max, scale_max] -> uint8 codes (one per element, unpacked)."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, codes: Tensor, signed: bool) -> Tensor:
+        """uint8 codes (unpacked) -> fp32 values."""
+        raise NotImplementedError
+
+    @classmethod
+    def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
+        """A strictly increasing map of normalized values (float64): ``encode`` picks the code
+        nearest to a value in this space. The identity: the nearest value."""
+        return values
+
+    @classmethod
+    def calibrated(cls, signed: bool) -> bool:
+        """Whether a block's stored scale is its absmax times the calibration factor of
+        ``quant.calibrated_scale`` (unbiased blocks) rather than the absmax itself."""
+        return False
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def __init_subclass__(cls, **kwargs):
+        if cls.bits not in (4, 8):
+            raise TypeError(f"{cls.__name__}.bits must be 8 or 4, got {cls.bits}")
+        super().__init_subclass__(**kwargs)
+
+    @staticmethod
+    def __new__(cls, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes: Tensor, scale: Tensor, shape, block_size: int, signed: bool, dtype=torch.float32):
+        super().__init__()
+        self.codes = codes
+        self.scale = scale
+        self.block_size = block_size
+        self.signed = signed
 
     @classmethod
     def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
@@ -146,14 +280,11 @@ class OptimState(Tensor):
         scale = torch.zeros(blocks, device=device)
         return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
 
-    @classmethod
-    def from_float(cls, x: Tensor, signed: bool = True, block_size: int | None = None):
-        """Quantize a float tensor; the state keeps its shape, device and dtype (as appearance)."""
-        if not x.is_floating_point():
-            raise TypeError(f"{cls.__name__}.from_float needs a floating-point tensor, got {x.dtype}")
-        out = cls.zeros(x.shape, signed, block_size, device=x.device, dtype=x.dtype)
-        out.copy_(x)
-        return out
+    def _meta(self) -> tuple:
+        return (self.block_size, self.signed)
+
+    def _describe(self) -> dict:
+        return {"signed": self.signed, "block_size": self.block_size}
 
     # ---- quantization (traced by torch.compile through copy_) ---------------------------------
 
@@ -165,7 +296,11 @@ class OptimState(Tensor):
         """Overwrite codes and scales with the quantization of float tensor ``x`` (same numel)."""
         blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
         scale = quant.block_absmax(blocks) / self.scale_max
-        codes = self.encode(blocks / scale[:, None], self.signed).view(-1)
+        normalized = blocks / scale[:, None]
+        codes = self.encode(normalized, self.signed)
+        if self.calibrated(self.signed):
+            scale = quant.calibrated_scale(scale, normalized, self.decode(codes, self.signed))
+        codes = codes.view(-1)
         if self.bits == 4:
             codes = quant.pack_nibbles(codes)
         self.codes.copy_(codes)
@@ -177,44 +312,24 @@ class OptimState(Tensor):
         values = self.decode(codes, self.signed).view(-1, self.block_size) * self.scale[:, None]
         return values.view(-1)[: self.numel()].view(self.shape).to(dtype or self.dtype)
 
-    # ---- tensor-subclass protocol -------------------------------------------------------------
+    # ---- views and sharding -------------------------------------------------------------------
 
-    def __tensor_flatten__(self):
-        return ["codes", "scale"], (self.block_size, self.signed, self.dtype)
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
-        return cls(inner["codes"], inner["scale"], outer_size, *meta)
-
-    def _stable_hash_for_caching(self) -> str:
-        # lets torch.compile's AOT cache reuse graphs across processes. The key holds the metadata and
-        # what the format computes (a class keeping its name while changing its codebook must not
-        # load graphs compiled for the old one)
-        cls = type(self)
-        return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{self.block_size}:{self.signed}:{self.dtype}"
-
-    @classmethod
-    @functools.cache
-    def _numerics_fingerprint(cls, signed: bool) -> str:
-        """A hash of the code that defines the format's numbers (its encode/decode and scaling)."""
-        parts = []
-        for name in ("encode", "decode", "rounding_space", "quantize_", "dequantize"):
-            fn = getattr(getattr(cls, name), "__func__", getattr(cls, name))
-            try:
-                parts.append(inspect.getsource(fn))
-            except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
-                parts.append(fn.__qualname__)
-        parts.append(f"{cls.bits}:{cls.scale_max}")
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-    def _like(self, codes: Tensor, scale: Tensor, shape=None, dtype=None) -> "OptimState":
-        return type(self)(codes, scale, self.shape if shape is None else shape, self.block_size, self.signed, dtype or self.dtype)
-
-    def __repr__(self):
-        return (
-            f"{type(self).__name__}(shape={tuple(self.shape)}, signed={self.signed}, "
-            f"block_size={self.block_size}, dtype={self.dtype}, device={self.device})"
-        )
+    def _rows(self, start: int, end: int) -> "OptimState":
+        # needed by FSDP2 / DCP to take row shards; only whole blocks can be cut out of a quantized state
+        rows = self.shape[0] if self.dim() else 1
+        row_numel = self.numel() // rows if rows else 0
+        first, last = start * row_numel, end * row_numel
+        bs = self.block_size
+        if first % bs or (last % bs and last != self.numel()):
+            raise ValueError(
+                f"cannot slice {_format_name(self)} rows [{start}:{end}] of shape {tuple(self.shape)}: elements "
+                f"[{first}:{last}] do not start and end on block boundaries (block_size={bs}). "
+                f"Slice at multiples of {bs} elements or call .dequantize() first."
+            )
+        first_block, end_block = first // bs, quant.num_blocks(last, bs)
+        per_block = bs * self.bits // 8
+        codes = self.codes[first_block * per_block : end_block * per_block]
+        return self._like(codes=codes, scale=self.scale[first_block:end_block], shape=(end - start, *self.shape[1:]))
 
     def __get_tensor_shard__(self, index):
         # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
@@ -222,14 +337,6 @@ class OptimState(Tensor):
         from .distributed import ShardView
 
         return ShardView(self)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func, _dequantize_and_run)
-        return handler(func, args, kwargs)
 
 
 class CodebookState(OptimState):
@@ -305,18 +412,18 @@ def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def _format_name(state: OptimState) -> str:
+def _format_name(state: StateTensor) -> str:
     return f"{type(state).__name__} ({state.name!r} state format)"
 
 
 def _dequantize_arg(x):
-    return x.dequantize() if isinstance(x, OptimState) else x
+    return x.dequantize() if isinstance(x, StateTensor) else x
 
 
 def _dequantize_and_run(func, args, kwargs):
     """Generic fallback: run ``func`` on dequantized arguments; write mutated states back."""
     schema = func._schema
-    state = next(x for x in tree_leaves((args, kwargs)) if isinstance(x, OptimState))
+    state = next(x for x in tree_leaves((args, kwargs)) if isinstance(x, StateTensor))
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         raise NotImplementedError(
             f"{_format_name(state)} does not support aten.{func.__name__}: it returns a view, which a quantized "
@@ -330,7 +437,7 @@ def _dequantize_and_run(func, args, kwargs):
     bound, plain_bound = _bind(schema, args, kwargs), _bind(schema, plain_args, plain_kwargs)
     for name in mutated:  # also lists of states, as in the _foreach_*_ ops
         for original, new_value in zip(tree_leaves(bound.get(name)), tree_leaves(plain_bound.get(name))):
-            if isinstance(original, OptimState):
+            if isinstance(original, StateTensor):
                 original.copy_(new_value)
     # an in-place or out= op returns its mutated argument: hand back the state, not the temporary
     if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
@@ -346,24 +453,22 @@ def _bind(schema, args, kwargs) -> dict:
 @implements(aten.detach.default, aten.alias.default)
 def _view_of_inner(func, args, kwargs):
     # detach: needed by torch.optim state_dict and torch.save; alias: by torch.compile's functionalization
-    state = args[0]
-    out = state._like(func(state.codes), func(state.scale))
+    out = args[0]._map_inner(func)
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 @implements(aten.clone.default)
 def _clone(func, args, kwargs):
     # needed by copy.deepcopy and user code cloning a state dict
-    state = args[0]
-    return state._like(state.codes.clone(), state.scale.clone())
+    return args[0]._map_inner(torch.clone)
 
 
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
-    # the codes are flat, so any shape with the same numel is free; needed by the optimizer's flat step
+    # the inner tensors do not depend on the logical shape, so any shape with the same numel is free;
+    # needed by the optimizer's flat step
     state, shape = args[0], args[1]
-    shape = _infer_shape(shape, state.numel())
-    out = state._like(state.codes, state.scale, shape=shape)
+    out = state._like(shape=_infer_shape(shape, state.numel()))
     return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
 
 
@@ -388,58 +493,41 @@ def slice_bounds(start, end, rows: int) -> tuple[int, int]:
 
 @implements(aten.slice.Tensor)
 def _slice(func, args, kwargs):
-    # needed by FSDP2 / DCP to take row shards; only whole blocks can be cut out of a quantized state
     state, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
-    rows = state.shape[0] if state.dim() else 1
-    start, end = slice_bounds(start, end, rows)
-    row_numel = state.numel() // rows if rows else 0
-    first, last = start * row_numel, end * row_numel
     if dim != 0 or step != 1:
         raise NotImplementedError(f"{_format_name(state)} can only be sliced along dim 0 with step 1 (got dim={dim}, step={step})")
-    bs = state.block_size
-    if first % bs or (last % bs and last != state.numel()):
-        raise ValueError(
-            f"cannot slice {_format_name(state)} rows [{start}:{end}] of shape {tuple(state.shape)}: elements "
-            f"[{first}:{last}] do not start and end on block boundaries (block_size={bs}). "
-            f"Slice at multiples of {bs} elements or call .dequantize() first."
-        )
-    first_block, end_block = first // bs, quant.num_blocks(last, bs)
-    per_block = bs * state.bits // 8
-    codes = state.codes[first_block * per_block : end_block * per_block]
-    scale = state.scale[first_block:end_block]
-    out = state._like(codes, scale, shape=(end - start, *state.shape[1:]))
+    out = state._rows(*slice_bounds(start, end, state.shape[0] if state.dim() else 1))
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 @implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
-    # .to(device) moves codes and scales; .to(dtype) only changes the appearance dtype (what
+    # .to(device) moves the inner tensors; .to(dtype) only changes the appearance dtype (what
     # dequantize() returns). Needed by torch.optim.Optimizer.load_state_dict and .cuda()/.cpu().
     state, device = args[0], kwargs.get("device")
-    codes, scale = state.codes.to(device, copy=True), state.scale.to(device, copy=True)
-    return state._like(codes, scale, dtype=kwargs.get("dtype") or state.dtype)
+    return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
 
 
 @implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     # the write path of every step function: quantize into a state, dequantize out of one
     dst, src = args[0], args[1]
-    if not isinstance(dst, OptimState):
+    if not isinstance(dst, StateTensor):
         return dst.copy_(src.dequantize())
     if dst.shape != src.shape:
         raise RuntimeError(f"copy_ into {_format_name(dst)} of shape {tuple(dst.shape)} from shape {tuple(src.shape)}: shapes must match")
-    if type(src) is type(dst) and src.block_size == dst.block_size and src.signed == dst.signed:
-        dst.codes.copy_(src.codes)  # same format: bit-exact, no requantization
-        dst.scale.copy_(src.scale)
+    if dst._same_layout(src):
+        for name, t in dst._inner().items():  # same layout: bit-exact, no requantization
+            t.copy_(getattr(src, name))
     else:
-        dst.quantize_(src.dequantize() if isinstance(src, OptimState) else src)
+        dst.quantize_(src.dequantize() if isinstance(src, StateTensor) else src)
     return dst
 
 
 @implements(aten.is_pinned.default)
 def _is_pinned(func, args, kwargs):
     # needed by DataLoader-style pinning checks and CPU offload
-    return args[0].codes.is_pinned() and args[0].scale.is_pinned()
+    return all(t.is_pinned() for t in args[0]._inner().values())
 
 
 def _collective_ops(*names):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lowbit_optim
-from lowbit_optim.formats import get_format, is_quantized, registered_formats
+from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,11 +43,33 @@ class FormatInfo:
 
     @property
     def quantized(self) -> bool:
+        """A state subclass (blockwise or factored), not a plain dtype."""
         return is_quantized(self.fmt)
+
+    @property
+    def blockwise(self) -> bool:
+        """Codes and a scale per block (an OptimState)."""
+        return is_blockwise(self.fmt)
 
     @property
     def block_size(self):
         return self.fmt.default_block_size
+
+    @property
+    def signedness(self) -> tuple[bool, ...]:
+        """The signedness the format can hold: both, or unsigned only (second moments)."""
+        return (True, False) if getattr(self.fmt, "holds_signed", True) else (False,)
+
+    @property
+    def spec(self):
+        """The optimizer's ``state_format`` that uses this format wherever it can: a format holding
+        only nonnegative states takes exp_avg_sq (and amsgrad's max), with an fp32 exp_avg."""
+        return self.name if True in self.signedness else {"exp_avg": "fp32", "exp_avg_sq": self.name}
+
+    def moment_format(self, state_name: str) -> str:
+        """The format name the optimizer stores ``state_name`` in under ``spec`` (before the
+        min_quantize_numel rule)."""
+        return self.spec if isinstance(self.spec, str) else self.spec["exp_avg" if state_name == "exp_avg" else "exp_avg_sq"]
 
     def code_values(self, signed: bool) -> torch.Tensor:
         """Every value a normalized code can stand for (sorted, finite, unique), in float64."""
@@ -86,11 +108,24 @@ class FormatInfo:
 
 
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
-QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit", "fp8"]
+QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
+BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit", "4bit-calibrated", "fp8", "factored"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])
+blockwise_formats = pytest.mark.parametrize("info", BLOCKWISE_FORMATS, ids=[f.name for f in BLOCKWISE_FORMATS])
+
+
+def _signedness_id(signed: bool) -> str:
+    return "signed" if signed else "unsigned"
+
+
+def by_signedness(infos: list) -> pytest.MarkDecorator:
+    """Parametrize ``info, signed`` over each format and the signedness it can hold."""
+    return pytest.mark.parametrize(
+        "info, signed", [pytest.param(i, s, id=f"{_signedness_id(s)}-{i.name}") for i in infos for s in i.signedness]
+    )
 
 
 def format_info(name: str) -> FormatInfo:
@@ -98,11 +133,14 @@ def format_info(name: str) -> FormatInfo:
 
 
 __all__ = [
+    "BLOCKWISE_FORMATS",
     "CUSTOM_FORMAT_EXAMPLE",
     "FORMATS",
     "QUANTIZED_FORMATS",
     "FormatInfo",
     "all_formats",
+    "blockwise_formats",
+    "by_signedness",
     "format_info",
     "import_script",
     "lowbit_optim",

@@ -18,11 +18,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BUILTIN_FORMAT_NAMES, FORMATS, QUANTIZED_FORMATS, FormatInfo, all_formats, format_info, quantized_formats
+from conftest import (
+    BLOCKWISE_FORMATS,
+    BUILTIN_FORMAT_NAMES,
+    FORMATS,
+    QUANTIZED_FORMATS,
+    FormatInfo,
+    all_formats,
+    blockwise_formats,
+    by_signedness,
+    format_info,
+    quantized_formats,
+)
 from lowbit_optim import quant
-from lowbit_optim.formats import get_format, is_quantized, registered_formats
-from lowbit_optim.state import CodebookState, OptimState
+from lowbit_optim.factored import factor_shape
+from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
+from lowbit_optim.state import CodebookState, OptimState, StateTensor
 
+BUILTIN_BLOCKWISE = [name for name in BUILTIN_FORMAT_NAMES if is_blockwise(get_format(name))]
 BUILTIN_QUANTIZED = [name for name in BUILTIN_FORMAT_NAMES if is_quantized(get_format(name))]
 FP32_MAX = torch.finfo(torch.float32).max
 FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
@@ -37,11 +50,8 @@ def _signedness(signed: bool) -> str:
 signed_and_unsigned = pytest.mark.parametrize("signed", [True, False], ids=_signedness)
 
 
-# quantized_formats x signed_and_unsigned
-quantized_formats_by_signedness = pytest.mark.parametrize(
-    "info, signed",
-    [pytest.param(i, signed, id=f"{_signedness(signed)}-{i.name}") for i in QUANTIZED_FORMATS for signed in (True, False)],
-)
+blockwise_formats_by_signedness = by_signedness(BLOCKWISE_FORMATS)
+quantized_formats_by_signedness = by_signedness(QUANTIZED_FORMATS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,13 +142,34 @@ def assert_encodes_to_nearest(info: FormatInfo, signed: bool, x: torch.Tensor) -
         raise AssertionError(f"{int(bad.sum())} of {x.numel()} inputs not encoded to a nearest code:\n" + "\n".join(rows))
 
 
+def nearest_code_values(info: FormatInfo, normalized: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Brute force (float64): the code value nearest to each normalized value in the rounding space."""
+    points = encode_domain_codes(info, signed)
+    space = info.fmt.rounding_space
+    distance = (space(normalized * info.fmt.scale_max, signed)[..., None] - space(points, signed)).abs()
+    return points[distance.argmin(dim=-1)] / info.fmt.scale_max
+
+
+def calibration_reference(info: FormatInfo, blocks: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Per block, the factor c = <x, x> / <x, Q(x)> of a calibrated format (1 for others), from
+    float64 blocks and brute-force nearest codes; 1 where undefined."""
+    if not info.fmt.calibrated(signed):
+        return torch.ones(blocks.shape[0], dtype=torch.float64)
+    absmax = blocks.abs().amax(dim=1, keepdim=True).clamp(min=quant.MIN_BLOCK_SCALE)
+    x = blocks / absmax
+    c = (x * x).sum(1) / (x * nearest_code_values(info, x, signed)).sum(1)
+    return torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
+
+
 def roundtrip_bound(info: FormatInfo, x: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
     """Per-element bound on |x - dequantize(from_float(x))|: the block's scale (its absmax, never below
-    MIN_BLOCK_SCALE) times the format's worst normalized rounding error, with fp32 slack."""
+    MIN_BLOCK_SCALE) times the format's worst normalized rounding error, with fp32 slack; a
+    calibrated format's scale is c x absmax, which adds |c - 1| x absmax (codes are at most 1)."""
     flat = x.detach().double().reshape(-1)
     blocks = quant.to_blocks(flat, block_size, quant.num_blocks(flat.numel(), block_size) * block_size)  # zero-padded
     scale = blocks.abs().amax(dim=1).clamp(min=quant.MIN_BLOCK_SCALE)
-    per_block = scale * (info.max_rounding_error(signed) * (1 + 1e-6) + FP32_SLACK)
+    calibration = (calibration_reference(info, blocks, signed) - 1).abs() * (1 + 1e-6)
+    per_block = scale * (info.max_rounding_error(signed) * (1 + 1e-6) + calibration + FP32_SLACK)
     return per_block.repeat_interleave(block_size)[: flat.numel()].view(x.shape)
 
 
@@ -159,31 +190,51 @@ def assert_roundtrip_within_bound(info: FormatInfo, x: torch.Tensor, signed: boo
 
 
 def assert_same_state(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bit-identical states: class, codes, scales, block size, signedness, shape and appearance dtype."""
+    """Bit-identical states: class, inner tensors (codes and scales, or factors), block size,
+    signedness, shape and appearance dtype."""
     assert type(a) is type(b)
-    assert (a.block_size, a.signed, a.shape, a.dtype) == (b.block_size, b.signed, b.shape, b.dtype)
-    assert a.codes.dtype == b.codes.dtype == torch.uint8
-    assert torch.equal(a.codes, b.codes)
-    assert torch.equal(a.scale, b.scale)
+    assert (a._meta(), a.shape, a.dtype) == (b._meta(), b.shape, b.dtype)
+    if isinstance(a, OptimState):
+        assert a.codes.dtype == b.codes.dtype == torch.uint8
+    for name, t in a._inner().items():
+        assert t.dtype == getattr(b, name).dtype and torch.equal(t, getattr(b, name)), name
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> OptimState:
-    """A valid state whose blocks never reach the top code, built from codes and scales directly:
-    requantizing its values would give other codes, so only a bit copy reproduces it."""
+def shares_all_storage(a: StateTensor, b: StateTensor) -> bool:
+    return all(shares_storage(t, getattr(b, name)) for name, t in a._inner().items())
+
+
+def shares_any_storage(a: StateTensor, b: StateTensor) -> bool:
+    return any(shares_storage(t, getattr(b, name)) for name, t in a._inner().items())
+
+
+def any_sample(info: FormatInfo, shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """``sample`` of values the format holds: signed if it can, else nonnegative."""
+    return sample(shape, info.signedness[0], seed, dtype)
+
+
+def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> StateTensor:
+    """A valid state that requantizing its own values would change, built from inner tensors
+    directly (blocks that never reach the top code; factors whose totals differ): only a bit copy
+    reproduces it."""
     fmt, block_size = info.fmt, info.block_size
-    blocks = quant.num_blocks(math.prod(shape), block_size)
     g = torch.Generator().manual_seed(seed)
-    normalized = torch.rand(blocks * block_size, generator=g) * (2 if signed else 1) - (1 if signed else 0)
-    codes = fmt.encode(normalized * (fmt.scale_max / 2), signed)
-    if fmt.bits == 4:
-        codes = quant.pack_nibbles(codes)
-    state = fmt(codes, torch.rand(blocks, generator=g) + 0.5, torch.Size(shape), block_size, signed)
+    if not info.blockwise:
+        rows, cols = factor_shape(torch.Size(shape))
+        state = fmt(torch.rand(rows, generator=g) + 0.5, torch.rand(cols, generator=g) + 0.5, torch.Size(shape), signed)
+    else:
+        blocks = quant.num_blocks(math.prod(shape), block_size)
+        normalized = torch.rand(blocks * block_size, generator=g) * (2 if signed else 1) - (1 if signed else 0)
+        codes = fmt.encode(normalized * (fmt.scale_max / 2), signed)
+        if fmt.bits == 4:
+            codes = quant.pack_nibbles(codes)
+        state = fmt(codes, torch.rand(blocks, generator=g) + 0.5, torch.Size(shape), block_size, signed)
     requantized = fmt.from_float(state.dequantize(), signed, block_size)
-    assert not torch.equal(requantized.codes, state.codes), "test setup: requantizing should change the codes"
+    assert not all(torch.equal(t, getattr(state, n)) for n, t in requantized._inner().items()), "test setup: requantizing should change it"
     return state
 
 
@@ -192,7 +243,7 @@ def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
 def test_encode_picks_nearest_code(info, signed):
     """The README promises the exact nearest code, not a near one: checked against brute force on
     random inputs, all codes, all midpoints and their fp32 neighbours, zeros, denormals, range ends."""
@@ -222,7 +273,7 @@ def test_codebook_ties_go_to_larger_code(info, signed):
     assert not wrong.any(), f"{int(wrong.sum())} of {int(exact.sum())} ties went down, e.g. at {midpoints[exact][wrong][:3].tolist()}"
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
 def test_decode_accepts_every_code(info, signed):
     """Every uint8 code (a state read from disk may hold any) decodes to an fp32 value; the codes
     ``encode`` produces decode to finite values."""
@@ -241,7 +292,19 @@ def test_decode_accepts_every_code(info, signed):
 ROUNDTRIP_SHAPES = [(1,), (7,), (255,), (1000,), (3, 100), (2, 3, 50), (4, 1, 129), (2048,)]
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
+def test_block_scales_match_reference(info, signed):
+    """Each stored scale is the block's absmax / scale_max (float64 reference), times the brute-force
+    calibration factor for a calibrated format."""
+    x = sample((5000,), signed, seed=3)
+    state = info.fmt.from_float(x, signed)
+    blocks = quant.to_blocks(x.double(), info.block_size, state.padded_numel)
+    absmax = blocks.abs().amax(dim=1).clamp(min=quant.MIN_BLOCK_SCALE)
+    expected = absmax / info.fmt.scale_max * calibration_reference(info, blocks, signed)
+    torch.testing.assert_close(state.scale.double(), expected, rtol=2**-23, atol=0)
+
+
+@blockwise_formats_by_signedness
 @pytest.mark.parametrize("shape", ROUNDTRIP_SHAPES, ids=str)
 def test_roundtrip_error_within_bound(info, signed, shape):
     """Each element is within (its block's absmax) x (the codebook's worst rounding error); shapes
@@ -250,7 +313,7 @@ def test_roundtrip_error_within_bound(info, signed, shape):
     assert state.shape == torch.Size(shape)
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
 def test_all_zero_blocks_decode_to_zero(info, signed):
     """A block of zeros must not decode to noise: exactly 0 where the codebook has a zero code,
     otherwise (linear codebooks without zero) at most MIN_BLOCK_SCALE times the smallest code."""
@@ -267,7 +330,7 @@ def test_all_zero_blocks_decode_to_zero(info, signed):
         assert bool((zero_blocks.abs() <= quant.MIN_BLOCK_SCALE * values.abs().min()).all())
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
 @pytest.mark.parametrize("magnitude", [FP32_MAX, 1e30, 1e-10, 1e-30, 1e-40], ids=lambda m: f"{m:.0e}")
 def test_extreme_magnitudes(info, signed, magnitude):
     """Blocks whose absmax is huge (up to fp32 max) or tiny (below MIN_BLOCK_SCALE, denormal) stay
@@ -281,7 +344,7 @@ def test_extreme_magnitudes(info, signed, magnitude):
     assert torch.isfinite(state.dequantize()).all()
 
 
-@quantized_formats
+@blockwise_formats
 @pytest.mark.parametrize(
     "signed, bad",
     [(True, math.inf), (True, -math.inf), (True, math.nan), (False, math.inf), (False, math.nan)],  # unsigned: no -inf
@@ -314,7 +377,7 @@ HYPOTHESIS = settings(max_examples=25, deadline=None, database=None)
 # format (and so that a format-level failure, e.g. a known bug, fails at once instead of shrinking).
 
 
-@quantized_formats_by_signedness
+@blockwise_formats_by_signedness
 def test_roundtrip_bound_property(info, signed):
     """The round-trip bound for any shape, block size and overall magnitude."""
     info.max_rounding_error(signed)
@@ -328,7 +391,7 @@ def test_roundtrip_bound_property(info, signed):
     check()
 
 
-@quantized_formats
+@blockwise_formats
 def test_layout_property(info):
     """from_float and zeros keep shape, appearance dtype and device, and store exactly one byte per
     element (half a byte at 4 bits) of padded blocks plus one fp32 scale per block."""
@@ -360,8 +423,7 @@ def test_layout_property(info):
 # ------------------------------------------------------------------------------------------------
 
 
-@all_formats
-@signed_and_unsigned
+@by_signedness(FORMATS)
 def test_every_format_makes_zeros_and_quantizes(info, signed):
     """zeros / from_float exist for every registered format (plain ones included) with the same
     signature; quantized states look like their input's dtype, plain ones have the format's dtype."""
@@ -375,8 +437,7 @@ def test_every_format_makes_zeros_and_quantizes(info, signed):
     assert torch.equal(plain, torch.zeros_like(plain))
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_zeros(info, signed, dtype):
     """A fresh state (the optimizer's initial moments) is exactly zero, whatever the codebook."""
@@ -390,18 +451,17 @@ def test_zeros(info, signed, dtype):
 def test_appearance_dtype(info):
     """A state looks like its input's dtype; dequantize() returns that dtype, dequantize(fp32) fp32
     values of which the default is the rounding."""
-    x = sample((3, 100)).bfloat16()
+    x = any_sample(info, (3, 100)).bfloat16()
     state = info.fmt.from_float(x)
     assert state.dtype == torch.bfloat16
     assert state.dequantize().dtype == torch.bfloat16
     full = state.dequantize(torch.float32)
     assert full.dtype == torch.float32
     assert torch.equal(state.dequantize(), full.bfloat16())
-    assert torch.equal(state.codes, info.fmt.from_float(x.float()).codes)
+    assert_same_state(state.to(torch.float32), info.fmt.from_float(x.float()))
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 def test_copy_plain_tensors_in_and_out(info, signed):
     """copy_ into a state quantizes (the step function's write), copy_ out of one dequantizes."""
     x = sample((3, 100), signed)
@@ -413,8 +473,7 @@ def test_copy_plain_tensors_in_and_out(info, signed):
     assert torch.equal(plain, state.dequantize())
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 def test_copy_between_same_layout_is_bit_exact(info, signed):
     """Same format, block size and signedness: codes and scales are copied, not requantized (so a
     checkpoint reload cannot drift)."""
@@ -425,19 +484,21 @@ def test_copy_between_same_layout_is_bit_exact(info, signed):
 
 
 def _conversion_pairs():
-    """(source, destination) over the registry: every ordered pair of formats, and each format to
-    itself with another block size (also a conversion)."""
-    return [pytest.param(a, b, id=f"{a.name}->{b.name}") for a, b in itertools.product(QUANTIZED_FORMATS, QUANTIZED_FORMATS)]
+    """(source, destination) over the registry: every ordered pair of formats, and each blockwise
+    format to itself with another block size (also a conversion)."""
+    pairs = [(a, b) for a, b in itertools.product(QUANTIZED_FORMATS, QUANTIZED_FORMATS) if a is not b or a.blockwise]
+    return [pytest.param(a, b, id=f"{a.name}->{b.name}") for a, b in pairs]
 
 
 @pytest.mark.parametrize("src_info, dst_info", _conversion_pairs())
 def test_copy_between_layouts_converts(src_info, dst_info):
     """copy_ between different formats (or block sizes) requantizes the source's values."""
-    src = src_info.fmt.from_float(sample((3, 100)))
-    block_size = dst_info.block_size * (2 if src_info is dst_info else 1)
-    dst = dst_info.fmt.zeros(src.shape, True, block_size)
+    signed = True in src_info.signedness and True in dst_info.signedness
+    src = src_info.fmt.from_float(sample((3, 100), signed), signed)
+    block_size = dst_info.block_size * (2 if src_info is dst_info and dst_info.blockwise else 1) if dst_info.blockwise else None
+    dst = dst_info.fmt.zeros(src.shape, signed, block_size)
     dst.copy_(src)
-    assert_same_state(dst, dst_info.fmt.from_float(src.dequantize(), True, block_size))
+    assert_same_state(dst, dst_info.fmt.from_float(src.dequantize(), signed, block_size))
 
 
 @quantized_formats
@@ -450,10 +511,10 @@ def test_copy_rejects_other_shapes(info):
 @quantized_formats
 def test_to_dtype_changes_only_appearance(info):
     """.to(dtype) relabels the state (the optimizer's load_state_dict does this); codes stay."""
-    state = info.fmt.from_float(sample((3, 100)))
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     moved = state.to(torch.bfloat16)
     assert type(moved) is info.fmt and moved.dtype == torch.bfloat16 and state.dtype == torch.float32
-    assert torch.equal(moved.codes, state.codes) and torch.equal(moved.scale, state.scale)
+    assert_same_state(moved.to(torch.float32), state)
     assert torch.equal(moved.dequantize(), state.dequantize().bfloat16())
 
 
@@ -465,10 +526,10 @@ def _devices():
 @pytest.mark.parametrize("device", _devices())
 def test_to_device(info, device):
     """.to(device) moves codes and scales; moving there and back is bit-exact."""
-    state = info.fmt.from_float(sample((3, 100)))
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     for moved in (state.to(device), state.to(device=device), state.to(device=torch.device(device), dtype=torch.float32)):
         assert type(moved) is info.fmt and moved.device.type == device
-        assert moved.codes.device.type == device and moved.scale.device.type == device
+        assert all(t.device.type == device for t in moved._inner().values())
         assert_same_state(moved.to("cpu"), state)
         assert torch.equal(moved.dequantize().cpu(), state.dequantize())
 
@@ -476,9 +537,9 @@ def test_to_device(info, device):
 @quantized_formats
 def test_to_meta_device(info):
     """A real device move that works without an accelerator (meta tensors keep only metadata)."""
-    moved = info.fmt.from_float(sample((3, 100))).to("meta")
+    moved = info.fmt.from_float(any_sample(info, (3, 100))).to("meta")
     assert type(moved) is info.fmt and moved.device.type == "meta" and moved.shape == (3, 100)
-    assert moved.codes.is_meta and moved.scale.is_meta
+    assert all(t.is_meta for t in moved._inner().values())
 
 
 @quantized_formats
@@ -488,32 +549,33 @@ def test_to_meta_device(info):
     ids=["view(-1)", "view(100,3)", "view(2,-1,5)", "reshape(-1,20)", "reshape(300)"],
 )
 def test_view_and_reshape(info, reshape):
-    """The codes are flat, so any shape with the same numel is free and keeps the values."""
-    state = info.fmt.from_float(sample((3, 100)))
+    """The inner tensors do not depend on the shape, so any shape with the same numel is free and
+    keeps the values."""
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     out = reshape(state)
     assert type(out) is info.fmt
     assert torch.equal(out.dequantize(), reshape(state.dequantize()))
-    assert shares_storage(out.codes, state.codes)
+    assert shares_all_storage(out, state)
 
 
 @quantized_formats
 def test_detach(info):
-    state = info.fmt.from_float(sample((3, 100)))
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     out = state.detach()
     assert_same_state(out, state)
-    assert shares_storage(out.codes, state.codes)
+    assert shares_all_storage(out, state)
 
 
 @quantized_formats
 @pytest.mark.parametrize("duplicate", [torch.Tensor.clone, copy.deepcopy], ids=["clone", "deepcopy"])
 def test_clone_and_deepcopy_are_independent(info, duplicate):
     """Copies (a cloned or deep-copied state dict) hold equal values in storage of their own."""
-    state = info.fmt.from_float(sample((3, 100)))
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     before = state.dequantize()
     out = duplicate(state)
     assert_same_state(out, state)
-    assert not shares_storage(out.codes, state.codes) and not shares_storage(out.scale, state.scale)
-    out.copy_(sample((3, 100), seed=9))
+    assert not shares_any_storage(out, state)
+    out.copy_(any_sample(info, (3, 100), seed=9))
     assert torch.equal(state.dequantize(), before)
 
 
@@ -522,7 +584,7 @@ SLICES_ON_BLOCKS = [(6, slice(0, 2)), (6, slice(2, 6)), (6, slice(4, None)), (6,
 SLICES_OFF_BLOCKS = [(6, slice(1, 3)), (6, slice(0, 3)), (5, slice(1, None))]
 
 
-@quantized_formats
+@blockwise_formats
 @pytest.mark.parametrize("rows, rows_slice", SLICES_ON_BLOCKS, ids=str)
 def test_slice_on_block_boundaries(info, rows, rows_slice):
     """Row slices made of whole blocks (or ending at the partial last block) are views (FSDP2 / DCP
@@ -540,7 +602,7 @@ def test_slice_on_block_boundaries(info, rows, rows_slice):
     assert torch.equal(state.dequantize(), expected)
 
 
-@quantized_formats
+@blockwise_formats
 @pytest.mark.parametrize("rows, rows_slice", SLICES_OFF_BLOCKS, ids=str)
 def test_slice_off_block_boundaries_raises(info, rows, rows_slice):
     state = info.fmt.from_float(sample((rows, info.block_size // 2)))
@@ -551,17 +613,17 @@ def test_slice_off_block_boundaries_raises(info, rows, rows_slice):
 @quantized_formats
 @pytest.mark.parametrize("index", [(slice(None), slice(0, 2)), slice(None, None, 2)], ids=["dim1", "step2"])
 def test_slice_other_dims_or_steps_raises(info, index):
-    state = info.fmt.from_float(sample((4, info.block_size)))
+    state = info.fmt.from_float(any_sample(info, (4, info.block_size or 64)))
     with pytest.raises(NotImplementedError, match="along dim 0 with step 1"):
         state[index]
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_save_load_weights_only(info, signed, dtype):
     """torch.save + torch.load(weights_only=True), the safe default for checkpoints, is bit-exact."""
-    state = info.fmt.from_float(sample((3, 100), signed, dtype=dtype), signed, valid_block_sizes(info)[-1])
+    block_size = valid_block_sizes(info)[-1] if info.blockwise else None
+    state = info.fmt.from_float(sample((3, 100), signed, dtype=dtype), signed, block_size)
     buffer = io.BytesIO()
     torch.save({"exp_avg": state}, buffer)
     buffer.seek(0)
@@ -579,8 +641,7 @@ OUT_OF_PLACE_OPS = {
 }
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 @pytest.mark.parametrize("op", OUT_OF_PLACE_OPS.values(), ids=OUT_OF_PLACE_OPS.keys())
 def test_out_of_place_ops_run_on_dequantized_values(info, signed, op):
     """Any other op dequantizes and runs, so step code written for fp32 tensors works unchanged."""
@@ -600,8 +661,7 @@ IN_PLACE_OPS = {
 }
 
 
-@quantized_formats
-@signed_and_unsigned
+@quantized_formats_by_signedness
 @pytest.mark.parametrize("op", IN_PLACE_OPS.values(), ids=IN_PLACE_OPS.keys())
 def test_in_place_ops_write_back(info, signed, op):
     """In-place and out= ops run on the dequantized values and quantize the result back into the
@@ -629,7 +689,7 @@ VIEW_OPS = {
 def test_unsupported_view_ops_raise(info, op_name, op):
     """Ops returning views cannot be emulated (a write to the view would be lost): they fail loudly,
     naming the op and the format."""
-    state = info.fmt.from_float(sample((3, 100)))
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
     with pytest.raises(NotImplementedError) as excinfo:
         op(state)
     message = str(excinfo.value)
@@ -642,7 +702,7 @@ def test_unsupported_view_ops_raise(info, op_name, op):
 # ------------------------------------------------------------------------------------------------
 
 
-@quantized_formats
+@blockwise_formats
 @pytest.mark.parametrize("block_size", [3, 0, -8, 12, 256.0, True], ids=repr)
 def test_block_size_must_be_power_of_two(info, block_size):
     with pytest.raises(ValueError, match="power of two"):
@@ -651,7 +711,7 @@ def test_block_size_must_be_power_of_two(info, block_size):
         info.fmt.from_float(torch.zeros(3, 100), block_size=block_size)
 
 
-@quantized_formats
+@blockwise_formats
 def test_block_size_must_fill_a_byte(info):
     """A block's codes must fill whole bytes; the smallest valid block works."""
     for too_small in [2**k for k in range(3) if 2**k * info.fmt.bits < 8]:
@@ -726,7 +786,7 @@ def codebook_summary(info: FormatInfo, signed: bool) -> str:
 
 def render_over_builtins(render) -> str:
     """One line (or block) per built-in quantized format and signedness."""
-    return "\n".join(render(format_info(name), signed) for name in BUILTIN_QUANTIZED for signed in (True, False))
+    return "\n".join(render(format_info(name), signed) for name in BUILTIN_BLOCKWISE for signed in (True, False))
 
 
 class TestPinned(expecttest.TestCase):
@@ -762,6 +822,12 @@ nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
 4bit unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
   first: 0.00390625, 0.015625, 0.0351562, 0.0625
   last:  0.660156, 0.765625, 0.878906, 1
+4bit-calibrated signed: n=16 min=-1 max=1 smallest_positive=0.0795803
+  first: -1, -0.696193, -0.525073, -0.394917
+  last:  0.44071, 0.562617, 0.722957, 1
+4bit-calibrated unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.015625, 0.0351562, 0.0625
+  last:  0.660156, 0.765625, 0.878906, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
@@ -772,7 +838,7 @@ fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
     def test_4bit_codebooks(self):
         rendered = "\n".join(
             f"{name} {_signedness(signed)}: {_floats(format_info(name).code_values(signed), '.9g')}"
-            for name in BUILTIN_QUANTIZED
+            for name in BUILTIN_BLOCKWISE
             if get_format(name).bits == 4
             for signed in (True, False)
         )
@@ -784,7 +850,9 @@ nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0
 4bit-precond signed: -0.887499988, -0.662500024, -0.4375, -0.212499991, -0.0775000006, -0.0325000025, -0.00549999997, 0, 0.00549999997, 0.0325000025, 0.0775000006, 0.212499991, 0.4375, 0.662500024, 0.887499988, 1
 4bit-precond unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
 4bit signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
-4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
+4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
+4bit-calibrated signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
+4bit-calibrated unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
 
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
@@ -806,14 +874,17 @@ OptimState4bitTorchao(shape=(3, 100), signed=True, block_size=128, dtype=torch.f
 OptimStateNF4(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bitPrecond(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
-OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)""")
+OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
+FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)""")
 
     def test_builtin_bytes_per_element(self):
-        """Memory of codes + scales at a large size with the default block size."""
+        """Memory of the inner tensors (codes + scales, or factors) of a 256 x 256 state with the
+        default block size."""
 
         def bytes_per_element(name):
-            state = get_format(name).zeros(2**16)
-            return (state.codes.nbytes + state.scale.nbytes) / state.numel()
+            state = get_format(name).zeros((256, 256))
+            return sum(t.nbytes for t in state._inner().values()) / state.numel()
 
         self.assertExpectedInline("\n".join(f"{name}: {bytes_per_element(name)}" for name in BUILTIN_QUANTIZED), """\
 8bit: 1.015625
@@ -821,7 +892,9 @@ OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, 
 nf4: 0.53125
 4bit-precond: 0.53125
 4bit: 0.53125
-fp8: 1.015625""")
+4bit-calibrated: 0.53125
+fp8: 1.015625
+factored: 0.03125""")
 
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:

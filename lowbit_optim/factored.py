@@ -1,0 +1,75 @@
+"""FactoredState: a second moment kept as Adafactor's row and column sums (Shazeer & Stern, 2018).
+
+A state of shape (rows, *rest) is seen as a rows x cols matrix V (cols = numel // rows; a 1-D state
+is a column, rows = numel). It stores ``row = V.sum(1)`` and ``col = V.sum(0)``: rows + cols fp32
+numbers instead of rows x cols, about 0.005 bytes per element of a 768 x 3072 weight. Reading gives
+
+    row[:, None] * col[None, :] / col.sum()
+
+the rank-1 matrix with the same row and column sums (for nonnegative V the closest one in
+I-divergence). Writing keeps only those sums. They are linear, so the Adam step's
+``exp_avg_sq.lerp(grad**2, 1 - beta2)`` followed by ``copy_`` updates them exactly as Adafactor's
+running averages of grad**2, bias correction included; the step's own update still uses the full
+``lerp`` result of that step (factored past, exact present gradient). A 1-D state is stored exactly
+(its one column sum cancels).
+
+Only nonnegative states can be factored (a signed first moment's sums cancel): use it for
+``exp_avg_sq``, e.g. ``state_format={"exp_avg": "4bit", "exp_avg_sq": "factored"}``.
+"""
+
+import torch
+from torch import Tensor
+
+from .state import StateTensor
+
+
+def factor_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, cols) of the matrix a state of ``shape`` is factored as."""
+    rows = shape[0] if len(shape) >= 2 else shape.numel()
+    return rows, (shape.numel() // rows if rows else 0)
+
+
+class FactoredState(StateTensor):
+    """Nonnegative state as row and column sums of its (rows, numel // rows) matrix."""
+
+    name = "factored"
+    inner_names = ("row", "col")
+    holds_signed = False
+    default_block_size = None  # no blocks: block_size is accepted and ignored
+
+    row: Tensor
+    col: Tensor
+
+    @staticmethod
+    def __new__(cls, row: Tensor, col: Tensor, shape, signed: bool = False, dtype=torch.float32):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=row.device)
+
+    def __init__(self, row: Tensor, col: Tensor, shape, signed: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.row, self.col = row, col
+        self.signed = signed
+        self.block_size = None
+
+    @classmethod
+    def zeros(cls, shape, signed: bool = False, block_size: int | None = None, device=None, dtype=None):
+        cls.check_signed(signed)
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        rows, cols = factor_shape(shape)
+        return cls(torch.zeros(rows, device=device), torch.zeros(cols, device=device), shape, signed, dtype or torch.float32)
+
+    def _meta(self) -> tuple:
+        return (self.signed,)
+
+    def _describe(self) -> dict:
+        return {"signed": self.signed, "factors": (self.row.numel(), self.col.numel())}
+
+    def quantize_(self, x: Tensor) -> None:
+        matrix = x.float().reshape(self.row.numel(), self.col.numel())
+        self.row.copy_(matrix.sum(1))
+        self.col.copy_(matrix.sum(0))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        # an all-zero state (total 0) reads as zeros; NaN or inf anywhere poisons every value
+        total = self.col.sum().clamp(min=torch.finfo(torch.float32).tiny)
+        values = self.row[:, None] * (self.col / total)[None, :]
+        return values.view(self.shape).to(dtype or self.dtype)
