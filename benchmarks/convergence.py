@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))  # lowbit_optim without pip install -e
 from train_char_gpt import GPT, CharDataset, evaluate, get_batch, load_text, lr_factor  # noqa: E402
 
 import lowbit_optim  # noqa: E402
+from lowbit_optim.formats import paired_state_format  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 REFERENCE = "lowbit fp32"
@@ -90,13 +91,18 @@ class OptimizerSpec:
 
 def optimizer_specs() -> list[OptimizerSpec]:
     def lowbit(name):
-        return lambda params, **kw: lowbit_optim.AdamW(params, state_format=name, **kw)
+        spec = paired_state_format(name)
+        return lambda params, **kw: lowbit_optim.AdamW(params, state_format=spec, **kw)
+
+    def label(name):
+        spec = paired_state_format(name)
+        return f"lowbit {name}" if isinstance(spec, str) else f"lowbit {spec['exp_avg']}+{name}"
 
     specs = [
         OptimizerSpec(REFERENCE, lowbit("fp32"), True),
         OptimizerSpec("torch AdamW", lambda params, **kw: torch.optim.AdamW(params, **kw), False),
     ]
-    specs += [OptimizerSpec(f"lowbit {name}", lowbit(name), True) for name in lowbit_optim.registered_formats() if name != "fp32"]
+    specs += [OptimizerSpec(label(name), lowbit(name), True) for name in lowbit_optim.registered_formats() if name != "fp32"]
     try:
         import torchao.optim as ao
     except ImportError:  # torchao is optional (the "bench" extra)
@@ -105,6 +111,7 @@ def optimizer_specs() -> list[OptimizerSpec]:
         specs.append(OptimizerSpec(f"torchao {name}", lambda params, cls=cls, **kw: cls(params, **kw), False, torchao=True))
     # each torchao row right after its lowbit twin, so a partial run already holds whole pairs
     order = [REFERENCE, "lowbit 8bit", "torchao 8bit", "lowbit 4bit", "lowbit 4bit-torchao", "torchao 4bit", "lowbit nf4", "lowbit 4bit-precond"]
+    order += ["lowbit 4bit-calibrated", "lowbit 4bit+factored"]
     order += ["lowbit fp8", "torchao fp8", "torch AdamW"]
     return sorted(specs, key=lambda s: order.index(s.label) if s.label in order else len(order))
 

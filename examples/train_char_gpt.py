@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 import lowbit_optim
+from lowbit_optim.formats import paired_state_format
 
 FP32_ADAM_BYTES_PER_PARAM = 8  # two fp32 moments
 
@@ -166,7 +167,7 @@ def train(args) -> dict:
     dataset = CharDataset(load_text())
     model = GPT(dataset.vocab_size, args.block_size, args.layers, args.d_model, args.heads).to(args.device)
     # every parameter gets the chosen format; those under min_quantize_numel (biases, LayerNorms) stay fp32
-    opt = lowbit_optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=args.state_format)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=paired_state_format(args.state_format))
     warmup = min(100, args.steps // 10 + 1)  # short runs (tests) need a short warmup to learn at all
     # lowbit_optim takes lr changes from any scheduler without recompiling its step
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps, warmup))
@@ -217,7 +218,9 @@ def train(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     formats = list(lowbit_optim.registered_formats())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--state-format", default="8bit", choices=formats, help="optimizer state format")
+    p.add_argument(
+        "--state-format", default="8bit", choices=formats, help="optimizer state format (factored, for second moments only, pairs with a 4bit first moment)"
+    )
     p.add_argument("--steps", type=int, default=600, help="training steps (the default run takes ~2 min on 2 CPU cores)")
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")

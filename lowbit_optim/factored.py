@@ -70,6 +70,7 @@ class FactoredState(StateTensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         # an all-zero state (total 0) reads as zeros; NaN or inf anywhere poisons every value
+        # (adding total - total, 0 or NaN: an infinite total alone would read as zeros)
         total = self.col.sum().clamp(min=torch.finfo(torch.float32).tiny)
-        values = self.row[:, None] * (self.col / total)[None, :]
+        values = self.row[:, None] * (self.col / total)[None, :] + (total - total)
         return values.view(self.shape).to(dtype or self.dtype)

@@ -38,6 +38,13 @@ def get_format(spec):
     )
 
 
+def paired_state_format(name: str, exp_avg: str = "4bit"):
+    """Format ``name`` as an optimizer's ``state_format``: the name itself, or for a format that
+    holds only nonnegative states (``factored``) ``{"exp_avg": exp_avg, "exp_avg_sq": name}``."""
+    fmt = get_format(name)
+    return name if getattr(fmt, "holds_signed", True) else {"exp_avg": exp_avg, "exp_avg_sq": name}
+
+
 def is_quantized(fmt) -> bool:
     """Whether ``fmt`` is a compressed format (a state subclass), not a plain dtype."""
     return isinstance(fmt, type) and issubclass(fmt, StateTensor)
@@ -209,6 +216,7 @@ __all__ = [
     "check_block_size",
     "convert",
     "is_blockwise",
+    "paired_state_format",
     "get_format",
     "holds",
     "is_quantized",

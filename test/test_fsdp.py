@@ -506,13 +506,13 @@ def test_reshard_one_to_two(result):
 SPLITS = [((10, 512), 5), ((5, 1024), 3), ((600, 9), 300), ((3, 100), 2), ((7000,), 3500), ((3,), 2), ((1, 300), 1)]
 
 
-def _quantized_formats():
-    from conftest import QUANTIZED_FORMATS
+def _blockwise_formats():
+    from conftest import BLOCKWISE_FORMATS
 
-    return QUANTIZED_FORMATS
+    return BLOCKWISE_FORMATS
 
 
-@pytest.mark.parametrize("info", _quantized_formats(), ids=str)
+@pytest.mark.parametrize("info", _blockwise_formats(), ids=str)
 @pytest.mark.parametrize("shape, cut", SPLITS, ids=str)
 def test_shard_view_reshards(info, shape, cut):
     """2 -> 1 and 1 -> 2 copies, as dcp.load makes them: exact where the shard boundary is a block

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats
-from lowbit_optim import OptimState, fused_cpu
+from lowbit_optim import OptimState, StateTensor, fused_cpu
 from lowbit_optim.formats import OptimStateFp8
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
@@ -44,25 +44,28 @@ def assert_identical(a, b) -> None:
         for key, s in opt_a.state[x].items():
             t = opt_b.state[y][key]
             assert type(s) is type(t), (i, key)
-            if isinstance(s, OptimState):
-                assert torch.equal(s.codes, t.codes) and torch.equal(s.scale, t.scale), (i, key)
+            if isinstance(s, StateTensor):
+                for name, inner in s._inner().items():
+                    assert torch.equal(inner, getattr(t, name)), (i, key, name)
             else:
                 assert torch.equal(s, t), (i, key)
 
 
-def kernel_takes(fmt_name: str) -> bool:
-    state = lowbit_optim.get_format(fmt_name).zeros(4096, signed=True)
-    return fused_cpu.unsupported_reason(torch.zeros(1), torch.zeros(1), torch.zeros(()), {"exp_avg": state}, "nearest") is None
+def kernel_takes(info) -> bool:
+    states = {name: info.fmt.zeros(4096, signed=name == "exp_avg") for name in ("exp_avg", "exp_avg_sq") if info.moment_format(name) == info.name}
+    return fused_cpu.unsupported_reason(torch.zeros(1), torch.zeros(1), torch.zeros(()), states, "nearest") is None
 
 
 @all_formats
 def test_fused_matches_compiled_bitwise(info):
-    """Every registered format the kernel takes gives the compiled step's exact bits."""
-    if not kernel_takes(info.name):
+    """Every registered format the kernel takes gives the compiled step's exact bits; the others
+    (factored, calibrated scales) are refused by fused=True and stepped by the compiled step."""
+    if not kernel_takes(info):
         with pytest.raises(RuntimeError, match="own encoding"):
-            run(True, state_format=info.name)
+            run(True, state_format=info.spec)
+        assert_identical(run(None, state_format=info.spec), run(False, state_format=info.spec))
         return
-    assert_identical(run(True, state_format=info.name), run(False, state_format=info.name))
+    assert_identical(run(True, state_format=info.spec), run(False, state_format=info.spec))
 
 
 FLAG_CASES = {

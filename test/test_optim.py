@@ -29,8 +29,8 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats
-from lowbit_optim import OptimState
-from lowbit_optim.formats import PlainFormat, registered_formats
+from lowbit_optim import OptimState, StateTensor
+from lowbit_optim.formats import PlainFormat, paired_state_format, registered_formats
 
 # ------------------------------------------------------------------------------------------------
 # Shared model, data and helpers
@@ -79,17 +79,26 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[floa
 
 def dense(t: torch.Tensor) -> torch.Tensor:
     """A state (quantized, torchao's, or plain) as a plain fp32 tensor."""
-    if isinstance(t, OptimState):
+    if isinstance(t, StateTensor):
         return t.dequantize(torch.float32)
     return (t if type(t) is torch.Tensor else t.dequantize()).detach().float()
 
 
 def stored_as(state: torch.Tensor) -> str:
     """The registry name of the format a state is stored in."""
-    if isinstance(state, OptimState):
+    if isinstance(state, StateTensor):
         return type(state).name
     assert type(state) is torch.Tensor, type(state)
     return next(name for name, f in registered_formats().items() if isinstance(f, PlainFormat) and f.dtype == state.dtype)
+
+
+def assert_same_bits(state: torch.Tensor, other: torch.Tensor, key) -> None:
+    """Equal states, bit for bit (inner tensors of state subclasses)."""
+    if isinstance(state, StateTensor):
+        for name, t in state._inner().items():
+            assert torch.equal(t, getattr(other, name)), (key, name)
+    else:
+        assert torch.equal(state, other), key
 
 
 def importable_by_reference(cls) -> bool:
@@ -200,7 +209,7 @@ def test_compiled_step_matches_eager(info):
     one code step at most)."""
     models = [make_mlp(), make_mlp()]
     opts = [
-        lowbit_optim.AdamW(m.parameters(), lr=LR, state_format=info.name, compile=compiled, fused=False)
+        lowbit_optim.AdamW(m.parameters(), lr=LR, state_format=info.spec, compile=compiled, fused=False)
         for m, compiled in zip(models, (True, False))
     ]
     for model, opt in zip(models, opts):
@@ -273,10 +282,10 @@ def test_every_format_trains(info):
     steps, their distance is <= 6% (8-bit formats) or 30% (4bit) of the distance the fp32 params
     travelled, and the loss is within 1% (8-bit) or 19% (4bit) of fp32's."""
     model = make_mlp()
-    losses = train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name), TRAIN_STEPS)
+    losses = train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec), TRAIN_STEPS)
     reference_losses, reference = fp32_reference_run()
     assert losses[-1] < 0.7 * losses[0], losses
-    coarse = info.fmt.bits < 8
+    coarse = getattr(info.fmt, "bits", 4) < 8  # 4-bit codes, or factored second moments
     for (name, p), ref, p0 in zip(model.named_parameters(), reference.parameters(), make_mlp().parameters()):
         assert float((p - ref).detach().norm()) <= (0.5 if coarse else 0.15) * float((ref - p0).detach().norm()), name
     assert losses[-1] <= (1.3 if coarse else 1.05) * reference_losses[-1]
@@ -290,14 +299,17 @@ def test_every_format_trains(info):
 class TestStateBytes(expecttest.TestCase):
     def test_bytes_per_param_of_builtin_formats(self):
         """Bytes of state per parameter element for one 256x1024 weight: two moments, one fp32
-        scale per block per moment, and the step counter."""
+        scale per block per moment, and the step counter; a factored second moment is 256 + 1024
+        fp32 sums beside a 4bit first moment."""
         rows = []
         for name in BUILTIN_FORMAT_NAMES:
             model = nn.Linear(1024, 256, bias=False)
             model.weight.grad = torch.ones_like(model.weight)
-            opt = lowbit_optim.AdamW(model.parameters(), state_format=name, compile=False)
+            spec = paired_state_format(name)
+            opt = lowbit_optim.AdamW(model.parameters(), state_format=spec, compile=False)
             opt.step()
-            rows.append(f"{name:>5}: {lowbit_optim.bytes_per_param(opt):.4f}")
+            label = name if isinstance(spec, str) else f"{spec['exp_avg']}+{name}"
+            rows.append(f"{label:>5}: {lowbit_optim.bytes_per_param(opt):.4f}")
         self.assertExpectedInline(
             "\n".join(rows),
             """\
@@ -308,7 +320,9 @@ class TestStateBytes(expecttest.TestCase):
   nf4: 1.0625
 4bit-precond: 1.0625
  4bit: 1.0625
-  fp8: 2.0313""",
+4bit-calibrated: 1.0625
+  fp8: 2.0313
+4bit+factored: 0.5508""",
         )
 
 
@@ -326,18 +340,18 @@ def test_which_params_are_quantized(info, min_quantize_numel):
     (4097 elements, not a multiple of any block size, is quantized). min_quantize_numel=0 quantizes
     everything."""
     params = quantization_probe_params()
-    opt = lowbit_optim.AdamW(params.values(), state_format=info.name, min_quantize_numel=min_quantize_numel, compile=False)
+    opt = lowbit_optim.AdamW(params.values(), state_format=info.spec, min_quantize_numel=min_quantize_numel, compile=False)
     for p in params.values():
         p.grad = torch.randn_like(p)
     opt.step()
     for name, p in params.items():
         quantized = p.numel() >= min_quantize_numel
-        expected = info.name if quantized else "fp32"
-        assert opt.state_format_of(p, opt.param_groups[0]).name == expected, name
         for key in ("exp_avg", "exp_avg_sq"):
+            expected = info.moment_format(key) if quantized else "fp32"
+            assert opt.state_format_of(p, opt.param_groups[0], key).name == expected, name
             state = opt.state[p][key]
             assert stored_as(state) == expected and state.shape == p.shape, (name, key)
-            assert not quantized or state.block_size == info.block_size, (name, key)
+            assert not (quantized and info.blockwise) or state.block_size == info.block_size, (name, key)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,10 +374,10 @@ def test_checkpoint_resumes_bit_exactly(info):
     # second class under the format's name for every later test in this process
     assert not info.quantized or importable_by_reference(info.fmt), f"torch.save cannot pickle {info.fmt.__qualname__} by reference"
     model = make_mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec)
     train(model, opt, 3)
     resumed_model = copy.deepcopy(model)
-    resumed = lowbit_optim.AdamW(resumed_model.parameters(), lr=LR, state_format=info.name)
+    resumed = lowbit_optim.AdamW(resumed_model.parameters(), lr=LR, state_format=info.spec)
     resumed.load_state_dict(save_and_load(opt.state_dict()))
     train(model, opt, 3)
     train(resumed_model, resumed, 3)
@@ -374,10 +388,7 @@ def test_checkpoint_resumes_bit_exactly(info):
     for key, state in moments(resumed, resumed_model).items():
         other = expected[key]
         assert type(state) is type(other) and state.dtype == other.dtype, key
-        if isinstance(state, OptimState):
-            assert torch.equal(state.codes, other.codes) and torch.equal(state.scale, other.scale), key
-        else:
-            assert torch.equal(state, other), key
+        assert_same_bits(state, other, key)
     assert [float(s["step"]) for s in resumed.state.values()] == [6.0] * 4
 
 
@@ -388,16 +399,20 @@ def test_checkpoint_resumes_bit_exactly(info):
 
 def assert_quantized_from(info: FormatInfo, opt, model, reference_states: dict) -> None:
     """Every large parameter's moments are in ``info``'s format, within its rounding bound of the
-    reference values; small ones stay plain fp32 and exact."""
+    reference values (a factored one: the reference's factorization); small ones stay plain fp32
+    and exact."""
     for key, state in moments(opt, model).items():
         reference = dense(reference_states[key])
         if isinstance(state, OptimState):
-            assert stored_as(state) == info.name, key
+            assert stored_as(state) == info.moment_format(key[1]), key
             bound = rounding_bound(info, reference, state.signed, state.block_size)
             assert bool(((dense(state) - reference).abs() <= bound).all()), key
+        elif isinstance(state, StateTensor):
+            assert stored_as(state) == info.moment_format(key[1]), key
+            torch.testing.assert_close(dense(state), info.fmt.from_float(reference, state.signed).dequantize())
         else:
             assert stored_as(state) == "fp32" and torch.equal(state, reference), key
-    assert any(isinstance(s, OptimState) for s in moments(opt, model).values())
+    assert any(isinstance(s, StateTensor) for s in moments(opt, model).values())
 
 
 @quantized_formats
@@ -408,7 +423,7 @@ def test_torch_adamw_checkpoint_is_quantized_on_load(info):
     torch_opt = torch.optim.AdamW(model.parameters(), lr=LR)
     train(model, torch_opt, 3)
     checkpoint = save_and_load(torch_opt.state_dict())
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, compile=False)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec, compile=False)
     opt.load_state_dict(checkpoint)
     assert_quantized_from(info, opt, model, moments(torch_opt, model))
     losses = train(model, opt, 2)
@@ -455,8 +470,7 @@ def test_first_release_4bit_checkpoint_keeps_its_numbers():
     for key, state in moments(resumed, model).items():
         other = moments(opt, model)[key]
         assert type(state) is type(other), key
-        if isinstance(state, OptimState):
-            assert torch.equal(state.codes, other.codes) and torch.equal(state.scale, other.scale), key
+        assert_same_bits(state, other, key)
 
     converted = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="4bit")
     converted.load_state_dict(checkpoint)
@@ -476,7 +490,7 @@ class TestFormatVersions(expecttest.TestCase):
 def test_dequantized_checkpoint_loads_into_torch_adamw(info):
     """dequantize_state_dict turns a lowbit checkpoint into one torch.optim.AdamW loads and uses."""
     model = make_mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, compile=False)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec, compile=False)
     train(model, opt, 3)
     plain = lowbit_optim.dequantize_state_dict(opt.state_dict())
     for i, state in plain["state"].items():
@@ -540,7 +554,7 @@ def test_hyperparameter_changes_do_not_recompile(info):
     scheduler (StepLR; OneCycleLR also cycles betas[0]) compiles nothing new, and takes effect
     (lr=0 leaves the params unchanged)."""
     model = make_mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, fused=False)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec, fused=False)
     train(model, opt, 2)
     graphs = unique_graphs()
     group = opt.param_groups[0]
@@ -580,11 +594,11 @@ def test_graph_count_does_not_grow_with_distinct_shapes(info):
     """Once the 4-shape MLP has stepped, a model with 26 other shapes (same ranks, same format)
     compiles no new graph."""
     model = make_mlp()
-    train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.name, fused=False), 1)
+    train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec, fused=False), 1)
     graphs = unique_graphs()
     many = many_shapes_mlp()
     assert len({p.shape for p in many.parameters()}) >= 25
-    opt = lowbit_optim.AdamW(many.parameters(), lr=LR, state_format=info.name, fused=False)
+    opt = lowbit_optim.AdamW(many.parameters(), lr=LR, state_format=info.spec, fused=False)
     x = torch.randn(4, 64)
     for _ in range(2):
         opt.zero_grad()
@@ -693,7 +707,7 @@ def test_non_contiguous_params_update_in_place(info):
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
     transposed, contiguous = nn.Parameter(weight.clone().t()), nn.Parameter(weight.clone().t().contiguous())
-    opts = [lowbit_optim.AdamW([p], lr=LR, state_format=info.name, compile=False) for p in (transposed, contiguous)]
+    opts = [lowbit_optim.AdamW([p], lr=LR, state_format=info.spec, compile=False) for p in (transposed, contiguous)]
     for _ in range(2):
         grad = torch.randn(64, 96)
         for p, opt in zip((transposed, contiguous), opts):
@@ -917,15 +931,18 @@ def test_amsgrad_state_is_quantized_and_dominates(info):
     error of both (each within its rounding bound; max's block absmax bounds v's). fp32 amsgrad
     equals torch.optim.AdamW(amsgrad=True): see test_fp32_state_matches_torch_optim."""
     model = make_mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, amsgrad=True, state_format=info.name)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, amsgrad=True, state_format=info.spec)
     losses = train(model, opt, 5)
     assert losses[-1] < losses[0]
     for p in model.parameters():
         state = opt.state[p]
         v, v_max = state["exp_avg_sq"], state["max_exp_avg_sq"]
-        assert stored_as(v_max) == stored_as(v) == (info.name if isinstance(v, OptimState) else "fp32")
-        if not isinstance(v, OptimState):
+        assert stored_as(v_max) == stored_as(v) == (info.moment_format("exp_avg_sq") if isinstance(v, StateTensor) else "fp32")
+        if not isinstance(v, StateTensor):
             assert bool((v_max >= v).all())
+            continue
+        if not isinstance(v, OptimState):  # factored: max >= v elementwise before both were factored
+            assert all(bool((a >= b * (1 - 1e-6)).all()) for a, b in zip(v_max._inner().values(), v._inner().values()))
             continue
         assert not v_max.signed
         slack = 2 * rounding_bound(info, dense(v_max), False, v_max.block_size)
@@ -946,12 +963,12 @@ def test_bf16_params_train(info, stochastic_round):
     plus the random bits); nearest rounding runs eagerly, sparing one ~12 s graph per format."""
     model = make_mlp(bias=False, dtype=torch.bfloat16)
     opt = lowbit_optim.AdamW(
-        model.parameters(), lr=LR, state_format=info.name, bf16_stochastic_round=stochastic_round, compile=stochastic_round
+        model.parameters(), lr=LR, state_format=info.spec, bf16_stochastic_round=stochastic_round, compile=stochastic_round
     )
     losses = train(model, opt, TRAIN_STEPS)
     assert losses[-1] < 0.7 * losses[0], losses
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and bool(p.isfinite().all())
-        state = opt.state[p]["exp_avg"]
-        assert stored_as(state) == info.name
+        state = opt.state[p]["exp_avg_sq"]
+        assert stored_as(state) == info.moment_format("exp_avg_sq")
         assert state.dtype == (torch.bfloat16 if info.quantized else info.fmt.dtype)

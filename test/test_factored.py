@@ -1,0 +1,156 @@
+"""The factored second moment against float64 references: what it stores and reads, and the Adam
+step it gives (Adafactor's factored statistics). Its tensor behaviour (copies, views, devices,
+checkpoints, ops) is covered with every other format in test_formats.py and test_optim.py."""
+
+import expecttest
+import pytest
+import torch
+
+import lowbit_optim
+from lowbit_optim import FactoredState
+from lowbit_optim.factored import factor_shape
+
+SHAPES = [(6, 50), (3, 4, 5), (1, 9), (9, 1), (7,), (1,), ()]
+
+
+def nonnegative(shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g) * 10 ** torch.empty(shape).uniform_(-3, 3, generator=g)
+
+
+def reference_factors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = factor_shape(x.shape)
+    matrix = x.double().reshape(rows, cols)
+    return matrix.sum(1), matrix.sum(0)
+
+
+def reference_values(row: torch.Tensor, col: torch.Tensor, shape) -> torch.Tensor:
+    total = col.sum()
+    values = row[:, None] * col[None, :] / total if total > 0 else torch.zeros(row.numel(), col.numel(), dtype=torch.float64)
+    return values.reshape(shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_stores_row_and_column_sums(shape):
+    x = nonnegative(shape)
+    state = FactoredState.from_float(x)
+    row, col = reference_factors(x)
+    assert state.row.dtype == state.col.dtype == torch.float32
+    torch.testing.assert_close(state.row.double(), row, rtol=1e-6, atol=0)
+    torch.testing.assert_close(state.col.double(), col, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_reads_the_rank_one_matrix_with_those_sums(shape):
+    state = FactoredState.from_float(nonnegative(shape))
+    expected = reference_values(state.row.double(), state.col.double(), shape)
+    got = state.dequantize()
+    assert got.shape == torch.Size(shape) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+    if got.dim() >= 2:
+        # reading and writing again gives the same sums: the factorization is a projection
+        again = FactoredState.from_float(got)
+        torch.testing.assert_close(again.row, state.row, rtol=1e-5, atol=0)
+        torch.testing.assert_close(again.col, state.col, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (1,), (4096,)], ids=str)
+def test_one_dimensional_states_are_exact(shape):
+    x = nonnegative(shape)
+    assert torch.equal(FactoredState.from_float(x).dequantize(), x)
+
+
+def test_rank_one_states_are_exact_up_to_rounding():
+    x = torch.outer(nonnegative(40, seed=1), nonnegative(30, seed=2))
+    torch.testing.assert_close(FactoredState.from_float(x).dequantize(), x, rtol=1e-5, atol=0)
+
+
+def test_zeros_and_zero_totals_read_as_zero():
+    assert torch.equal(FactoredState.zeros((5, 6)).dequantize(), torch.zeros(5, 6))
+    assert torch.equal(FactoredState.from_float(torch.zeros(5, 6)).dequantize(), torch.zeros(5, 6))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_poisons_every_value(bad):
+    """Its row and column sums, and the total every value divides by, become non-finite: the state
+    turns non-finite as a whole (a blockwise state loses its block), never silently finite."""
+    x = nonnegative((6, 50))
+    x[2, 7] = bad
+    assert not torch.isfinite(FactoredState.from_float(x).dequantize()).any()
+
+
+def test_dcp_round_trip(tmp_path):
+    """torch.distributed.checkpoint saves and loads it in one process, to the same sums."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    state = FactoredState.from_float(nonnegative((6, 50)))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"v": state}, checkpoint_id=tmp_path)
+    loaded = FactoredState.zeros((6, 50))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"v": loaded}, checkpoint_id=tmp_path)
+    assert torch.equal(loaded.row, state.row) and torch.equal(loaded.col, state.col)
+
+
+def test_memory_is_rows_plus_columns():
+    state = FactoredState.zeros((768, 3072))
+    assert (state.row.numel(), state.col.numel()) == (768, 3072)
+    assert sum(t.nbytes for t in state._inner().values()) == 4 * (768 + 3072)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Adam step with a factored second moment
+# ------------------------------------------------------------------------------------------------
+
+LR, BETAS, EPS, WD, STEPS = 1e-2, (0.9, 0.99), 1e-8, 0.1, 5
+
+
+def reference_adamw(p0: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """AdamW in float64 whose stored second moment is factored after every step: this step's update
+    uses v = beta2 * (factored v) + (1 - beta2) * g**2, and only v's row and column sums are kept."""
+    p, m = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64)
+    row, col = reference_factors(torch.zeros_like(p0))
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p - LR * WD * p
+        m = m + (1 - BETAS[0]) * (g - m)
+        v_stored = reference_values(row, col, p.shape)
+        v = v_stored + (1 - BETAS[1]) * (g * g - v_stored)
+        row, col = reference_factors(v)
+        denom = v.sqrt() / (1 - BETAS[1] ** t) ** 0.5 + EPS
+        p = p - LR * (m / (1 - BETAS[0] ** t)) / denom
+    return p
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (300,)], ids=str)
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_adamw_matches_float64_reference(shape, compile):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(shape))
+    grads = [torch.randn(shape) * 10 ** torch.empty(shape).uniform_(-2, 1) for _ in range(STEPS)]
+    expected = reference_adamw(param.detach(), grads)
+    opt = lowbit_optim.AdamW(
+        [param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, min_quantize_numel=0, compile=compile,
+        state_format={"exp_avg": "fp32", "exp_avg_sq": "factored"},
+    )  # fmt: skip
+    for g in grads:
+        param.grad = g
+        opt.step()
+    assert type(opt.state[param]["exp_avg_sq"]) is FactoredState
+    torch.testing.assert_close(param.detach().double(), expected, rtol=1e-5, atol=1e-6)
+
+
+class TestMessages(expecttest.TestCase):
+    def test_signed_states_are_refused(self):
+        with self.assertRaises(ValueError) as caught:
+            lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(64, 64))], state_format="factored")
+        self.assertExpectedInline(str(caught.exception), """the 'factored' state format holds nonnegative states only: use it for exp_avg_sq, e.g. state_format={'exp_avg': '4bit', 'exp_avg_sq': 'factored'}""")
+        with self.assertRaises(ValueError):
+            FactoredState.from_float(torch.randn(4, 4), signed=True)
+
+    def test_slicing_is_refused(self):
+        with self.assertRaises(NotImplementedError) as caught:
+            FactoredState.zeros((4, 8))[0:2]
+        self.assertExpectedInline(str(caught.exception), """FactoredState ('factored' state format) cannot be sliced; call .dequantize() first""")
+
+    def test_repr(self):
+        self.assertExpectedInline(repr(FactoredState.zeros((3, 4, 5), dtype=torch.bfloat16)), """FactoredState(shape=(3, 4, 5), signed=False, factors=(3, 20), dtype=torch.bfloat16, device=cpu)""")
