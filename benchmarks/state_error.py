@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # lowbit_optim without pip install -e
 from train_char_gpt import GPT, CharDataset, get_batch, load_text, lr_factor  # noqa: E402
 
 import lowbit_optim  # noqa: E402
-from lowbit_optim.formats import is_quantized  # noqa: E402
+from lowbit_optim.formats import get_format, is_quantized, paired_state_format  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIN_QUANTIZE_NUMEL = 4096
@@ -108,12 +108,14 @@ def measure(snapshot: dict, name: str, fmt) -> dict:
     step = snapshot["step"]
     m_err, v_err, u_err = [], [], []
     v_positive = v_zeroed = kept = total = 0
+    spec = paired_state_format(name)  # a second-moment-only format (factored) beside a 4bit m
+    m_fmt = fmt if isinstance(spec, str) else get_format(spec["exp_avg"])
     for _, m, v in snapshot["moments"]:
         m, v = m.float(), v.float()
-        qm = fmt.from_float(m, True, fmt.default_block_size)
+        qm = m_fmt.from_float(m, True, m_fmt.default_block_size)
         qv = fmt.from_float(v, False, fmt.default_block_size)
-        qm = qm.dequantize(torch.float32) if isinstance(qm, lowbit_optim.OptimState) else qm.float()
-        qv = qv.dequantize(torch.float32) if isinstance(qv, lowbit_optim.OptimState) else qv.float()
+        qm = qm.dequantize(torch.float32) if isinstance(qm, lowbit_optim.StateTensor) else qm.float()
+        qv = qv.dequantize(torch.float32) if isinstance(qv, lowbit_optim.StateTensor) else qv.float()
         nz = m != 0
         m_err.append(((qm - m).abs()[nz] / m.abs()[nz]).flatten())
         pos = v > 0
@@ -128,7 +130,7 @@ def measure(snapshot: dict, name: str, fmt) -> dict:
         u_err.append(((uq - u).abs()[keep] / u.abs()[keep]).flatten())
     return {
         "step": step,
-        "format": name,
+        "format": name if isinstance(spec, str) else f"{spec['exp_avg']}+{name}",
         "m": _quantiles(torch.cat(m_err)),
         "v": _quantiles(torch.cat(v_err)),
         "update": _quantiles(torch.cat(u_err)),

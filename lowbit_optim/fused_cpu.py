@@ -49,6 +49,7 @@ class _State(ctypes.Structure):
         ("threshold", ctypes.c_void_p),
         ("thresholds", ctypes.c_void_p),
         ("nan_code", ctypes.c_int32),
+        ("calibrated", ctypes.c_int32),
     ]
 
 
@@ -146,7 +147,7 @@ def _kernel_kind(state: Tensor) -> int | None:
     cls = type(state)
     if not (state.codes.is_contiguous() and state.scale.is_contiguous()):
         return None
-    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize or cls.calibrated(state.signed):
+    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
         return None
     if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
         return KIND_CODEBOOK
@@ -198,6 +199,7 @@ def _describe(state: Tensor | None) -> _State:
         scale_max=state.scale_max,
         data=state.codes.data_ptr(),
         scale=state.scale.data_ptr(),
+        calibrated=state.calibrated(state.signed),
     )
     if kind == KIND_CODEBOOK:
         described.codebook = _table(type(state), state.signed, "codebook", state.device).data_ptr()

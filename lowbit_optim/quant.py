@@ -189,13 +189,22 @@ def block_absmax(blocks: Tensor) -> Tensor:
     return blocks.abs().amax(dim=-1).clamp(min=MIN_BLOCK_SCALE)
 
 
+def pairwise_sum(x: Tensor) -> Tensor:
+    """Sum over the last dimension (a power of two) by halves, in an order fixed by the code (a
+    reduction's order is the compiler's choice): the fused CPU kernel adds in the same order."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def calibrated_scale(scale: Tensor, normalized: Tensor, decoded: Tensor) -> Tensor:
     """``scale`` times c = <x, x> / <x, Q(x)> per block (x the normalized values, Q(x) their codes'
     values), in float64: nearest rounding shrinks a block toward its codes, c undoes that on average
     (the decoded block's projection onto x is x). c is 1 where it is undefined (an all-zero block);
     NaN scales stay NaN."""
     x, q = normalized.double(), decoded.double()
-    c = (x * x).sum(-1) / (x * q).sum(-1)
+    c = pairwise_sum(x * x) / pairwise_sum(x * q)
     c = torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
     return (scale.double() * c).float()
 

@@ -28,6 +28,7 @@ typedef struct {
     const float *threshold;
     const float *thresholds;   /* KIND_CODEBOOK, 4 bits: the sorted decision thresholds, NaN-padded to 16 */
     int32_t nan_code;          /* the code the tables give NaN */
+    int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
 } state_t;
 
 typedef struct {
@@ -186,6 +187,26 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
     }
 }
 
+/* quant.calibrated_scale: scale * <x, x> / <x, Q(x)> for x the block's normalized values (x / scale,
+ * as encode_block computes them) and Q(x) its codes' values, in double, summed by halves in
+ * quant.pairwise_sum's order so that the result is that of the compiled step, bit for bit. */
+static float calibrated_scale(const float *x, float scale, const uint8_t *codes, const float *codebook, int64_t bs) {
+    double xx[bs], xq[bs];
+    for (int64_t i = 0; i < bs; i++) {
+        double v = (double)(x[i] / scale);
+        xx[i] = v * v;
+        xq[i] = v * (double)codebook[codes[i]];
+    }
+    for (int64_t half = bs / 2; half >= 1; half /= 2)
+        for (int64_t i = 0; i < half; i++) {
+            xx[i] = xx[i] + xx[i + half];
+            xq[i] = xq[i] + xq[i + half];
+        }
+    double c = xx[0] / xq[0];
+    if (!(isfinite(c) && c > 0)) c = 1.0;
+    return (float)((double)scale * c);
+}
+
 /* ---- reading and writing one chunk of a state as fp32 ---------------------------------------- */
 
 static void load_state(const state_t *s, int64_t start, int64_t n, float *out) {
@@ -227,14 +248,14 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     for (int64_t b = 0; b * bs < padded; b++) {
         const float *xb = x + b * bs;
         float scale = block_scale(xb, bs, s->scale_max);
-        s->scale[(start + b * bs) / bs] = scale;
-        if (s->bits == 8) {
-            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs);
-        } else {
-            encode_block(s, xb, scale, bs, codes);
+        uint8_t *block_codes = s->bits == 8 ? (uint8_t *)s->data + start + b * bs : codes;
+        encode_block(s, xb, scale, bs, block_codes);
+        if (s->bits == 4) {
             uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
             for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
         }
+        if (s->calibrated) scale = calibrated_scale(xb, scale, block_codes, s->kind == KIND_E4M3 ? e4m3_values : s->codebook, bs);
+        s->scale[(start + b * bs) / bs] = scale;
     }
 }
 
