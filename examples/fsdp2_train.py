@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import lowbit_optim
+from lowbit_optim.formats import paired_state_format
 from train_char_gpt import GPT, CharDataset, get_batch, load_text
 
 
@@ -75,12 +76,12 @@ def evaluate(model, data, args, rank: int, world: int) -> float:
 
 
 def local_state_bytes(opt) -> int:
-    """Bytes of optimizer state this rank holds (codes and scales of its shards, step counters)."""
+    """Bytes of optimizer state this rank holds (codes and scales, or factors, of its shards; step counters)."""
     total = 0
     for state in opt.state.values():
         for value in state.values():
             value = value.to_local() if hasattr(value, "to_local") else value
-            parts = [value.codes, value.scale] if isinstance(value, lowbit_optim.OptimState) else [value]
+            parts = value._inner().values() if isinstance(value, lowbit_optim.StateTensor) else [value]
             total += sum(t.numel() * t.element_size() for t in parts)
     return total
 
@@ -100,7 +101,7 @@ def main(argv=None):
         fully_shard(block)
     fully_shard(model)  # embeddings, final LayerNorm and the tied head
     # whether a parameter's state is quantized depends on its global shape, not on the world size
-    opt = lowbit_optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=args.state_format)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=paired_state_format(args.state_format))
 
     start = 0
     if args.resume:

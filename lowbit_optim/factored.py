@@ -13,6 +13,10 @@ running averages of grad**2, bias correction included; the step's own update sti
 ``lerp`` result of that step (factored past, exact present gradient). A 1-D state is stored exactly
 (its one column sum cancels).
 
+A row slice (``state[a:b]``, how DCP reads and writes checkpoint chunks that reshard) is a view: its
+``row`` is the slice of the parent's, its ``col`` the parent's own, so it reads the parent's values,
+and writing into it replaces its rows' share of the column sums.
+
 Only nonnegative states can be factored (a signed first moment's sums cancel): use it for
 ``exp_avg_sq``, e.g. ``state_format={"exp_avg": "4bit", "exp_avg_sq": "factored"}``.
 """
@@ -41,13 +45,14 @@ class FactoredState(StateTensor):
     col: Tensor
 
     @staticmethod
-    def __new__(cls, row: Tensor, col: Tensor, shape, signed: bool = False, dtype=torch.float32):
+    def __new__(cls, row: Tensor, col: Tensor, shape, signed: bool = False, part: bool = False, dtype=torch.float32):
         return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=row.device)
 
-    def __init__(self, row: Tensor, col: Tensor, shape, signed: bool = False, dtype=torch.float32):
+    def __init__(self, row: Tensor, col: Tensor, shape, signed: bool = False, part: bool = False, dtype=torch.float32):
         super().__init__()
         self.row, self.col = row, col
         self.signed = signed
+        self.part = part  # a row slice of a larger state: col holds the sums over all its rows
         self.block_size = None
 
     @classmethod
@@ -55,22 +60,37 @@ class FactoredState(StateTensor):
         cls.check_signed(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         rows, cols = factor_shape(shape)
-        return cls(torch.zeros(rows, device=device), torch.zeros(cols, device=device), shape, signed, dtype or torch.float32)
+        return cls(torch.zeros(rows, device=device), torch.zeros(cols, device=device), shape, signed, False, dtype or torch.float32)
 
     def _meta(self) -> tuple:
-        return (self.signed,)
+        return (self.signed, self.part)
 
     def _describe(self) -> dict:
-        return {"signed": self.signed, "factors": (self.row.numel(), self.col.numel())}
+        return {"signed": self.signed, "factors": (self.row.numel(), self.col.numel())} | ({"part": True} if self.part else {})
+
+    def _total(self) -> Tensor:
+        # an all-zero state (total 0) reads as zeros
+        return self.col.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
     def quantize_(self, x: Tensor) -> None:
         matrix = x.float().reshape(self.row.numel(), self.col.numel())
+        if self.part:  # replace this part's share of the parent's column sums
+            self.col.copy_(self.col - self.row.sum() / self._total() * self.col + matrix.sum(0))
+        else:
+            self.col.copy_(matrix.sum(0))
         self.row.copy_(matrix.sum(1))
-        self.col.copy_(matrix.sum(0))
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        # an all-zero state (total 0) reads as zeros; NaN or inf anywhere poisons every value
-        # (adding total - total, 0 or NaN: an infinite total alone would read as zeros)
-        total = self.col.sum().clamp(min=torch.finfo(torch.float32).tiny)
+        # NaN or inf anywhere poisons every value (adding total - total, 0 or NaN: an infinite total
+        # alone would read as zeros)
+        total = self._total()
         values = self.row[:, None] * (self.col / total)[None, :] + (total - total)
         return values.view(self.shape).to(dtype or self.dtype)
+
+    def _rows(self, start: int, end: int) -> "FactoredState":
+        if self.dim() == 0 or self.shape[0] != self.row.numel():
+            raise NotImplementedError(
+                f"{type(self).__name__} ('factored' state format) of shape {tuple(self.shape)} factors {self.row.numel()} "
+                "rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first"
+            )
+        return type(self)(self.row[start:end], self.col, (end - start, *self.shape[1:]), self.signed, True, self.dtype)

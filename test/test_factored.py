@@ -91,6 +91,41 @@ def test_dcp_round_trip(tmp_path):
     assert torch.equal(loaded.row, state.row) and torch.equal(loaded.col, state.col)
 
 
+@pytest.mark.parametrize("shape", [(9, 64), (9, 4, 16), (300,)], ids=str)
+def test_row_slices_read_the_parent(shape):
+    state = FactoredState.from_float(nonnegative(shape))
+    part = state[2:7]
+    assert part.part and part.shape == (5, *shape[1:])
+    assert torch.equal(part.dequantize(), state.dequantize()[2:7])
+    assert part.row.untyped_storage().data_ptr() == state.row.untyped_storage().data_ptr() and part.col is state.col
+
+
+def test_row_slices_of_a_zero_state_assemble_the_whole():
+    """How DCP loads resharded chunks (into fresh, all-zero states): writing every row slice leaves the
+    row and column sums of everything written, as if it had been written at once."""
+    x = nonnegative((9, 64))
+    row, col = reference_factors(x)
+    for source in (x, FactoredState.from_float(x)):  # plain values, or a saved state (its values)
+        state = FactoredState.zeros((9, 64))
+        for rows in (slice(0, 4), slice(4, 9)):  # e.g. the chunks two ranks saved, loaded on one
+            state[rows].copy_(source[rows])
+        torch.testing.assert_close(state.row.double(), row, rtol=1e-6, atol=0)
+        torch.testing.assert_close(state.col.double(), col, rtol=1e-6, atol=0)
+
+
+def test_writing_a_row_slice_replaces_its_share_of_the_column_sums():
+    """Over a non-zero state a slice's share of the column sums is what its values hold (its row sums'
+    fraction of each column sum); a write replaces that share with the new values' column sums."""
+    state = FactoredState.from_float(nonnegative((9, 64), seed=1))
+    row, col = state.row.double().clone(), state.col.double().clone()
+    y = nonnegative((3, 64), seed=2)
+    state[2:5].copy_(y)
+    expected_col = col - row[2:5].sum() / col.sum() * col + y.double().sum(0)
+    torch.testing.assert_close(state.col.double(), expected_col, rtol=1e-5, atol=0)
+    torch.testing.assert_close(state.row[2:5].double(), y.double().sum(1), rtol=1e-6, atol=0)
+    assert torch.equal(state.row[:2].double(), row[:2]) and torch.equal(state.row[5:].double(), row[5:])
+
+
 def test_memory_is_rows_plus_columns():
     state = FactoredState.zeros((768, 3072))
     assert (state.row.numel(), state.col.numel()) == (768, 3072)
@@ -147,10 +182,10 @@ class TestMessages(expecttest.TestCase):
         with self.assertRaises(ValueError):
             FactoredState.from_float(torch.randn(4, 4), signed=True)
 
-    def test_slicing_is_refused(self):
+    def test_slicing_other_rows_is_refused(self):
         with self.assertRaises(NotImplementedError) as caught:
-            FactoredState.zeros((4, 8))[0:2]
-        self.assertExpectedInline(str(caught.exception), """FactoredState ('factored' state format) cannot be sliced; call .dequantize() first""")
+            FactoredState.zeros((4, 8)).view(-1)[0:2]
+        self.assertExpectedInline(str(caught.exception), """FactoredState ('factored' state format) of shape (32,) factors 4 rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first""")
 
     def test_repr(self):
         self.assertExpectedInline(repr(FactoredState.zeros((3, 4, 5), dtype=torch.bfloat16)), """FactoredState(shape=(3, 4, 5), signed=False, factors=(3, 20), dtype=torch.bfloat16, device=cpu)""")
