@@ -111,7 +111,7 @@ def optimizer_specs() -> list[OptimizerSpec]:
         specs.append(OptimizerSpec(f"torchao {name}", lambda params, cls=cls, **kw: cls(params, **kw), False, torchao=True))
     # each torchao row right after its lowbit twin, so a partial run already holds whole pairs
     order = [REFERENCE, "lowbit 8bit", "torchao 8bit", "lowbit 4bit", "lowbit 4bit-torchao", "torchao 4bit", "lowbit nf4", "lowbit 4bit-precond"]
-    order += ["lowbit 4bit-calibrated", "lowbit 4bit+factored"]
+    order += ["lowbit 4bit-uncalibrated", "lowbit 4bit+factored"]
     order += ["lowbit fp8", "torchao fp8", "torch AdamW"]
     return sorted(specs, key=lambda s: order.index(s.label) if s.label in order else len(order))
 

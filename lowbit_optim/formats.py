@@ -151,9 +151,19 @@ class OptimState4bitPrecond(OptimState4bitTorchao):
         return values if signed else -values.rsqrt()
 
 
-class OptimState4bit(OptimStateNF4, OptimState4bitPrecond):
-    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``): the NF4
-    first moment of ``nf4`` with the second moment of ``4bit-precond``."""
+class OptimState4bitUncalibrated(OptimStateNF4, OptimState4bitPrecond):
+    """The NF4 first moment of ``nf4`` with the second moment of ``4bit-precond``, block scales at
+    the absmax: ``4bit`` without its calibrated second-moment scale."""
+
+    name = "4bit-uncalibrated"
+
+
+class OptimState4bit(OptimState4bitUncalibrated):
+    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``): NF4 first
+    moment; second moment on the sqrt-linear codebook, rounded in 1/sqrt(v), with a calibrated block
+    scale, absmax x <v, v> / <v, Q(v)> (quant.calibrated_scale), so rounding does not shift a block's
+    v up or down on average. Calibration changes only how scales are chosen, not what codes mean:
+    states saved before it read the same."""
 
     name = "4bit"
     format_version = 2  # version 1 was torchao's codebooks, now "4bit-torchao"
@@ -162,18 +172,6 @@ class OptimState4bit(OptimStateNF4, OptimState4bitPrecond):
     def legacy_format(cls, version: int):
         # a checkpoint written before the 4-bit recipe changed loads as the 4bit-torchao state it is
         return OptimState4bitTorchao if version == 1 else None
-
-
-class OptimState4bitCalibrated(OptimState4bit):
-    """The 4bit recipe with a calibrated second-moment block scale: absmax times <v, v> / <v, Q(v)>
-    (quant.calibrated_scale), so rounding does not bias a block's v up or down on average."""
-
-    name = "4bit-calibrated"
-    format_version = 1
-
-    @classmethod
-    def legacy_format(cls, version: int):
-        return None
 
     @classmethod
     def calibrated(cls, signed: bool) -> bool:
@@ -207,7 +205,7 @@ __all__ = [
     "FP32",
     "OptimState8bit",
     "OptimState4bit",
-    "OptimState4bitCalibrated",
+    "OptimState4bitUncalibrated",
     "OptimState4bitPrecond",
     "OptimState4bitTorchao",
     "OptimStateNF4",

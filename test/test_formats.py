@@ -816,16 +816,16 @@ nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
 4bit-precond unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
   first: 0.00390625, 0.015625, 0.0351562, 0.0625
   last:  0.660156, 0.765625, 0.878906, 1
+4bit-uncalibrated signed: n=16 min=-1 max=1 smallest_positive=0.0795803
+  first: -1, -0.696193, -0.525073, -0.394917
+  last:  0.44071, 0.562617, 0.722957, 1
+4bit-uncalibrated unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.015625, 0.0351562, 0.0625
+  last:  0.660156, 0.765625, 0.878906, 1
 4bit signed: n=16 min=-1 max=1 smallest_positive=0.0795803
   first: -1, -0.696193, -0.525073, -0.394917
   last:  0.44071, 0.562617, 0.722957, 1
 4bit unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
-  first: 0.00390625, 0.015625, 0.0351562, 0.0625
-  last:  0.660156, 0.765625, 0.878906, 1
-4bit-calibrated signed: n=16 min=-1 max=1 smallest_positive=0.0795803
-  first: -1, -0.696193, -0.525073, -0.394917
-  last:  0.44071, 0.562617, 0.722957, 1
-4bit-calibrated unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
   first: 0.00390625, 0.015625, 0.0351562, 0.0625
   last:  0.660156, 0.765625, 0.878906, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
@@ -849,10 +849,10 @@ nf4 signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.18477
 nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1
 4bit-precond signed: -0.887499988, -0.662500024, -0.4375, -0.212499991, -0.0775000006, -0.0325000025, -0.00549999997, 0, 0.00549999997, 0.0325000025, 0.0775000006, 0.212499991, 0.4375, 0.662500024, 0.887499988, 1
 4bit-precond unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
+4bit-uncalibrated signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
+4bit-uncalibrated unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
 4bit signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
-4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
-4bit-calibrated signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
-4bit-calibrated unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
+4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
 
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
@@ -873,8 +873,8 @@ OptimState8bit(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32,
 OptimState4bitTorchao(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimStateNF4(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bitPrecond(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimState4bitUncalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
-OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)""")
 
@@ -891,8 +891,8 @@ FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float3
 4bit-torchao: 0.53125
 nf4: 0.53125
 4bit-precond: 0.53125
+4bit-uncalibrated: 0.53125
 4bit: 0.53125
-4bit-calibrated: 0.53125
 fp8: 1.015625
 factored: 0.03125""")
 

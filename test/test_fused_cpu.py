@@ -87,13 +87,16 @@ def test_fused_matches_compiled_flags(case):
 
 
 def test_scalar_fallback_matches():
-    """Built without AVX-512, the kernel runs its scalar loops: the same bits again."""
-    expected = run(True, state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"})
+    """Built without AVX-512, the kernel runs its scalar loops: the same bits again (4-bit and 8-bit
+    codes both ways, calibrated scales)."""
+    specs = [{"exp_avg": "4bit", "exp_avg_sq": "8bit"}, {"exp_avg": "8bit", "exp_avg_sq": "4bit"}]
+    expected = [run(True, state_format=spec) for spec in specs]
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-mno-avx512f"])
             fused_cpu._load.cache_clear()
-            assert_identical(run(True, state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"}), expected)
+            for spec, reference in zip(specs, expected):
+                assert_identical(run(True, state_format=spec), reference)
     finally:
         fused_cpu._load.cache_clear()
 

@@ -319,8 +319,8 @@ class TestStateBytes(expecttest.TestCase):
 4bit-torchao: 1.0625
   nf4: 1.0625
 4bit-precond: 1.0625
+4bit-uncalibrated: 1.0625
  4bit: 1.0625
-4bit-calibrated: 1.0625
   fp8: 2.0313
 4bit+factored: 0.5508""",
         )
