@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))  # lowbit_optim without pip install -e
 from train_char_gpt import GPT, CharDataset, evaluate, get_batch, load_text, lr_factor  # noqa: E402
 
 import lowbit_optim  # noqa: E402
-from lowbit_optim.formats import paired_state_format  # noqa: E402
+from lowbit_optim.formats import paired_label, paired_state_format  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 REFERENCE = "lowbit fp32"
@@ -94,15 +94,12 @@ def optimizer_specs() -> list[OptimizerSpec]:
         spec = paired_state_format(name)
         return lambda params, **kw: lowbit_optim.AdamW(params, state_format=spec, **kw)
 
-    def label(name):
-        spec = paired_state_format(name)
-        return f"lowbit {name}" if isinstance(spec, str) else f"lowbit {spec['exp_avg']}+{name}"
 
     specs = [
         OptimizerSpec(REFERENCE, lowbit("fp32"), True),
         OptimizerSpec("torch AdamW", lambda params, **kw: torch.optim.AdamW(params, **kw), False),
     ]
-    specs += [OptimizerSpec(label(name), lowbit(name), True) for name in lowbit_optim.registered_formats() if name != "fp32"]
+    specs += [OptimizerSpec(f"lowbit {paired_label(name)}", lowbit(name), True) for name in lowbit_optim.registered_formats() if name != "fp32"]
     try:
         import torchao.optim as ao
     except ImportError:  # torchao is optional (the "bench" extra)

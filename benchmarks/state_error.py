@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # lowbit_optim without pip install -e
 from train_char_gpt import GPT, CharDataset, get_batch, load_text, lr_factor  # noqa: E402
 
 import lowbit_optim  # noqa: E402
-from lowbit_optim.formats import get_format, is_quantized, paired_state_format  # noqa: E402
+from lowbit_optim.formats import get_format, is_quantized, paired_label, paired_state_format  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIN_QUANTIZE_NUMEL = 4096
@@ -130,7 +130,7 @@ def measure(snapshot: dict, name: str, fmt) -> dict:
         u_err.append(((uq - u).abs()[keep] / u.abs()[keep]).flatten())
     return {
         "step": step,
-        "format": name if isinstance(spec, str) else f"{spec['exp_avg']}+{name}",
+        "format": paired_label(name),
         "m": _quantiles(torch.cat(m_err)),
         "v": _quantiles(torch.cat(v_err)),
         "update": _quantiles(torch.cat(u_err)),

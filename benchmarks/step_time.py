@@ -86,7 +86,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import lowbit_optim
-from lowbit_optim.formats import paired_state_format  # noqa: E402
+from lowbit_optim.formats import paired_label, paired_state_format  # noqa: E402
 
 REFERENCE = "torch-fused"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -156,11 +156,6 @@ def _lowbit(state_format: str, fused: bool | None = None):
     return lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format, fused=fused)
 
 
-def _label(name: str) -> str:
-    spec = paired_state_format(name)
-    return f"lowbit-{name}" if isinstance(spec, str) else f"lowbit-{spec['exp_avg']}+{name}"
-
-
 def optimizer_factories() -> list[tuple[str, Callable]]:
     return [
         ("torch-foreach", lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)),
@@ -169,7 +164,7 @@ def optimizer_factories() -> list[tuple[str, Callable]]:
         ("torchao-4bit", _torchao("AdamW4bit")),
         ("torchao-fp8", _torchao("AdamWFp8")),
         ("bnb-8bit", _bnb_adamw8bit),
-        *[(_label(name), _lowbit(paired_state_format(name))) for name in lowbit_optim.registered_formats()],
+        *[(f"lowbit-{paired_label(name)}", _lowbit(paired_state_format(name))) for name in lowbit_optim.registered_formats()],
         # the generic compiled step, which the fused CPU kernel stands in for (and which runs on GPUs)
         *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False)) for name in ("8bit", "4bit")],
     ]

@@ -45,6 +45,12 @@ def paired_state_format(name: str, exp_avg: str = "4bit"):
     return name if getattr(fmt, "holds_signed", True) else {"exp_avg": exp_avg, "exp_avg_sq": name}
 
 
+def paired_label(name: str) -> str:
+    """A short name for ``paired_state_format(name)``: "factored" pairs as "4bit+factored"."""
+    spec = paired_state_format(name)
+    return spec if isinstance(spec, str) else f"{spec['exp_avg']}+{name}"
+
+
 def is_quantized(fmt) -> bool:
     """Whether ``fmt`` is a compressed format (a state subclass), not a plain dtype."""
     return isinstance(fmt, type) and issubclass(fmt, StateTensor)
@@ -214,6 +220,7 @@ __all__ = [
     "check_block_size",
     "convert",
     "is_blockwise",
+    "paired_label",
     "paired_state_format",
     "get_format",
     "holds",

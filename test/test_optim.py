@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 import lowbit_optim
 from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats
 from lowbit_optim import OptimState, StateTensor
-from lowbit_optim.formats import PlainFormat, paired_state_format, registered_formats
+from lowbit_optim.formats import PlainFormat, paired_label, paired_state_format, registered_formats
 
 # ------------------------------------------------------------------------------------------------
 # Shared model, data and helpers
@@ -308,8 +308,7 @@ class TestStateBytes(expecttest.TestCase):
             spec = paired_state_format(name)
             opt = lowbit_optim.AdamW(model.parameters(), state_format=spec, compile=False)
             opt.step()
-            label = name if isinstance(spec, str) else f"{spec['exp_avg']}+{name}"
-            rows.append(f"{label:>5}: {lowbit_optim.bytes_per_param(opt):.4f}")
+            rows.append(f"{paired_label(name):>5}: {lowbit_optim.bytes_per_param(opt):.4f}")
         self.assertExpectedInline(
             "\n".join(rows),
             """\
