@@ -143,11 +143,40 @@ static float block_scale(const float *x, int64_t bs, float scale_max) {
     return (nan ? NAN : fmaxf(absmax, MIN_BLOCK_SCALE)) / scale_max;
 }
 
+/* For a calibrated scale (quant.calibrated_scale): the products v * v and v * Q(v) of each normalized
+ * value v = x / scale and its code's value, in double (exact), as encode_block finds them. */
+typedef struct {
+    double *vv, *vq;  /* NULL: the format is not calibrated */
+    const float *values;  /* the value of each code */
+} calibration_t;
+
+#ifdef __AVX512F__
+static inline void store_products(const calibration_t *cal, int64_t i, __m512 v, __m512 q) {
+    __m512d v_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), q_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(q));
+    __m512d v_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m512d q_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));
+    _mm512_storeu_pd(cal->vv + i, _mm512_mul_pd(v_lo, v_lo));
+    _mm512_storeu_pd(cal->vv + i + 8, _mm512_mul_pd(v_hi, v_hi));
+    _mm512_storeu_pd(cal->vq + i, _mm512_mul_pd(v_lo, q_lo));
+    _mm512_storeu_pd(cal->vq + i + 8, _mm512_mul_pd(v_hi, q_hi));
+}
+#endif
+
+static inline void store_product(const calibration_t *cal, int64_t i, float v, uint8_t code) {
+    if (!cal->vv) return;
+    cal->vv[i] = (double)v * (double)v;
+    cal->vq[i] = (double)v * (double)cal->values[code];
+}
+
 /* codes (one byte each) of x / scale: the exact nearest codebook value, or e4m3 rounding */
-static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes) {
+static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes, const calibration_t *cal) {
     int64_t i = 0;
     if (s->kind == KIND_E4M3) {
-        for (; i < bs; i++) codes[i] = f32_to_e4m3(x[i] / scale);
+        for (; i < bs; i++) {
+            float v = x[i] / scale;
+            codes[i] = f32_to_e4m3(v);
+            store_product(cal, i, v, codes[i]);
+        }
         return;
     }
     const int32_t *base = s->base_code;
@@ -158,6 +187,7 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
         /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
          * search with permutes (the tables' answer, without their two gathers) */
         __m512 thresholds = _mm512_loadu_ps(s->thresholds);
+        __m512 values = _mm512_loadu_ps(s->codebook);
         __m512i nan_code = _mm512_set1_epi32(s->nan_code);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), sv);
@@ -169,6 +199,7 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
             }
             code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
     }
     for (; i + 16 <= bs; i += 16) {
@@ -178,31 +209,28 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
         __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(bucket, threshold, 4), _CMP_GE_OQ);
         code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
         _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, cal->values, 4));
     }
 #endif
     for (; i < bs; i++) {
         float v = x[i] / scale;
         uint32_t bucket = bits_of(v) >> 16;
         codes[i] = (uint8_t)(base[bucket] + (v >= threshold[bucket]));
+        store_product(cal, i, v, codes[i]);
     }
 }
 
-/* quant.calibrated_scale: scale * <x, x> / <x, Q(x)> for x the block's normalized values (x / scale,
- * as encode_block computes them) and Q(x) its codes' values, in double, summed by halves in
- * quant.pairwise_sum's order so that the result is that of the compiled step, bit for bit. */
-static float calibrated_scale(const float *x, float scale, const uint8_t *codes, const float *codebook, int64_t bs) {
-    double xx[bs], xq[bs];
-    for (int64_t i = 0; i < bs; i++) {
-        double v = (double)(x[i] / scale);
-        xx[i] = v * v;
-        xq[i] = v * (double)codebook[codes[i]];
-    }
+/* quant.calibrated_scale: scale * sum(v * v) / sum(v * Q(v)) over the block, the sums taken by
+ * halves in quant.pairwise_sum's order (consumes the products), so that the result is the compiled
+ * step's, bit for bit. */
+static float calibrated_scale(const calibration_t *cal, float scale, int64_t bs) {
+    double *vv = cal->vv, *vq = cal->vq;
     for (int64_t half = bs / 2; half >= 1; half /= 2)
         for (int64_t i = 0; i < half; i++) {
-            xx[i] = xx[i] + xx[i + half];
-            xq[i] = xq[i] + xq[i + half];
+            vv[i] = vv[i] + vv[i + half];
+            vq[i] = vq[i] + vq[i + half];
         }
-    double c = xx[0] / xq[0];
+    double c = vv[0] / vq[0];
     if (!(isfinite(c) && c > 0)) c = 1.0;
     return (float)((double)scale * c);
 }
@@ -245,17 +273,19 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     int64_t padded = (n + bs - 1) / bs * bs;
     for (int64_t i = n; i < padded; i++) x[i] = 0.0f;
     uint8_t codes[MAX_CHUNK];
+    double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
+    calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
     for (int64_t b = 0; b * bs < padded; b++) {
         const float *xb = x + b * bs;
         float scale = block_scale(xb, bs, s->scale_max);
-        uint8_t *block_codes = s->bits == 8 ? (uint8_t *)s->data + start + b * bs : codes;
-        encode_block(s, xb, scale, bs, block_codes);
-        if (s->bits == 4) {
+        if (s->bits == 8) {
+            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs, &cal);
+        } else {
+            encode_block(s, xb, scale, bs, codes, &cal);
             uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
             for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
         }
-        if (s->calibrated) scale = calibrated_scale(xb, scale, block_codes, s->kind == KIND_E4M3 ? e4m3_values : s->codebook, bs);
-        s->scale[(start + b * bs) / bs] = scale;
+        s->scale[(start + b * bs) / bs] = cal.vv ? calibrated_scale(&cal, scale, bs) : scale;
     }
 }
 
