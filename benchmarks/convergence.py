@@ -7,8 +7,9 @@ weight decay 0.1, linear warmup then cosine decay, grad-norm clipping at 1) with
   reference every gap is measured against;
 - ``torch AdamW``: ``torch.optim.AdamW`` itself, a sanity row (its gap should be ~0);
 - ``lowbit <name>`` for every other format of ``lowbit_optim.registered_formats()`` (bf16, 8bit, the
-  4-bit formats 4bit / nf4 / 4bit-precond / 4bit-torchao, fp8, and int8-linear from
-  examples/custom_format.py, imported here);
+  4-bit formats 4bit / 4bit-uncalibrated / nf4 / 4bit-precond / 4bit-torchao, fp8, and int8-linear
+  from examples/custom_format.py, imported here); a format for second moments only (factored) runs
+  beside a 4bit first moment, as ``lowbit 4bit+factored``;
 - ``torchao 8bit`` / ``torchao 4bit`` / ``torchao fp8``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
   ``AdamWFp8`` as torchao ships them (they quantize a parameter only if its numel is >= 4096 and a
   multiple of the block size; at d_model 128 every weight matrix qualifies).
@@ -40,7 +41,7 @@ compile one graph per (shape, hyperparameter) combination, so they are left out 
 named with ``--only``.
 
 Time on 2 idle CPU cores with the fused CPU kernel (measured): the default comparison (2 layers,
-d_model 128, 300 steps, 13 optimizers x 3 seeds, ~13-20 s per run) in about 12 minutes; ``--sweep``
+d_model 128, 300 steps, 15 optimizers x 3 seeds, ~12-20 s per run) in about 12 minutes; ``--sweep``
 (10 optimizers x 16 configurations x 100 steps, 1 seed) in 18 minutes. Other load on the cores
 slows runs severalfold.
 
