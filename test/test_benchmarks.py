@@ -1,5 +1,6 @@
-"""Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py): each main
-function runs on a tiny configuration, writes its files, and reports finite numbers."""
+"""Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py) and of
+benchmarks/compute_bound.py: each main function runs on a tiny configuration, writes its files, and
+reports finite numbers."""
 
 import math
 
@@ -47,10 +48,18 @@ def test_convergence_sweep_smoke(convergence, tmp_path):
 def test_state_error_smoke(tmp_path):
     state_error = import_script("benchmarks/state_error")
     md = tmp_path / "state_error.md"
-    out = state_error.main([*TINY, "--snapshots", "2,5", "--formats", "8bit,4bit", "--out-md", str(md)])
-    assert {(r["step"], r["format"]) for r in out["rows"]} == {(s, f) for s in (2, 5) for f in ("8bit", "4bit")}
+    out = state_error.main([*TINY, "--snapshots", "2,5", "--formats", "8bit,4bit,factored", "--out-md", str(md)])
+    labels = ("8bit", "4bit", "4bit+factored")  # factored (second moments only) beside a 4bit first moment
+    assert {(r["step"], r["format"]) for r in out["rows"]} == {(s, f) for s in (2, 5) for f in labels}
     for r in out["rows"]:
         assert all(math.isfinite(v) and v >= 0 for v in (*r["m"], *r["v"], *r["update"]))
         assert 0 <= r["v_zero"] <= 1 and 0 < r["kept"] <= 1
     text = md.read_text()
     assert text.count("| 8bit |") == 2 and text.count("| 4bit |") == 2
+
+
+def test_compute_bound_smoke():
+    compute_bound = import_script("benchmarks/compute_bound")
+    out = compute_bound.main(["--elements", "65536", "--dram-elements", "65536", "--max-divisions", "1"])
+    assert all(math.isfinite(ns) and ns > 0 for ns in out["adamw_ns"].values()) and out["copy_gb_s"] > 0
+    assert out["divider_s"] is None or (set(out["divider_s"]) == {0, 1} and all(s > 0 for s in out["divider_s"].values()))
