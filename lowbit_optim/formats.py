@@ -42,7 +42,7 @@ def paired_state_format(name: str, exp_avg: str = "4bit"):
     """Format ``name`` as an optimizer's ``state_format``: the name itself, or for a format that
     holds only nonnegative states (``factored``) ``{"exp_avg": exp_avg, "exp_avg_sq": name}``."""
     fmt = get_format(name)
-    return name if getattr(fmt, "holds_signed", True) else {"exp_avg": exp_avg, "exp_avg_sq": name}
+    return name if fmt.holds_signed else {"exp_avg": exp_avg, "exp_avg_sq": name}
 
 
 def paired_label(name: str) -> str:
@@ -66,6 +66,7 @@ class PlainFormat:
 
     bits: int
     default_block_size = None
+    holds_signed = True
 
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype

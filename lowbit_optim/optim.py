@@ -106,15 +106,12 @@ class Adam(torch.optim.Optimizer):
         # names keep state_dict() loadable with torch.load(weights_only=True)
         group["state_format"] = _format_names(group["state_format"])
         group["compensation_format"] = formats.get_format(group["compensation_format"]).name
-        for name in set(_moment_formats(group).values()) | {group["compensation_format"]}:
+        for state_name, name in {**_moment_formats(group), "compensation": group["compensation_format"]}.items():
             fmt = formats.get_format(name)
+            if formats.is_quantized(fmt):
+                fmt.check_signed(_SIGNED[state_name])
             if group["block_size"] is not None and formats.is_blockwise(fmt):
                 check_block_size(group["block_size"], fmt.bits)
-        for state_name, name in _moment_formats(group).items():
-            if formats.is_quantized(fmt := formats.get_format(name)):
-                fmt.check_signed(_SIGNED[state_name])
-        if formats.is_quantized(fmt := formats.get_format(group["compensation_format"])):
-            fmt.check_signed(_SIGNED["compensation"])
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(

@@ -58,7 +58,7 @@ class FormatInfo:
     @property
     def signedness(self) -> tuple[bool, ...]:
         """The signedness the format can hold: both, or unsigned only (second moments)."""
-        return (True, False) if getattr(self.fmt, "holds_signed", True) else (False,)
+        return (True, False) if self.fmt.holds_signed else (False,)
 
     @property
     def spec(self):
@@ -117,14 +117,14 @@ quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.na
 blockwise_formats = pytest.mark.parametrize("info", BLOCKWISE_FORMATS, ids=[f.name for f in BLOCKWISE_FORMATS])
 
 
-def _signedness_id(signed: bool) -> str:
+def signedness_id(signed: bool) -> str:
     return "signed" if signed else "unsigned"
 
 
 def by_signedness(infos: list) -> pytest.MarkDecorator:
     """Parametrize ``info, signed`` over each format and the signedness it can hold."""
     return pytest.mark.parametrize(
-        "info, signed", [pytest.param(i, s, id=f"{_signedness_id(s)}-{i.name}") for i in infos for s in i.signedness]
+        "info, signed", [pytest.param(i, s, id=f"{signedness_id(s)}-{i.name}") for i in infos for s in i.signedness]
     )
 
 
@@ -141,6 +141,7 @@ __all__ = [
     "all_formats",
     "blockwise_formats",
     "by_signedness",
+    "signedness_id",
     "format_info",
     "import_script",
     "lowbit_optim",

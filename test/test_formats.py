@@ -29,6 +29,7 @@ from conftest import (
     by_signedness,
     format_info,
     quantized_formats,
+    signedness_id,
 )
 from lowbit_optim import quant
 from lowbit_optim.factored import factor_shape
@@ -43,11 +44,7 @@ FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
 FP32_SLACK = 2.0**-22
 
 
-def _signedness(signed: bool) -> str:
-    return "signed" if signed else "unsigned"
-
-
-signed_and_unsigned = pytest.mark.parametrize("signed", [True, False], ids=_signedness)
+signed_and_unsigned = pytest.mark.parametrize("signed", [True, False], ids=signedness_id)
 
 
 blockwise_formats_by_signedness = by_signedness(BLOCKWISE_FORMATS)
@@ -250,15 +247,13 @@ def test_encode_picks_nearest_code(info, signed):
     assert_encodes_to_nearest(info, signed, encode_inputs(info, signed))
 
 
-@pytest.mark.parametrize(
-    "info, signed",
+@by_signedness(
     [
-        pytest.param(i, signed, id=f"{_signedness(signed)}-{i.name}")
-        for i in QUANTIZED_FORMATS
+        i
+        for i in BLOCKWISE_FORMATS
         # the tie rule is CodebookState's (fp8 rounds ties to even); exact ties exist at midpoints in value
         if issubclass(i.fmt, CodebookState) and i.fmt.rounding_space.__func__ is OptimState.rounding_space.__func__
-        for signed in (True, False)
-    ],
+    ]
 )
 def test_codebook_ties_go_to_larger_code(info, signed):
     """CodebookState documents its tie rule (ties go to the larger code): every midpoint between two
@@ -777,7 +772,7 @@ def _floats(values, spec: str) -> str:
 def codebook_summary(info: FormatInfo, signed: bool) -> str:
     values = info.code_values(signed)
     return (
-        f"{info.name} {_signedness(signed)}: n={values.numel()} min={float(values.min()):.6g} "
+        f"{info.name} {signedness_id(signed)}: n={values.numel()} min={float(values.min()):.6g} "
         f"max={float(values.max()):.6g} smallest_positive={float(values[values > 0].min()):.6g}\n"
         f"  first: {_floats(values[:4], '.6g')}\n"
         f"  last:  {_floats(values[-4:], '.6g')}"
@@ -837,7 +832,7 @@ fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
 
     def test_4bit_codebooks(self):
         rendered = "\n".join(
-            f"{name} {_signedness(signed)}: {_floats(format_info(name).code_values(signed), '.9g')}"
+            f"{name} {signedness_id(signed)}: {_floats(format_info(name).code_values(signed), '.9g')}"
             for name in BUILTIN_BLOCKWISE
             if get_format(name).bits == 4
             for signed in (True, False)
@@ -857,7 +852,7 @@ nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
         rendered = "\n".join(
-            f"{_signedness(signed)} first: {_floats(info.code_values(signed)[:8], '.9g')}\n{_signedness(signed)} last:  {_floats(info.code_values(signed)[-8:], '.9g')}"
+            f"{signedness_id(signed)} first: {_floats(info.code_values(signed)[:8], '.9g')}\n{signedness_id(signed)} last:  {_floats(info.code_values(signed)[-8:], '.9g')}"
             for signed in (True, False)
         )
         self.assertExpectedInline(rendered, """\

@@ -163,7 +163,6 @@ static inline void store_products(const calibration_t *cal, int64_t i, __m512 v,
 #endif
 
 static inline void store_product(const calibration_t *cal, int64_t i, float v, uint8_t code) {
-    if (!cal->vv) return;
     cal->vv[i] = (double)v * (double)v;
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
@@ -214,7 +213,7 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
         float v = x[i] / scale;
         uint32_t bucket = bits_of(v) >> 16;
         codes[i] = (uint8_t)(base[bucket] + (v >= threshold[bucket]));
-        store_product(cal, i, v, codes[i]);
+        if (cal->vv) store_product(cal, i, v, codes[i]);
     }
 }
 
