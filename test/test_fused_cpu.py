@@ -6,6 +6,8 @@ blocks, fp32-state small tensors), for every registered format and every optimiz
 kernel takes. What it does not take must fall back to the compiled step, or raise with fused=True.
 """
 
+import math
+
 import expecttest
 import pytest
 import torch
@@ -235,3 +237,30 @@ def test_non_finite_gradients_match_the_compiled_step(state_format):
             assert bool(s.scale.isnan().any()), "test setup: the NaN should poison a block"
         else:
             torch.testing.assert_close(s, t, **exact)
+
+
+def dividends() -> torch.Tensor:
+    """Every exponent, both signs, random mantissas; zeros, infinities, NaN, denormals, and the
+    edges of the range where the kernel's FMA division must hand over to a real one."""
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.arange(256, dtype=torch.int32).repeat_interleave(64)
+    mantissas = torch.randint(0, 2**23, exponents.shape, generator=g, dtype=torch.int32)
+    signs = torch.randint(0, 2, exponents.shape, generator=g, dtype=torch.int32) << 31
+    every_exponent = ((exponents << 23) | mantissas | signs).view(torch.float32)
+    edges = torch.tensor([2.0**-96, 2.0**-99, 2.0**99, 2.0**-126, 2.0**-149, 1.0, 0.0, -0.0, 3.4e38])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(math.inf))])
+    normal = torch.randn(4096, generator=g) * 10 ** torch.randint(-30, 30, (4096,), generator=g)
+    return torch.cat([every_exponent, edges, -edges, normal])
+
+
+@pytest.mark.parametrize("divisor", [1.0, 3.0, 0.1, 7e-13, 2.0**-126, 2.0**-130, 1.7e38, 2.0**126, 0.0, math.inf, math.nan])
+def test_division_by_a_shared_divisor_is_exact(divisor):
+    """The kernel divides a block by its scale (and moments by bias corrections) as a
+    multiplication plus an FMA correction, handing the lanes it cannot serve to a real division:
+    the result must be the correctly rounded quotient, torch's a / b, bit for bit."""
+    a = dividends()
+    out = torch.empty_like(a)
+    fused_cpu.library().lowbit_divide(a.data_ptr(), a.numel(), divisor, out.data_ptr())
+    expected = a / divisor
+    same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} quotients differ, e.g. {a[~same][:3].tolist()} / {divisor}"

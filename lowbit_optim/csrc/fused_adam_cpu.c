@@ -5,7 +5,14 @@
  * state is read once and written once. The arithmetic is that of functional.adam_step as
  * torch.compile lowers it (same operations, same order, no contraction into FMAs: compile with
  * -ffp-contract=off), so this kernel and the compiled step produce the same bits.
+ *
+ * Speed comes from doing that arithmetic with fewer slow instructions, never from changing it:
+ * fp32 parameters, gradients and states are worked on where they lie (no copies); the update is one
+ * vector loop; a division by a number shared by a block or a step (a scale, a bias correction) is
+ * a multiplication by its reciprocal plus one FMA correction, which gives the correctly rounded
+ * quotient (exact_divisor below); 8-bit codes are found in lookup tables small enough for L1.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,8 +33,10 @@ typedef struct {
     const float *codebook;     /* KIND_CODEBOOK: value of each code */
     const int32_t *base_code;  /* KIND_CODEBOOK: nearest-code tables indexed by the top 16 bits */
     const float *threshold;
-    const float *thresholds;   /* KIND_CODEBOOK, 4 bits: the sorted decision thresholds, NaN-padded to 16 */
-    int32_t nan_code;          /* the code the tables give NaN */
+    const float *thresholds;   /* KIND_CODEBOOK: the sorted decision thresholds, NaN-padded to 2**bits */
+    int32_t nan_code;          /* the code the tables give NaN and infinities */
+    const uint8_t *near_base;  /* KIND_CODEBOOK, 8 bits: base_code of the top-16-bit keys key_lo..key_hi of */
+    int32_t key_lo, key_hi;    /* each sign (key & 0x7FFF clamped there: the table is constant outside) */
     int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
 } state_t;
 
@@ -84,7 +93,45 @@ static inline uint8_t f32_to_e4m3(float x) {  /* round to nearest even; what rou
     return (uint8_t)(code | sign);
 }
 
-/* ---- the hot loops over one block: decode, absmax, encode --------------------------------------
+/* ---- exact division by a shared divisor -------------------------------------------------------
+ * Every element of a block is divided by the block's scale, every first moment by the step's bias
+ * correction. With y = RN(1 / b), q = RN(a * y) is within an ulp of a / b and the FMA correction
+ * q + (a - q * b) * y rounds to exactly RN(a / b) (Markstein's theorem), provided the residual
+ * a - q * b is exact: a and q normal and well inside the exponent range. Lanes outside that range
+ * (tiny, huge, non-finite) take a real division; zero is exact as a * y. The scalar loops divide. */
+typedef struct {
+    float b, y;
+    uint32_t lo, span;  /* the FMA path serves |a| whose bits lie in [lo, lo + span) */
+} divisor_t;
+
+static divisor_t exact_divisor(float b) {
+    divisor_t d = {b, 1.0f / b, 0, 0};
+    if (b > 0 && d.y >= FLT_MIN && d.y <= 0x1p126f) {
+        /* |a| >= 2**-96 keeps the residual normal; |q| within 2**-99 .. 2**99 keeps q * b normal */
+        float lo = fmaxf(0x1p-96f, 0x1p-99f / d.y), hi = fminf(0x1p99f / d.y, FLT_MAX);
+        if (lo <= hi) {
+            d.lo = bits_of(lo);
+            d.span = bits_of(hi) - d.lo + 1;
+        }
+    }
+    return d;
+}
+
+#ifdef __AVX512F__
+static inline __m512 divide(__m512 a, const divisor_t *d) {
+    __m512 b = _mm512_set1_ps(d->b), y = _mm512_set1_ps(d->y);
+    if (d->span == 0) return _mm512_div_ps(a, b);  /* no reciprocal to use (b <= 0, tiny, huge, NaN) */
+    __m512 q = _mm512_mul_ps(a, y);
+    __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), y, q);
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF));
+    __mmask16 in_range = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32((int32_t)d->lo)), _mm512_set1_epi32((int32_t)d->span));
+    __mmask16 rest = (__mmask16)(~in_range & _mm512_test_epi32_mask(magnitude, magnitude));
+    __m512 out = _mm512_mask_blend_ps(in_range, q, corrected);
+    return rest ? _mm512_mask_div_ps(out, rest, a, b) : out;
+}
+#endif
+
+/* ---- the hot loops over one block: decode, absmax, normalize, encode ----------------------------
  * With AVX-512 (the library is built with -march=native) they are written with intrinsics: the
  * compiler does not vectorize table gathers indexed by bytes. The scalar loops are the reference
  * and the fallback; both compute exactly the same values. */
@@ -129,12 +176,14 @@ static float block_scale(const float *x, int64_t bs, float scale_max) {
     int64_t i = 0;
 #ifdef __AVX512F__
     __m512 vmax = _mm512_setzero_ps();
+    __mmask16 unordered = 0;
     for (; i + 16 <= bs; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
     }
     absmax = _mm512_reduce_max_ps(vmax);
+    nan = unordered != 0;
 #endif
     for (; i < bs; i++) {
         absmax = fmaxf(absmax, fabsf(x[i]));
@@ -143,8 +192,18 @@ static float block_scale(const float *x, int64_t bs, float scale_max) {
     return (nan ? NAN : fmaxf(absmax, MIN_BLOCK_SCALE)) / scale_max;
 }
 
+/* x[i] / scale in place: the values the codes are chosen for */
+static void normalize_block(float *x, int64_t bs, float scale) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t d = exact_divisor(scale);
+    for (; i + 16 <= bs; i += 16) _mm512_storeu_ps(x + i, divide(_mm512_loadu_ps(x + i), &d));
+#endif
+    for (; i < bs; i++) x[i] = x[i] / scale;
+}
+
 /* For a calibrated scale (quant.calibrated_scale): the products v * v and v * Q(v) of each normalized
- * value v = x / scale and its code's value, in double (exact), as encode_block finds them. */
+ * value v and its code's value, in double (exact), as encode_block finds them. */
 typedef struct {
     double *vv, *vq;  /* NULL: the format is not calibrated */
     const float *values;  /* the value of each code */
@@ -167,53 +226,60 @@ static inline void store_product(const calibration_t *cal, int64_t i, float v, u
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
 
-/* codes (one byte each) of x / scale: the exact nearest codebook value, or e4m3 rounding */
-static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes, const calibration_t *cal) {
+/* codes (one byte each) of the normalized values v: the exact nearest codebook value, or e4m3 rounding */
+static void encode_block(const state_t *s, const float *v, int64_t bs, uint8_t *codes, const calibration_t *cal) {
     int64_t i = 0;
     if (s->kind == KIND_E4M3) {
-        for (; i < bs; i++) codes[i] = f32_to_e4m3(x[i] / scale);  /* a loop the compiler vectorizes */
+        for (; i < bs; i++) codes[i] = f32_to_e4m3(v[i]);  /* a loop the compiler vectorizes */
         if (cal->vv)
-            for (i = 0; i < bs; i++) store_product(cal, i, x[i] / scale, codes[i]);
+            for (i = 0; i < bs; i++) store_product(cal, i, v[i], codes[i]);
         return;
     }
-    const int32_t *base = s->base_code;
-    const float *threshold = s->threshold;
 #ifdef __AVX512F__
-    __m512 sv = _mm512_set1_ps(scale);
+    __m512 values = _mm512_loadu_ps(s->codebook);
+    __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
     if (s->bits == 4) {
         /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
          * search with permutes (the tables' answer, without their two gathers) */
         __m512 thresholds = _mm512_loadu_ps(s->thresholds);
-        __m512 values = _mm512_loadu_ps(s->codebook);
-        __m512i nan_code = _mm512_set1_epi32(s->nan_code);
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), sv);
+            __m512 x = _mm512_loadu_ps(v + i);
             __m512i code = _mm512_setzero_si512();
             for (int step = 8; step >= 1; step /= 2) {
                 __m512i probe = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
-                __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
+                __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
                 code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(step));
             }
-            code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_code);
+            __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), low15);
+            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
+            if (cal->vv) store_products(cal, i, x, _mm512_permutexvar_ps(code, values));
+        }
+    } else {
+        /* the base code of the bucket (the top 16 bits, the magnitude's clamped to where the table
+         * varies), plus one if v reaches the decision threshold above it; both tables sit in L1 */
+        __m512i key_lo = _mm512_set1_epi32(s->key_lo), key_hi = _mm512_set1_epi32(s->key_hi);
+        __m512i per_sign = _mm512_set1_epi32(s->key_hi - s->key_lo + 1), sign_key = _mm512_set1_epi32(0x8000);
+        for (; i + 16 <= bs; i += 16) {
+            __m512 x = _mm512_loadu_ps(v + i);
+            __m512i key = _mm512_srli_epi32(_mm512_castps_si512(x), 16), magnitude = _mm512_and_si512(key, low15);
+            __m512i row = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(magnitude, key_lo), key_hi), key_lo);
+            row = _mm512_mask_add_epi32(row, _mm512_cmpge_epu32_mask(key, sign_key), row, per_sign);
+            __m512i code = _mm512_and_si512(_mm512_i32gather_epi32(row, (const int *)s->near_base, 1), _mm512_set1_epi32(0xFF));
+            __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_i32gather_ps(code, s->thresholds, 4), _CMP_GE_OQ);
+            code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(magnitude, non_finite_key), nan_code);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, x, _mm512_i32gather_ps(code, s->codebook, 4));
         }
     }
-    for (; i + 16 <= bs; i += 16) {
-        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), sv);
-        __m512i bucket = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
-        __m512i code = _mm512_i32gather_epi32(bucket, base, 4);
-        __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(bucket, threshold, 4), _CMP_GE_OQ);
-        code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-        if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, cal->values, 4));
-    }
 #endif
+    const int32_t *base = s->base_code;
+    const float *threshold = s->threshold;
     for (; i < bs; i++) {
-        float v = x[i] / scale;
-        uint32_t bucket = bits_of(v) >> 16;
-        codes[i] = (uint8_t)(base[bucket] + (v >= threshold[bucket]));
-        if (cal->vv) store_product(cal, i, v, codes[i]);
+        uint32_t bucket = bits_of(v[i]) >> 16;
+        codes[i] = (uint8_t)(base[bucket] + (v[i] >= threshold[bucket]));
+        if (cal->vv) store_product(cal, i, v[i], codes[i]);
     }
 }
 
@@ -232,17 +298,15 @@ static float calibrated_scale(const calibration_t *cal, float scale, int64_t bs)
     return (float)((double)scale * c);
 }
 
-/* ---- reading and writing one chunk of a state as fp32 ---------------------------------------- */
+/* ---- reading and writing one chunk as fp32 ---------------------------------------------------- */
 
-static void load_state(const state_t *s, int64_t start, int64_t n, float *out) {
-    if (s->kind == KIND_F32) {
-        memcpy(out, (const float *)s->data + start, n * sizeof(float));
-        return;
-    }
+/* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
+static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
+    if (s->kind == KIND_F32) return (float *)s->data + start;
     if (s->kind == KIND_BF16) {
         const uint16_t *src = (const uint16_t *)s->data + start;
-        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(src[i]);
-        return;
+        for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(src[i]);
+        return buffer;
     }
     int64_t bs = s->block_size;
     const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
@@ -250,17 +314,16 @@ static void load_state(const state_t *s, int64_t start, int64_t n, float *out) {
         int64_t first = start + b * bs;
         int64_t m = n - b * bs < bs ? n - b * bs : bs;
         const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);
-        decode_block(c, s->bits, codebook, s->scale[first / bs], m, out + b * bs);
+        decode_block(c, s->bits, codebook, s->scale[first / bs], m, buffer + b * bs);
     }
+    return buffer;
 }
 
-/* x holds the chunk's n values and room up to the next block boundary (zero-padded here, as the
- * compiled step pads the last block). */
+/* Writes back what load_state gave (nothing to do for fp32 states, updated in place). x holds the
+ * chunk's n values and room up to the next block boundary (zero-padded here, as the compiled step
+ * pads the last block); it is overwritten. */
 static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
-    if (s->kind == KIND_F32) {
-        memcpy((float *)s->data + start, x, n * sizeof(float));
-        return;
-    }
+    if (s->kind == KIND_F32) return;
     if (s->kind == KIND_BF16) {
         uint16_t *dst = (uint16_t *)s->data + start;
         for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(x[i]);
@@ -273,12 +336,13 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
     calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
     for (int64_t b = 0; b * bs < padded; b++) {
-        const float *xb = x + b * bs;
+        float *xb = x + b * bs;
         float scale = block_scale(xb, bs, s->scale_max);
+        normalize_block(xb, bs, scale);
         if (s->bits == 8) {
-            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs, &cal);
+            encode_block(s, xb, bs, (uint8_t *)s->data + start + b * bs, &cal);
         } else {
-            encode_block(s, xb, scale, bs, codes, &cal);
+            encode_block(s, xb, bs, codes, &cal);
             uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
             for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
         }
@@ -286,22 +350,18 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     }
 }
 
-static void load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *out) {
-    if (kind == KIND_F32) {
-        memcpy(out, (const float *)src + start, n * sizeof(float));
-    } else {
-        const uint16_t *h = (const uint16_t *)src + start;
-        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
-    }
+/* A parameter's or gradient's n values as fp32: in place, or converted from bf16 into buffer. */
+static float *load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *buffer) {
+    if (kind == KIND_F32) return (float *)src + start;
+    const uint16_t *h = (const uint16_t *)src + start;
+    for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(h[i]);
+    return buffer;
 }
 
 static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
-    if (kind == KIND_F32) {
-        memcpy((float *)dst + start, x, n * sizeof(float));
-    } else {
-        uint16_t *h = (uint16_t *)dst + start;
-        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
-    }
+    if (kind == KIND_F32) return;  /* updated in place */
+    uint16_t *h = (uint16_t *)dst + start;
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
 }
 
 /* ---- the update ------------------------------------------------------------------------------ */
@@ -316,40 +376,68 @@ static inline float lerp(float start, float end, float coeff, int high) {
     return high ? end + coeff * (end - start) : start + coeff * (end - start);
 }
 
-static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float *p, float *g, float *m, float *v, float *vmax) {
+/* One element of functional.adam_step; the vector loop below does the same to 16 at a time. */
+static inline void update_one(const hyper_t *h, const scalars_t *k, float c1, float c2, int high1, int high2,
+                              float *p, float grad, float *m, float *v, float *vmax) {
+    float g = h->maximize ? -grad : grad;
+    if (h->decoupled_weight_decay)
+        *p = *p - k->lr_times_wd * *p;
+    else
+        g = g + h->weight_decay * *p;
+    *m = lerp(*m, g, c1, high1);
+    *v = lerp(*v, g * g, c2, high2);
+    float d = *v;
+    if (h->amsgrad) {  /* torch.maximum: NaN propagates, else std::max(vmax, v) */
+        *vmax = (*vmax != *vmax || *v != *v) ? NAN : (*vmax < *v ? *v : *vmax);
+        d = *vmax;
+    }
+    float denom = sqrtf(d) / k->sqrt_bias_correction2 + h->eps;
+    *p = *p - h->lr * (*m / k->bias_correction1) / denom;
+}
+
+static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float *p, const float *g, float *m, float *v, float *vmax) {
     float w1 = h->one_minus_beta1, w2 = h->one_minus_beta2;
     int high1 = fabsf(w1) >= 0.5f, high2 = fabsf(w2) >= 0.5f;
     float c1 = high1 ? -(1.0f - w1) : w1, c2 = high2 ? -(1.0f - w2) : w2;
-    float lr = h->lr, wd = h->weight_decay, eps = h->eps;
-    float lr_wd = k->lr_times_wd, bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2;
-    if (h->maximize)
-        for (int64_t i = 0; i < n; i++) g[i] = -g[i];
-    if (h->decoupled_weight_decay)
-        for (int64_t i = 0; i < n; i++) p[i] = p[i] - lr_wd * p[i];
-    else
-        for (int64_t i = 0; i < n; i++) g[i] = g[i] + wd * p[i];
-    for (int64_t i = 0; i < n; i++) {
-        m[i] = lerp(m[i], g[i], c1, high1);
-        v[i] = lerp(v[i], g[i] * g[i], c2, high2);
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
+    __m512 lr = _mm512_set1_ps(h->lr), lr_wd = _mm512_set1_ps(k->lr_times_wd), wd = _mm512_set1_ps(h->weight_decay);
+    __m512 eps = _mm512_set1_ps(h->eps), w_1 = _mm512_set1_ps(c1), w_2 = _mm512_set1_ps(c2), nan = _mm512_set1_ps(NAN);
+    __m512i flip = _mm512_set1_epi32(h->maximize ? (int32_t)0x80000000u : 0);
+    for (; i + 16 <= n; i += 16) {
+        __m512 P = _mm512_loadu_ps(p + i);
+        __m512 G = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), flip));
+        if (h->decoupled_weight_decay)
+            P = _mm512_sub_ps(P, _mm512_mul_ps(lr_wd, P));
+        else
+            G = _mm512_add_ps(G, _mm512_mul_ps(wd, P));
+        __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i), G2 = _mm512_mul_ps(G, G);
+        M = _mm512_add_ps(high1 ? G : M, _mm512_mul_ps(w_1, _mm512_sub_ps(G, M)));
+        V = _mm512_add_ps(high2 ? G2 : V, _mm512_mul_ps(w_2, _mm512_sub_ps(G2, V)));
+        _mm512_storeu_ps(m + i, M);
+        _mm512_storeu_ps(v + i, V);
+        if (h->amsgrad) {
+            __m512 old = _mm512_loadu_ps(vmax + i);
+            __mmask16 either_nan = _mm512_cmp_ps_mask(old, V, _CMP_UNORD_Q);
+            V = _mm512_mask_mov_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, V, _CMP_LT_OQ), old, V), either_nan, nan);
+            _mm512_storeu_ps(vmax + i, V);
+        }
+        __m512 denom = _mm512_add_ps(divide(_mm512_sqrt_ps(V), &sbc2), eps);
+        P = _mm512_sub_ps(P, _mm512_div_ps(_mm512_mul_ps(lr, divide(M, &bc1)), denom));
+        _mm512_storeu_ps(p + i, P);
     }
-    float *denom_source = v;
-    if (h->amsgrad) {
-        for (int64_t i = 0; i < n; i++) vmax[i] = (vmax[i] != vmax[i] || v[i] != v[i]) ? NAN : fmaxf(vmax[i], v[i]);
-        denom_source = vmax;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        float denom = sqrtf(denom_source[i]) / sbc2 + eps;
-        p[i] = p[i] - lr * (m[i] / bc1) / denom;
-    }
+#endif
+    for (; i < n; i++) update_one(h, k, c1, c2, high1, high2, p + i, g[i], m + i, v + i, vmax + i);
 }
 
 static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, int64_t start, int64_t n) {
-    float p[MAX_CHUNK], g[MAX_CHUNK], m[MAX_CHUNK], v[MAX_CHUNK], vmax[MAX_CHUNK];
-    load_values(t->param_kind, t->param, start, n, p);
-    load_values(t->grad_kind, t->grad, start, n, g);
-    load_state(&t->exp_avg, start, n, m);
-    load_state(&t->exp_avg_sq, start, n, v);
-    if (h->amsgrad) load_state(&t->max_exp_avg_sq, start, n, vmax);
+    float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], m_buffer[MAX_CHUNK], v_buffer[MAX_CHUNK], vmax_buffer[MAX_CHUNK];
+    float *p = load_values(t->param_kind, t->param, start, n, p_buffer);
+    const float *g = load_values(t->grad_kind, t->grad, start, n, g_buffer);
+    float *m = load_state(&t->exp_avg, start, n, m_buffer);
+    float *v = load_state(&t->exp_avg_sq, start, n, v_buffer);
+    float *vmax = h->amsgrad ? load_state(&t->max_exp_avg_sq, start, n, vmax_buffer) : vmax_buffer;
     update_chunk(h, k, n, p, g, m, v, vmax);
     store_state(&t->exp_avg, start, n, m);
     store_state(&t->exp_avg_sq, start, n, v);
@@ -367,6 +455,12 @@ static int64_t chunk_size(const param_t *t) {
 }
 
 int lowbit_max_chunk(void) { return MAX_CHUNK; }
+
+/* For the tests: out[i] = a[i] / b, divided as the kernel divides by a block's scale. */
+void lowbit_divide(const float *a, int64_t n, float b, float *out) {
+    memcpy(out, a, n * sizeof(float));
+    normalize_block(out, n, b);
+}
 
 /* Steps every parameter once; returns 0. Chunks of all parameters are shared among the threads. */
 int lowbit_adam_step(const param_t *params, int64_t count, const hyper_t *h, int threads) {
