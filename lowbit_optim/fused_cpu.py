@@ -49,7 +49,7 @@ class _State(ctypes.Structure):
         ("threshold", ctypes.c_void_p),
         ("thresholds", ctypes.c_void_p),
         ("nan_code", ctypes.c_int32),
-        ("near_base", ctypes.c_void_p),
+        ("near_code", ctypes.c_void_p),
         ("key_lo", ctypes.c_int32),
         ("key_hi", ctypes.c_int32),
         ("calibrated", ctypes.c_int32),
@@ -130,6 +130,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.lowbit_adam_step.argtypes = [ctypes.POINTER(_Param), ctypes.c_int64, ctypes.POINTER(_Hyper), ctypes.c_int]
     lib.lowbit_adam_step.restype = ctypes.c_int
     lib.lowbit_max_chunk.restype = ctypes.c_int
+    lib.lowbit_encode.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_divide.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     return lib, None
 
@@ -212,8 +213,8 @@ def _describe(state: Tensor | None) -> _State:
         thresholds, described.nan_code = _search_thresholds(type(state), state.signed)
         described.thresholds = thresholds.data_ptr()
         if state.bits == 8:
-            near_base, described.key_lo, described.key_hi = _near_base_code(type(state), state.signed)
-            described.near_base = near_base.data_ptr()
+            near_code, described.key_lo, described.key_hi = _near_code_table(type(state), state.signed)
+            described.near_code = near_code.data_ptr()
     return described
 
 
@@ -229,26 +230,32 @@ def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
 
 
 @functools.cache
-def _near_base_code(cls, signed: bool) -> tuple[Tensor, int, int]:
-    """The base_code table cut to the keys where it varies, small enough to stay in L1:
-    (table, key_lo, key_hi) where table[row] is base_code[key] for key & 0x7FFF clamped to
-    [key_lo, key_hi] (row = clamped - key_lo, plus key_hi - key_lo + 1 for negative values). The
-    kernel adds one where the value reaches thresholds[base]; NaN and infinities it gives nan_code."""
+def _near_code_table(cls, signed: bool) -> tuple[Tensor, int, int]:
+    """The nearest-code tables (base_code, threshold) cut to the keys where they vary and packed into
+    one int32 per key, so that one L1-resident gather finds a code: (table, key_lo, key_hi).
+
+    A key is a value's top 16 bits; its magnitude part (key & 0x7FFF) is clamped to [key_lo, key_hi]
+    (the tables are constant outside) and row = clamped - key_lo, plus key_hi - key_lo + 1 for
+    negative values. Entry = base | limit << 8: the code is base + 1 where the value's low 16 bits
+    (complemented for negative values, whose order they reverse) reach limit; limit = 2**16 where
+    no threshold falls in the bucket. NaN and infinities the kernel gives nan_code.
+    """
     cpu = torch.device("cpu")
-    base = _table(cls, signed, "base_code", cpu).view(2, 2**15)[:, :FINITE_KEYS]
-    split = ~_table(cls, signed, "threshold", cpu).isnan().view(2, 2**15)[:, :FINITE_KEYS]
-    varies = (base != base[:, :1]) | split  # by sign: where the table differs from its value at 0
+    base = _table(cls, signed, "base_code", cpu).to(torch.int32).view(2, 2**15)[:, :FINITE_KEYS]
+    threshold = _table(cls, signed, "threshold", cpu).view(2, 2**15)[:, :FINITE_KEYS]
+    split = ~threshold.isnan()
+    varies = (base != base[:, :1]) | split  # by sign: where the tables differ from their value at 0
     varies_high = (base != base[:, -1:]) | split
     key_lo = min((int(row.nonzero()[0]) - 1 if row.any() else FINITE_KEYS - 1 for row in varies), default=0)
     key_hi = max((int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in varies_high), default=0)
     key_lo, key_hi = max(key_lo, 0), min(key_hi, FINITE_KEYS - 1)
-    near = base[:, key_lo : key_hi + 1]
     keys = torch.arange(FINITE_KEYS)
-    clamped = (keys < key_lo) | (keys > key_hi) | (keys == key_lo) | (keys == key_hi)  # rows other keys share
-    assert torch.equal(near[:, keys.clamp(key_lo, key_hi) - key_lo], base) and not split[:, clamped].any()
-    near = near.reshape(-1)
-    padded = torch.cat([near, near.new_zeros(3)])  # the kernel reads 4 bytes at each row
-    return padded, key_lo, key_hi
+    shared = (keys <= key_lo) | (keys >= key_hi)  # rows that keys outside the cut also read: no threshold
+    assert not split[:, shared].any() and torch.equal(base[:, keys.clamp(key_lo, key_hi)], base)
+    low = threshold.view(torch.int32) & 0xFFFF
+    low[1] = 0xFFFF - low[1]  # negative values: a larger value has smaller low bits
+    limit = torch.where(split, low, torch.tensor(2**16, dtype=torch.int32))
+    return (base | limit << 8)[:, key_lo : key_hi + 1].reshape(-1).contiguous(), key_lo, key_hi
 
 
 FINITE_KEYS = 0x7F80  # top-16-bit keys of finite magnitudes: 0x7F80 begins infinity and NaN

@@ -6,6 +6,7 @@ blocks, fp32-state small tensors), for every registered format and every optimiz
 kernel takes. What it does not take must fall back to the compiled step, or raise with fused=True.
 """
 
+import ctypes
 import math
 
 import expecttest
@@ -17,6 +18,7 @@ import lowbit_optim
 from conftest import all_formats
 from lowbit_optim import OptimState, StateTensor, fused_cpu
 from lowbit_optim.formats import OptimStateFp8
+from test_formats import blockwise_formats_by_signedness, encode_inputs
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
 SHAPES = [(71, 64), (64, 96), (300,), (200,)]
@@ -264,3 +266,24 @@ def test_division_by_a_shared_divisor_is_exact(divisor):
     expected = a / divisor
     same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())
     assert bool(same.all()), f"{int((~same).sum())} quotients differ, e.g. {a[~same][:3].tolist()} / {divisor}"
+
+
+@blockwise_formats_by_signedness
+def test_kernel_encodes_like_the_format(info, signed):
+    """The kernel's encoding (its packed tables, binary searches and fp8 rounding) gives the format's
+    own codes on the format suite's adversarial inputs: every code, midpoints and their neighbours,
+    zeros, denormals, range ends; NaN and infinities as the format's tables give them."""
+    state = info.fmt.zeros(256, signed=signed)
+    if fused_cpu._kernel_kind(state) is None:
+        pytest.skip(f"the kernel does not take {info.name}")
+    v = torch.cat([encode_inputs(info, signed), torch.tensor([math.nan, math.inf, -math.inf])])
+    v = torch.cat([v, v.new_zeros(-v.numel() % 16)])
+    codes = torch.empty(v.numel(), dtype=torch.uint8)
+    fused_cpu.library().lowbit_encode(ctypes.byref(fused_cpu._describe(state)), v.data_ptr(), v.numel(), codes.data_ptr())
+    expected = info.fmt.encode(v, signed)
+    wrong = codes != expected
+    if fused_cpu._kernel_kind(state) == fused_cpu.KIND_E4M3:
+        # the sign of a NaN code is the compiler's (any NaN code decodes to NaN); an infinity never
+        # reaches the encoder in a step (an infinite absmax makes the block's values NaN)
+        wrong &= v.isfinite()
+    assert not wrong.any(), f"{int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {codes[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"

@@ -35,8 +35,8 @@ typedef struct {
     const float *threshold;
     const float *thresholds;   /* KIND_CODEBOOK: the sorted decision thresholds, NaN-padded to 2**bits */
     int32_t nan_code;          /* the code the tables give NaN and infinities */
-    const uint8_t *near_base;  /* KIND_CODEBOOK, 8 bits: base_code of the top-16-bit keys key_lo..key_hi of */
-    int32_t key_lo, key_hi;    /* each sign (key & 0x7FFF clamped there: the table is constant outside) */
+    const int32_t *near_code;  /* KIND_CODEBOOK, 8 bits: both tables for the keys where they vary, */
+    int32_t key_lo, key_hi;    /* packed (fused_cpu._near_code_table) */
     int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
 } state_t;
 
@@ -256,18 +256,21 @@ static void encode_block(const state_t *s, const float *v, int64_t bs, uint8_t *
             if (cal->vv) store_products(cal, i, x, _mm512_permutexvar_ps(code, values));
         }
     } else {
-        /* the base code of the bucket (the top 16 bits, the magnitude's clamped to where the table
-         * varies), plus one if v reaches the decision threshold above it; both tables sit in L1 */
+        /* one gather from the packed table (fused_cpu._near_code_table): the bucket's base code,
+         * plus one where the value's low 16 bits (complemented if negative) reach its limit */
         __m512i key_lo = _mm512_set1_epi32(s->key_lo), key_hi = _mm512_set1_epi32(s->key_hi);
-        __m512i per_sign = _mm512_set1_epi32(s->key_hi - s->key_lo + 1), sign_key = _mm512_set1_epi32(0x8000);
+        __m512i per_sign = _mm512_set1_epi32(s->key_hi - s->key_lo + 1), low16 = _mm512_set1_epi32(0xFFFF);
         for (; i + 16 <= bs; i += 16) {
             __m512 x = _mm512_loadu_ps(v + i);
-            __m512i key = _mm512_srli_epi32(_mm512_castps_si512(x), 16), magnitude = _mm512_and_si512(key, low15);
+            __m512i bits = _mm512_castps_si512(x);
+            __m512i magnitude = _mm512_and_si512(_mm512_srli_epi32(bits, 16), low15);
+            __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
             __m512i row = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(magnitude, key_lo), key_hi), key_lo);
-            row = _mm512_mask_add_epi32(row, _mm512_cmpge_epu32_mask(key, sign_key), row, per_sign);
-            __m512i code = _mm512_and_si512(_mm512_i32gather_epi32(row, (const int *)s->near_base, 1), _mm512_set1_epi32(0xFF));
-            __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_i32gather_ps(code, s->thresholds, 4), _CMP_GE_OQ);
-            code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+            __m512i entry = _mm512_i32gather_epi32(_mm512_mask_add_epi32(row, negative, row, per_sign), s->near_code, 4);
+            __m512i low = _mm512_and_si512(bits, low16);
+            low = _mm512_mask_xor_epi32(low, negative, low, low16);
+            __m512i code = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+            code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(low, _mm512_srli_epi32(entry, 8)), code, _mm512_set1_epi32(1));
             code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(magnitude, non_finite_key), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
             if (cal->vv) store_products(cal, i, x, _mm512_i32gather_ps(code, s->codebook, 4));
@@ -455,6 +458,12 @@ static int64_t chunk_size(const param_t *t) {
 }
 
 int lowbit_max_chunk(void) { return MAX_CHUNK; }
+
+/* For the tests: the codes encode_block gives n normalized values (one byte each). */
+void lowbit_encode(const state_t *s, const float *v, int64_t n, uint8_t *codes) {
+    calibration_t none = {NULL, NULL, NULL};
+    encode_block(s, v, n, codes, &none);
+}
 
 /* For the tests: out[i] = a[i] / b, divided as the kernel divides by a block's scale. */
 void lowbit_divide(const float *a, int64_t n, float b, float *out) {
