@@ -52,6 +52,7 @@ class _State(ctypes.Structure):
         ("near_code", ctypes.c_void_p),
         ("key_lo", ctypes.c_int32),
         ("key_hi", ctypes.c_int32),
+        ("value_bytes", ctypes.c_void_p),
         ("calibrated", ctypes.c_int32),
     ]
 
@@ -130,6 +131,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.lowbit_adam_step.argtypes = [ctypes.POINTER(_Param), ctypes.c_int64, ctypes.POINTER(_Hyper), ctypes.c_int]
     lib.lowbit_adam_step.restype = ctypes.c_int
     lib.lowbit_max_chunk.restype = ctypes.c_int
+    lib.lowbit_decode.argtypes = [ctypes.POINTER(_State), ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_encode.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_divide.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     return lib, None
@@ -215,6 +217,7 @@ def _describe(state: Tensor | None) -> _State:
         if state.bits == 8:
             near_code, described.key_lo, described.key_hi = _near_code_table(type(state), state.signed)
             described.near_code = near_code.data_ptr()
+            described.value_bytes = _value_bytes(type(state), state.signed).data_ptr()
     return described
 
 
@@ -256,6 +259,13 @@ def _near_code_table(cls, signed: bool) -> tuple[Tensor, int, int]:
     low[1] = 0xFFFF - low[1]  # negative values: a larger value has smaller low bits
     limit = torch.where(split, low, torch.tensor(2**16, dtype=torch.int32))
     return (base | limit << 8)[:, key_lo : key_hi + 1].reshape(-1).contiguous(), key_lo, key_hi
+
+
+@functools.cache
+def _value_bytes(cls, signed: bool) -> Tensor:
+    """The codebook's values byte by byte ([k, code]: byte k of code's fp32 value), for the kernel's
+    gather-free decoding of 8-bit codes."""
+    return _table(cls, signed, "codebook", torch.device("cpu")).view(torch.uint8).view(-1, 4).t().contiguous()
 
 
 FINITE_KEYS = 0x7F80  # top-16-bit keys of finite magnitudes: 0x7F80 begins infinity and NaN

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats
-from lowbit_optim import OptimState, StateTensor, fused_cpu
+from lowbit_optim import OptimState, StateTensor, fused_cpu, quant
 from lowbit_optim.formats import OptimStateFp8
 from test_formats import blockwise_formats_by_signedness, encode_inputs
 
@@ -287,3 +287,21 @@ def test_kernel_encodes_like_the_format(info, signed):
         # reaches the encoder in a step (an infinite absmax makes the block's values NaN)
         wrong &= v.isfinite()
     assert not wrong.any(), f"{int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {codes[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
+
+
+@blockwise_formats_by_signedness
+def test_kernel_decodes_like_the_format(info, signed):
+    """Every code, in every position of a block (the kernel decodes 64, 16 or 1 at a time), reads
+    back as the state's own dequantize gives it."""
+    g = torch.Generator().manual_seed(1)
+    n = 4 * info.block_size + 17  # whole blocks and a partial one
+    state = info.fmt.from_float(torch.randn(n, generator=g).abs() if not signed else torch.randn(n, generator=g), signed)
+    if fused_cpu._kernel_kind(state) is None:
+        pytest.skip(f"the kernel does not take {info.name}")
+    every = torch.arange(2**info.fmt.bits, dtype=torch.uint8).repeat(n // 2**info.fmt.bits + 1)[:n]
+    codes = every[torch.randperm(n, generator=g)]
+    padded = torch.cat([codes, codes.new_zeros(state.padded_numel - n)])
+    state.codes.copy_(quant.pack_nibbles(padded) if info.fmt.bits == 4 else padded)
+    out = torch.empty(n)
+    fused_cpu.library().lowbit_decode(ctypes.byref(fused_cpu._describe(state)), n, out.data_ptr())
+    torch.testing.assert_close(out, state.dequantize(), rtol=0, atol=0, equal_nan=True)

@@ -37,6 +37,7 @@ typedef struct {
     int32_t nan_code;          /* the code the tables give NaN and infinities */
     const int32_t *near_code;  /* KIND_CODEBOOK, 8 bits: both tables for the keys where they vary, */
     int32_t key_lo, key_hi;    /* packed (fused_cpu._near_code_table) */
+    const uint8_t *value_bytes;  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256 * k + c] */
     int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
 } state_t;
 
@@ -137,16 +138,46 @@ static inline __m512 divide(__m512 a, const divisor_t *d) {
  * and the fallback; both compute exactly the same values. */
 
 static float e4m3_values[256];  /* KIND_E4M3 decodes through this table like a codebook */
+static uint8_t e4m3_value_bytes[4 * 256];
 
 __attribute__((constructor)) static void fill_e4m3_values(void) {
-    for (int c = 0; c < 256; c++) e4m3_values[c] = e4m3_to_f32((uint8_t)c);
+    for (int c = 0; c < 256; c++) {
+        e4m3_values[c] = e4m3_to_f32((uint8_t)c);
+        for (int k = 0; k < 4; k++) e4m3_value_bytes[256 * k + c] = (uint8_t)(bits_of(e4m3_values[c]) >> (8 * k));
+    }
 }
 
-/* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block */
-static void decode_block(const uint8_t *c, int bits, const float *codebook, float scale, int64_t m, float *out) {
+/* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block; value_bytes
+ * (8-bit codes) holds the codebook's values byte by byte */
+static void decode_block(const uint8_t *c, int bits, const float *codebook, const uint8_t *value_bytes, float scale, int64_t m, float *out) {
     int64_t i = 0;
 #ifdef __AVX512F__
     __m512 s = _mm512_set1_ps(scale);
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    if (bits == 8) {
+        /* No gathers: byte k of 64 values at once is a 256-entry byte lookup (two vpermi2b and a
+         * blend on the code's top bit); interleaving the four bytes makes the floats. The codes are
+         * first transposed in 4-byte groups so that the interleave leaves the values in order. */
+        __m512i table[4][4];
+        for (int k = 0; k < 4; k++)
+            for (int q = 0; q < 4; q++) table[k][q] = _mm512_loadu_si512(value_bytes + 256 * k + 64 * q);
+        __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (; i + 64 <= m; i += 64) {
+            __m512i codes = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(c + i));
+            __mmask64 high = _mm512_movepi8_mask(codes);
+            __m512i b[4];
+            for (int k = 0; k < 4; k++)
+                b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(table[k][0], codes, table[k][1]),
+                                              _mm512_permutex2var_epi8(table[k][2], codes, table[k][3]));
+            __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+            __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), s));
+            _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), s));
+            _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), s));
+            _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), s));
+        }
+    }
+#endif
     if (bits == 8) {
         for (; i + 16 <= m; i += 16) {
             __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + i)));
@@ -163,6 +194,7 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, floa
         }
     }
 #endif
+    (void)value_bytes;
     for (; i < m; i++) {
         uint8_t code = bits == 8 ? c[i] : (i & 1 ? c[i / 2] & 15 : c[i / 2] >> 4);
         out[i] = codebook[code] * scale;
@@ -313,11 +345,12 @@ static float *load_state(const state_t *s, int64_t start, int64_t n, float *buff
     }
     int64_t bs = s->block_size;
     const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
+    const uint8_t *value_bytes = s->kind == KIND_E4M3 ? e4m3_value_bytes : s->value_bytes;
     for (int64_t b = 0; b * bs < n; b++) {
         int64_t first = start + b * bs;
         int64_t m = n - b * bs < bs ? n - b * bs : bs;
         const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);
-        decode_block(c, s->bits, codebook, s->scale[first / bs], m, buffer + b * bs);
+        decode_block(c, s->bits, codebook, value_bytes, s->scale[first / bs], m, buffer + b * bs);
     }
     return buffer;
 }
@@ -458,6 +491,12 @@ static int64_t chunk_size(const param_t *t) {
 }
 
 int lowbit_max_chunk(void) { return MAX_CHUNK; }
+
+/* For the tests: the values of a state's first n elements as load_state decodes them. */
+void lowbit_decode(const state_t *s, int64_t n, float *out) {
+    float *values = load_state(s, 0, n, out);
+    if (values != out) memcpy(out, values, n * sizeof(float));
+}
 
 /* For the tests: the codes encode_block gives n normalized values (one byte each). */
 void lowbit_encode(const state_t *s, const float *v, int64_t n, uint8_t *codes) {
