@@ -132,7 +132,7 @@ static inline __m512 divide(__m512 a, const divisor_t *d) {
 }
 #endif
 
-/* ---- the hot loops over one block: decode, absmax, normalize, encode ----------------------------
+/* ---- the hot loops over one block: decode, absmax, encode ---------------------------------------
  * With AVX-512 (the library is built with -march=native) they are written with intrinsics: the
  * compiler does not vectorize table gathers indexed by bytes. The scalar loops are the reference
  * and the fallback; both compute exactly the same values. */
@@ -207,31 +207,18 @@ static float block_scale(const float *x, int64_t bs, float scale_max) {
     int nan = 0;
     int64_t i = 0;
 #ifdef __AVX512F__
-    __m512 vmax = _mm512_setzero_ps();
-    __mmask16 unordered = 0;
-    for (; i + 16 <= bs; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-    }
-    absmax = _mm512_reduce_max_ps(vmax);
-    nan = unordered != 0;
+    /* magnitudes compared as integers: the order of floats, with NaN above infinity */
+    __m512i top = _mm512_setzero_si512(), magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    for (; i + 16 <= bs; i += 16) top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude));
+    uint32_t bits = (uint32_t)_mm512_reduce_max_epu32(top);
+    nan = bits > 0x7F800000u;
+    absmax = nan ? 0.0f : float_of(bits);
 #endif
     for (; i < bs; i++) {
         absmax = fmaxf(absmax, fabsf(x[i]));
         nan |= x[i] != x[i];
     }
     return (nan ? NAN : fmaxf(absmax, MIN_BLOCK_SCALE)) / scale_max;
-}
-
-/* x[i] / scale in place: the values the codes are chosen for */
-static void normalize_block(float *x, int64_t bs, float scale) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    divisor_t d = exact_divisor(scale);
-    for (; i + 16 <= bs; i += 16) _mm512_storeu_ps(x + i, divide(_mm512_loadu_ps(x + i), &d));
-#endif
-    for (; i < bs; i++) x[i] = x[i] / scale;
 }
 
 /* For a calibrated scale (quant.calibrated_scale): the products v * v and v * Q(v) of each normalized
@@ -258,34 +245,43 @@ static inline void store_product(const calibration_t *cal, int64_t i, float v, u
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
 
-/* codes (one byte each) of the normalized values v: the exact nearest codebook value, or e4m3 rounding */
-static void encode_block(const state_t *s, const float *v, int64_t bs, uint8_t *codes, const calibration_t *cal) {
+/* codes (one byte each) of the values x / scale: the exact nearest codebook value, or e4m3 rounding */
+static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes, const calibration_t *cal) {
     int64_t i = 0;
-    if (s->kind == KIND_E4M3) {
-        for (; i < bs; i++) codes[i] = f32_to_e4m3(v[i]);  /* a loop the compiler vectorizes */
-        if (cal->vv)
-            for (i = 0; i < bs; i++) store_product(cal, i, v[i], codes[i]);
-        return;
-    }
 #ifdef __AVX512F__
-    __m512 values = _mm512_loadu_ps(s->codebook);
+    divisor_t d = exact_divisor(scale);
     __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
-    if (s->bits == 4) {
+    if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
+        __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
+        for (; i + 16 <= bs; i += 16) {
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+            __m512i u = _mm512_castps_si512(v), a = _mm512_and_si512(u, magnitude);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+            __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, odd), _mm512_set1_epi32(0x7FFFF - (120 << 23))), 20);
+            __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(two14))), two14);
+            __m512i code = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x3C800000)), subnormal);
+            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x43F00000)), _mm512_set1_epi32(0x7F));
+            code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, e4m3_values, 4));
+        }
+    } else if (s->bits == 4) {
+        __m512 values = _mm512_loadu_ps(s->codebook);
         /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
          * search with permutes (the tables' answer, without their two gathers) */
         __m512 thresholds = _mm512_loadu_ps(s->thresholds);
         for (; i + 16 <= bs; i += 16) {
-            __m512 x = _mm512_loadu_ps(v + i);
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             __m512i code = _mm512_setzero_si512();
             for (int step = 8; step >= 1; step /= 2) {
                 __m512i probe = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
-                __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
+                __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
                 code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(step));
             }
-            __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), low15);
+            __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), low15);
             code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-            if (cal->vv) store_products(cal, i, x, _mm512_permutexvar_ps(code, values));
+            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
     } else {
         /* one gather from the packed table (fused_cpu._near_code_table): the bucket's base code,
@@ -293,8 +289,8 @@ static void encode_block(const state_t *s, const float *v, int64_t bs, uint8_t *
         __m512i key_lo = _mm512_set1_epi32(s->key_lo), key_hi = _mm512_set1_epi32(s->key_hi);
         __m512i per_sign = _mm512_set1_epi32(s->key_hi - s->key_lo + 1), low16 = _mm512_set1_epi32(0xFFFF);
         for (; i + 16 <= bs; i += 16) {
-            __m512 x = _mm512_loadu_ps(v + i);
-            __m512i bits = _mm512_castps_si512(x);
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+            __m512i bits = _mm512_castps_si512(v);
             __m512i magnitude = _mm512_and_si512(_mm512_srli_epi32(bits, 16), low15);
             __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
             __m512i row = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(magnitude, key_lo), key_hi), key_lo);
@@ -305,16 +301,19 @@ static void encode_block(const state_t *s, const float *v, int64_t bs, uint8_t *
             code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(low, _mm512_srli_epi32(entry, 8)), code, _mm512_set1_epi32(1));
             code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(magnitude, non_finite_key), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-            if (cal->vv) store_products(cal, i, x, _mm512_i32gather_ps(code, s->codebook, 4));
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, s->codebook, 4));
         }
     }
 #endif
-    const int32_t *base = s->base_code;
-    const float *threshold = s->threshold;
     for (; i < bs; i++) {
-        uint32_t bucket = bits_of(v[i]) >> 16;
-        codes[i] = (uint8_t)(base[bucket] + (v[i] >= threshold[bucket]));
-        if (cal->vv) store_product(cal, i, v[i], codes[i]);
+        float v = x[i] / scale;
+        if (s->kind == KIND_E4M3) {
+            codes[i] = f32_to_e4m3(v);
+        } else {
+            uint32_t bucket = bits_of(v) >> 16;
+            codes[i] = (uint8_t)(s->base_code[bucket] + (v >= s->threshold[bucket]));
+        }
+        if (cal->vv) store_product(cal, i, v, codes[i]);
     }
 }
 
@@ -372,13 +371,12 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
     calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
     for (int64_t b = 0; b * bs < padded; b++) {
-        float *xb = x + b * bs;
+        const float *xb = x + b * bs;
         float scale = block_scale(xb, bs, s->scale_max);
-        normalize_block(xb, bs, scale);
         if (s->bits == 8) {
-            encode_block(s, xb, bs, (uint8_t *)s->data + start + b * bs, &cal);
+            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs, &cal);
         } else {
-            encode_block(s, xb, bs, codes, &cal);
+            encode_block(s, xb, scale, bs, codes, &cal);
             uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
             for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
         }
@@ -498,16 +496,20 @@ void lowbit_decode(const state_t *s, int64_t n, float *out) {
     if (values != out) memcpy(out, values, n * sizeof(float));
 }
 
-/* For the tests: the codes encode_block gives n normalized values (one byte each). */
+/* For the tests: the codes encode_block gives n normalized values (one byte each; scale 1). */
 void lowbit_encode(const state_t *s, const float *v, int64_t n, uint8_t *codes) {
     calibration_t none = {NULL, NULL, NULL};
-    encode_block(s, v, n, codes, &none);
+    encode_block(s, v, 1.0f, n, codes, &none);
 }
 
 /* For the tests: out[i] = a[i] / b, divided as the kernel divides by a block's scale. */
 void lowbit_divide(const float *a, int64_t n, float b, float *out) {
-    memcpy(out, a, n * sizeof(float));
-    normalize_block(out, n, b);
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t d = exact_divisor(b);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, divide(_mm512_loadu_ps(a + i), &d));
+#endif
+    for (; i < n; i++) out[i] = a[i] / b;
 }
 
 /* Steps every parameter once; returns 0. Chunks of all parameters are shared among the threads. */
