@@ -149,11 +149,14 @@ def _kernel_kind(state: Tensor) -> int | None:
     """The kernel's name for how ``state`` is stored, or None if only the compiled step knows."""
     if not isinstance(state, StateTensor):
         return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
-    if not isinstance(state, OptimState):
+    if not (isinstance(state, OptimState) and state.codes.is_contiguous() and state.scale.is_contiguous()):
         return None
-    cls = type(state)
-    if not (state.codes.is_contiguous() and state.scale.is_contiguous()):
-        return None
+    return _format_kind(type(state))
+
+
+@functools.cache
+def _format_kind(cls) -> int | None:
+    """The kernel's name for a format whose encoding it has (None for the others)."""
     if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
         return None
     if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
@@ -196,28 +199,32 @@ def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, 
 def _describe(state: Tensor | None) -> _State:
     if state is None:
         return _State(kind=KIND_F32)
-    kind = _kernel_kind(state)
     if not isinstance(state, OptimState):
-        return _State(kind=kind, data=state.data_ptr())
-    described = _State(
-        kind=kind,
-        bits=state.bits,
-        block_size=state.block_size,
-        scale_max=state.scale_max,
-        data=state.codes.data_ptr(),
-        scale=state.scale.data_ptr(),
-        calibrated=state.calibrated(state.signed),
-    )
+        return _State(kind=_kernel_kind(state), data=state.data_ptr())
+    described = _State.from_buffer_copy(_format_description(type(state), state.signed))
+    described.block_size = state.block_size
+    described.data = state.codes.data_ptr()
+    described.scale = state.scale.data_ptr()
+    return described
+
+
+@functools.cache
+def _format_description(cls, signed: bool) -> _State:
+    """What the kernel needs of a format (its kind, constants and tables), built once: a step only
+    adds each state's block size and pointers."""
+    kind = _format_kind(cls)
+    described = _State(kind=kind, bits=cls.bits, scale_max=cls.scale_max, calibrated=cls.calibrated(signed))
     if kind == KIND_CODEBOOK:
-        described.codebook = _table(type(state), state.signed, "codebook", state.device).data_ptr()
-        described.base_code = _int32_base_code(type(state), state.signed).data_ptr()
-        described.threshold = _table(type(state), state.signed, "threshold", state.device).data_ptr()
-        thresholds, described.nan_code = _search_thresholds(type(state), state.signed)
+        cpu = torch.device("cpu")
+        described.codebook = _table(cls, signed, "codebook", cpu).data_ptr()
+        described.base_code = _int32_base_code(cls, signed).data_ptr()
+        described.threshold = _table(cls, signed, "threshold", cpu).data_ptr()
+        thresholds, described.nan_code = _search_thresholds(cls, signed)
         described.thresholds = thresholds.data_ptr()
-        if state.bits == 8:
-            near_code, described.key_lo, described.key_hi = _near_code_table(type(state), state.signed)
+        if cls.bits == 8:
+            near_code, described.key_lo, described.key_hi = _near_code_table(cls, signed)
             described.near_code = near_code.data_ptr()
-            described.value_bytes = _value_bytes(type(state), state.signed).data_ptr()
+            described.value_bytes = _value_bytes(cls, signed).data_ptr()
     return described
 
 
