@@ -108,8 +108,9 @@ typedef struct {
 static divisor_t exact_divisor(float b) {
     divisor_t d = {b, 1.0f / b, 0, 0};
     if (b > 0 && d.y >= FLT_MIN && d.y <= 0x1p126f) {
-        /* |a| >= 2**-96 keeps the residual normal; |q| within 2**-99 .. 2**99 keeps q * b normal */
-        float lo = fmaxf(0x1p-96f, 0x1p-99f / d.y), hi = fminf(0x1p99f / d.y, FLT_MAX);
+        /* |a| >= 2**-96 keeps the residual normal; |q| within about 2**-99 .. 2**99 (b ~ 1 / y) keeps
+         * q * b normal (the bounds need to be safe, not sharp) */
+        float lo = fmaxf(0x1p-96f, 0x1p-99f * b), hi = fminf(0x1p99f * b, FLT_MAX);
         if (lo <= hi) {
             d.lo = bits_of(lo);
             d.span = bits_of(hi) - d.lo + 1;
