@@ -90,14 +90,15 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-def test_scalar_fallback_matches():
-    """Built without AVX-512, the kernel runs its scalar loops: the same bits again (4-bit and 8-bit
-    codes both ways, calibrated scales)."""
-    specs = [{"exp_avg": "4bit", "exp_avg_sq": "8bit"}, {"exp_avg": "8bit", "exp_avg_sq": "4bit"}]
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi"], ids=["scalar", "no VBMI"])
+def test_builds_for_other_cpus_match(flag):
+    """Built without AVX-512 the kernel runs its scalar loops, without VBMI it decodes 8-bit codes with
+    gathers: the same bits again (4-bit and 8-bit codes both ways, fp8, calibrated scales)."""
+    specs = [{"exp_avg": "4bit", "exp_avg_sq": "8bit"}, {"exp_avg": "8bit", "exp_avg_sq": "4bit"}, "fp8"]
     expected = [run(True, state_format=spec) for spec in specs]
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-mno-avx512f"])
+            mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, flag])
             fused_cpu._load.cache_clear()
             for spec, reference in zip(specs, expected):
                 assert_identical(run(True, state_format=spec), reference)
