@@ -6,10 +6,14 @@
 2. The bandwidth of plain copies, for scale.
 3. The divider: an AVX-512 loop (C, built with the fused kernel's compiler and flags) doing one square
    root and K divisions per element over the GPT-2-small element count on L1-resident data, for
-   K = 0..5. The compiled step, which the fused kernel matches bit for bit, divides five times per
-   element (three in the update, one per moment by the block scale); torch's fused AdamW twice.
+   K = 0..5. The compiled step divides five times per element (three in the update, one per moment
+   by the block scale); torch's fused AdamW twice. The fused kernel gives the compiled step's bits
+   with one real division per element: it divides by a block scale or a bias correction as a
+   multiplication by the reciprocal plus an FMA correction (exact_divisor in the C file).
+4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
+   divisions are gone (decoding, block absmax, encoding, calibration).
 
-    python benchmarks/compute_bound.py                     # ~30 s on 2 idle cores
+    python benchmarks/compute_bound.py                     # ~1 min on 2 idle cores
 """
 
 import argparse
@@ -22,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import lowbit_optim  # noqa: E402
 from lowbit_optim import fused_cpu  # noqa: E402
 
 DIVIDER_SOURCE = r"""
@@ -57,17 +62,33 @@ int main(int argc, char **argv) {
 """
 
 
-def fused_adamw_ns_per_element(n: int, steps: int) -> float:
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    opt.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+def step_ns_per_element(make_optimizer, n: int, steps: int) -> float:
+    """Median step time per element of one n-element parameter, less the time of a 1024-element
+    step (the per-call cost of Python and the thread pool, which would swamp small sizes)."""
+
+    def median_step(size: int) -> float:
+        p = torch.nn.Parameter(torch.randn(size))
+        p.grad = torch.randn(size)
+        opt = make_optimizer([p])
         opt.step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] / n * 1e9
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    return (median_step(n) - median_step(1024)) / (n - 1024) * 1e9
+
+
+def fused_adamw_ns_per_element(n: int, steps: int) -> float:
+    return step_ns_per_element(lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True), n, steps)
+
+
+def kernel_ns_per_element(state_format: str, n: int, steps: int) -> float:
+    """The fused CPU kernel's step (lowbit_optim.AdamW, fused=True)."""
+    make = lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format, fused=True, min_quantize_numel=0)
+    return step_ns_per_element(make, n, steps)
 
 
 def copy_gb_per_s(n: int) -> float:
@@ -98,6 +119,7 @@ def main(argv=None) -> dict:
     p.add_argument("--elements", type=int, default=124_439_808, help="elements of the divider loop (GPT-2 small)")
     p.add_argument("--dram-elements", type=int, default=2**27, help="a parameter far larger than the caches")
     p.add_argument("--max-divisions", type=int, default=5)
+    p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit", help="kernel formats of part 4")
     args = p.parse_args(argv)
     print(f"{torch.get_num_threads()} threads")
     results = {"adamw_ns": {}, "divider_s": None}
@@ -113,6 +135,15 @@ def main(argv=None) -> dict:
     else:
         for k, seconds in results["divider_s"].items():
             print(f"1 sqrt + {k} divisions per element, {args.elements:,} elements: {seconds:.4f} s")
+    results["kernel_ns"] = {}
+    if fused_cpu.library() is None:
+        print("fused kernel skipped: it cannot be built here")
+        return results
+    for state_format in args.formats.split(","):
+        sizes = {n: kernel_ns_per_element(state_format, n, steps) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
+        results["kernel_ns"][state_format] = sizes
+        cache, dram = sizes.values()
+        print(f"fused kernel, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
     return results
 
 
