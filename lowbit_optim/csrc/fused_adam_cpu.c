@@ -10,7 +10,8 @@
  * fp32 parameters, gradients and states are worked on where they lie (no copies); the update is one
  * vector loop; a division by a number shared by a block or a step (a scale, a bias correction) is
  * a multiplication by its reciprocal plus one FMA correction, which gives the correctly rounded
- * quotient (exact_divisor below); 8-bit codes are found in lookup tables small enough for L1.
+ * quotient (exact_divisor below); 8-bit codes decode without gathers (byte lookups, with AVX-512
+ * VBMI) and encode with one gather from a table small enough for L1.
  */
 #include <float.h>
 #include <math.h>
