@@ -2,7 +2,7 @@
 
 The compiled step (functional.adam_step under torch.compile) defines the numerics and serves every
 device and format. On the CPU, inductor turns it into several passes (moments, block absmax,
-encoding) with scalar table gathers; csrc/fused_adam_cpu.c does the same arithmetic in one pass
+encoding) with scalar table gathers; csrc/fused_adam_cpu.c computes the same numbers in one pass
 per chunk of blocks, for every format it recognizes: plain fp32/bf16 states, codebook formats
 (CodebookState subclasses that keep its encode/decode) and FP8 e4m3. Anything else (a format
 with its own encoding, stochastic / Kahan / int8-correction parameter updates) takes the
@@ -280,7 +280,7 @@ FINITE_KEYS = 0x7F80  # top-16-bit keys of finite magnitudes: 0x7F80 begins infi
 
 @functools.cache
 def _int32_base_code(cls, signed: bool) -> Tensor:
-    # int32 entries let the compiler gather 16 of them with one vector instruction
+    # the scalar loops' table (the vector loops use _near_code_table)
     return _table(cls, signed, "base_code", torch.device("cpu")).to(torch.int32)
 
 
