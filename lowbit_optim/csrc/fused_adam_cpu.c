@@ -372,17 +372,17 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
     uint8_t codes[MAX_CHUNK];
     double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
     calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
+    /* every block's scale first: the encoding loops then never wait on a block's scalar work */
+    float scales[MAX_CHUNK / 2];
+    for (int64_t b = 0; b * bs < padded; b++) scales[b] = block_scale(x + b * bs, bs, s->scale_max);
+    uint8_t *dst = s->bits == 8 ? (uint8_t *)s->data + start : codes;
     for (int64_t b = 0; b * bs < padded; b++) {
-        const float *xb = x + b * bs;
-        float scale = block_scale(xb, bs, s->scale_max);
-        if (s->bits == 8) {
-            encode_block(s, xb, scale, bs, (uint8_t *)s->data + start + b * bs, &cal);
-        } else {
-            encode_block(s, xb, scale, bs, codes, &cal);
-            uint8_t *dst = (uint8_t *)s->data + (start + b * bs) / 2;
-            for (int64_t i = 0; i < bs / 2; i++) dst[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
-        }
-        s->scale[(start + b * bs) / bs] = cal.vv ? calibrated_scale(&cal, scale, bs) : scale;
+        encode_block(s, x + b * bs, scales[b], bs, dst + b * bs, &cal);
+        s->scale[(start + b * bs) / bs] = cal.vv ? calibrated_scale(&cal, scales[b], bs) : scales[b];
+    }
+    if (s->bits == 4) {
+        uint8_t *packed = (uint8_t *)s->data + start / 2;
+        for (int64_t i = 0; i < padded / 2; i++) packed[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
     }
 }
 
