@@ -134,6 +134,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.lowbit_decode.argtypes = [ctypes.POINTER(_State), ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_encode.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_divide.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    lib.lowbit_divide_root.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     return lib, None
 
 

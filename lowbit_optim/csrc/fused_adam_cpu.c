@@ -132,6 +132,25 @@ static inline __m512 divide(__m512 a, const divisor_t *d) {
     __m512 out = _mm512_mask_blend_ps(in_range, q, corrected);
     return rest ? _mm512_mask_div_ps(out, rest, a, b) : out;
 }
+
+/* divide() for a = sqrt(v): a is NaN, +-0, +inf or in [2**-75, 2**64), so when that whole range
+ * suits the divisor (root_ready), only a's special values need a lane check: they come out exact
+ * as a * y. */
+static inline int root_ready(const divisor_t *d) {
+    return d->span != 0 && d->lo <= bits_of(0x1p-75f) && bits_of(0x1p64f) - d->lo < d->span;
+}
+
+static inline __m512 divide_root(__m512 a, const divisor_t *d, int ready) {
+#ifdef __AVX512DQ__
+    if (ready) {
+        __m512 y = _mm512_set1_ps(d->y), q = _mm512_mul_ps(a, y);
+        __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, _mm512_set1_ps(d->b), a), y, q);
+        return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(a, 0x9F), q);  /* NaN, zeros, infinities */
+    }
+#endif
+    (void)ready;
+    return divide(a, d);
+}
 #endif
 
 /* ---- the hot loops over one block: decode, absmax, encode ---------------------------------------
@@ -438,6 +457,7 @@ static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float 
     int64_t i = 0;
 #ifdef __AVX512F__
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
+    int root = root_ready(&sbc2);
     __m512 lr = _mm512_set1_ps(h->lr), lr_wd = _mm512_set1_ps(k->lr_times_wd), wd = _mm512_set1_ps(h->weight_decay);
     __m512 eps = _mm512_set1_ps(h->eps), w_1 = _mm512_set1_ps(c1), w_2 = _mm512_set1_ps(c2), nan = _mm512_set1_ps(NAN);
     __m512i flip = _mm512_set1_epi32(h->maximize ? (int32_t)0x80000000u : 0);
@@ -459,7 +479,7 @@ static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float 
             V = _mm512_mask_mov_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, V, _CMP_LT_OQ), old, V), either_nan, nan);
             _mm512_storeu_ps(vmax + i, V);
         }
-        __m512 denom = _mm512_add_ps(divide(_mm512_sqrt_ps(V), &sbc2), eps);
+        __m512 denom = _mm512_add_ps(divide_root(_mm512_sqrt_ps(V), &sbc2, root), eps);
         P = _mm512_sub_ps(P, _mm512_div_ps(_mm512_mul_ps(lr, divide(M, &bc1)), denom));
         _mm512_storeu_ps(p + i, P);
     }
@@ -510,6 +530,17 @@ void lowbit_divide(const float *a, int64_t n, float b, float *out) {
 #ifdef __AVX512F__
     divisor_t d = exact_divisor(b);
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, divide(_mm512_loadu_ps(a + i), &d));
+#endif
+    for (; i < n; i++) out[i] = a[i] / b;
+}
+
+/* For the tests: out[i] = a[i] / b for square roots a, divided as the update divides by sqrt(1 - beta2**t). */
+void lowbit_divide_root(const float *a, int64_t n, float b, float *out) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t d = exact_divisor(b);
+    int ready = root_ready(&d);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, divide_root(_mm512_loadu_ps(a + i), &d, ready));
 #endif
     for (; i < n; i++) out[i] = a[i] / b;
 }
