@@ -133,8 +133,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.lowbit_max_chunk.restype = ctypes.c_int
     lib.lowbit_decode.argtypes = [ctypes.POINTER(_State), ctypes.c_int64, ctypes.c_void_p]
     lib.lowbit_encode.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.lowbit_divide.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
-    lib.lowbit_divide_root.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    lib.lowbit_divide.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib, None
 
 
@@ -255,11 +254,11 @@ def _near_code_table(cls, signed: bool) -> tuple[Tensor, int, int]:
     base = _table(cls, signed, "base_code", cpu).to(torch.int32).view(2, 2**15)[:, :FINITE_KEYS]
     threshold = _table(cls, signed, "threshold", cpu).view(2, 2**15)[:, :FINITE_KEYS]
     split = ~threshold.isnan()
-    varies = (base != base[:, :1]) | split  # by sign: where the tables differ from their value at 0
-    varies_high = (base != base[:, -1:]) | split
-    key_lo = min((int(row.nonzero()[0]) - 1 if row.any() else FINITE_KEYS - 1 for row in varies), default=0)
-    key_hi = max((int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in varies_high), default=0)
-    key_lo, key_hi = max(key_lo, 0), min(key_hi, FINITE_KEYS - 1)
+    # for either sign, where the tables differ from their value at the smallest / the largest key
+    low_varies = ((base != base[:, :1]) | split).any(0).nonzero()
+    high_varies = ((base != base[:, -1:]) | split).any(0).nonzero()
+    key_lo = max(int(low_varies[0]) - 1, 0) if len(low_varies) else 0
+    key_hi = min(int(high_varies[-1]) + 1, FINITE_KEYS - 1) if len(high_varies) else 0
     keys = torch.arange(FINITE_KEYS)
     shared = (keys <= key_lo) | (keys >= key_hi)  # rows that keys outside the cut also read: no threshold
     assert not split[:, shared].any() and torch.equal(base[:, keys.clamp(key_lo, key_hi)], base)

@@ -18,7 +18,7 @@ import lowbit_optim
 from conftest import all_formats
 from lowbit_optim import OptimState, StateTensor, fused_cpu, quant
 from lowbit_optim.formats import OptimStateFp8
-from test_formats import blockwise_formats_by_signedness, encode_inputs
+from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
 SHAPES = [(71, 64), (64, 96), (300,), (200,)]
@@ -256,9 +256,9 @@ def dividends() -> torch.Tensor:
     return torch.cat([every_exponent, edges, -edges, normal])
 
 
-def assert_divides_exactly(hook, a: torch.Tensor, divisor: float) -> None:
+def assert_divides_exactly(a: torch.Tensor, divisor: float, *, root: bool = False) -> None:
     out = torch.empty_like(a)
-    hook(a.data_ptr(), a.numel(), divisor, out.data_ptr())
+    fused_cpu.library().lowbit_divide(a.data_ptr(), a.numel(), divisor, root, out.data_ptr())
     expected = a / divisor
     same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())
     assert bool(same.all()), f"{int((~same).sum())} quotients differ, e.g. {a[~same][:3].tolist()} / {divisor}"
@@ -269,7 +269,7 @@ def test_division_by_a_shared_divisor_is_exact(divisor):
     """The kernel divides a block by its scale (and moments by bias corrections) as a
     multiplication plus an FMA correction, handing the lanes it cannot serve to a real division:
     the result must be the correctly rounded quotient, torch's a / b, bit for bit."""
-    assert_divides_exactly(fused_cpu.library().lowbit_divide, dividends(), divisor)
+    assert_divides_exactly(dividends(), divisor)
 
 
 @pytest.mark.parametrize("divisor", [1.0, 0.0316, 0.5, 2.0**-34, 2.0**-40, 2.0**30, math.nan])
@@ -279,7 +279,7 @@ def test_division_of_square_roots_is_exact(divisor):
     still give torch's quotient, also for divisors where the kernel must check every lane."""
     special = torch.tensor([0.0, -0.0, math.inf, math.nan, 2.0**-74.5, 2.0**63.9]).repeat(3)  # vector lanes, not the tail
     roots = torch.cat([special, dividends().abs().sqrt()])
-    assert_divides_exactly(fused_cpu.library().lowbit_divide_root, roots, divisor)
+    assert_divides_exactly(roots, divisor, root=True)
 
 
 @blockwise_formats_by_signedness
@@ -309,7 +309,7 @@ def test_kernel_decodes_like_the_format(info, signed):
     back as the state's own dequantize gives it."""
     g = torch.Generator().manual_seed(1)
     n = 4 * info.block_size + 17  # whole blocks and a partial one
-    state = info.fmt.from_float(torch.randn(n, generator=g).abs() if not signed else torch.randn(n, generator=g), signed)
+    state = info.fmt.from_float(sample((n,), signed, seed=1), signed)
     if fused_cpu._kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
     every = torch.arange(2**info.fmt.bits, dtype=torch.uint8).repeat(n // 2**info.fmt.bits + 1)[:n]

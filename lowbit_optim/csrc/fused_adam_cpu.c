@@ -121,11 +121,17 @@ static divisor_t exact_divisor(float b) {
 }
 
 #ifdef __AVX512F__
+/* q = a * y and its FMA correction, the quotient wherever a is in the divisor's range */
+static inline __m512 corrected_quotient(__m512 a, const divisor_t *d, __m512 *q) {
+    __m512 y = _mm512_set1_ps(d->y);
+    *q = _mm512_mul_ps(a, y);
+    return _mm512_fmadd_ps(_mm512_fnmadd_ps(*q, _mm512_set1_ps(d->b), a), y, *q);
+}
+
 static inline __m512 divide(__m512 a, const divisor_t *d) {
-    __m512 b = _mm512_set1_ps(d->b), y = _mm512_set1_ps(d->y);
+    __m512 b = _mm512_set1_ps(d->b), q;
     if (d->span == 0) return _mm512_div_ps(a, b);  /* no reciprocal to use (b <= 0, tiny, huge, NaN) */
-    __m512 q = _mm512_mul_ps(a, y);
-    __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), y, q);
+    __m512 corrected = corrected_quotient(a, d, &q);
     __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF));
     __mmask16 in_range = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32((int32_t)d->lo)), _mm512_set1_epi32((int32_t)d->span));
     __mmask16 rest = (__mmask16)(~in_range & _mm512_test_epi32_mask(magnitude, magnitude));
@@ -143,8 +149,7 @@ static inline int root_ready(const divisor_t *d) {
 static inline __m512 divide_root(__m512 a, const divisor_t *d, int ready) {
 #ifdef __AVX512DQ__
     if (ready) {
-        __m512 y = _mm512_set1_ps(d->y), q = _mm512_mul_ps(a, y);
-        __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, _mm512_set1_ps(d->b), a), y, q);
+        __m512 q, corrected = corrected_quotient(a, d, &q);
         return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(a, 0x9F), q);  /* NaN, zeros, infinities */
     }
 #endif
@@ -524,24 +529,19 @@ void lowbit_encode(const state_t *s, const float *v, int64_t n, uint8_t *codes) 
     encode_block(s, v, 1.0f, n, codes, &none);
 }
 
-/* For the tests: out[i] = a[i] / b, divided as the kernel divides by a block's scale. */
-void lowbit_divide(const float *a, int64_t n, float b, float *out) {
+/* For the tests: out[i] = a[i] / b, divided as the kernel divides by a block's scale, or (root) as
+ * the update divides square roots by sqrt(1 - beta2**t). */
+void lowbit_divide(const float *a, int64_t n, float b, int root, float *out) {
     int64_t i = 0;
 #ifdef __AVX512F__
     divisor_t d = exact_divisor(b);
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, divide(_mm512_loadu_ps(a + i), &d));
+    int ready = root && root_ready(&d);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(a + i);
+        _mm512_storeu_ps(out + i, root ? divide_root(x, &d, ready) : divide(x, &d));
+    }
 #endif
-    for (; i < n; i++) out[i] = a[i] / b;
-}
-
-/* For the tests: out[i] = a[i] / b for square roots a, divided as the update divides by sqrt(1 - beta2**t). */
-void lowbit_divide_root(const float *a, int64_t n, float b, float *out) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    divisor_t d = exact_divisor(b);
-    int ready = root_ready(&d);
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, divide_root(_mm512_loadu_ps(a + i), &d, ready));
-#endif
+    (void)root;
     for (; i < n; i++) out[i] = a[i] / b;
 }
 
