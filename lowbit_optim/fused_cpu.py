@@ -4,9 +4,11 @@ The compiled step (functional.adam_step under torch.compile) defines the numeric
 device and format. On the CPU, inductor turns it into several passes (moments, block absmax,
 encoding) with scalar table gathers; csrc/fused_adam_cpu.c computes the same numbers in one pass
 per chunk of blocks, for every format it recognizes: plain fp32/bf16 states, codebook formats
-(CodebookState subclasses that keep its encode/decode) and FP8 e4m3. Anything else (a format
-with its own encoding, stochastic / Kahan / int8-correction parameter updates) takes the
-compiled step.
+(CodebookState subclasses that keep its encode/decode) and FP8 e4m3. Factored states (factored.py)
+it steps too, with one difference: it sums rows and columns in double, in its own order, so their
+sums can differ from the compiled step's in the last bit (the compiled step sums fp32 in inductor's
+order). Anything else (a format with its own encoding, stochastic / Kahan / int8-correction
+parameter updates) takes the compiled step.
 
 The C file is compiled once per machine with the compiler torch.compile uses, cached next to
 inductor's cache, and called through ctypes: the core package still needs nothing but torch.
@@ -27,12 +29,13 @@ import torch
 from torch import Tensor
 
 from . import formats
+from .factored import FactoredState
 from .state import CodebookState, OptimState, StateTensor, _table, _table_values
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 
-KIND_F32, KIND_BF16, KIND_CODEBOOK, KIND_E4M3 = range(4)
+KIND_F32, KIND_BF16, KIND_CODEBOOK, KIND_E4M3, KIND_FACTORED = range(5)
 _PLAIN_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
 
 
@@ -54,6 +57,11 @@ class _State(ctypes.Structure):
         ("key_hi", ctypes.c_int32),
         ("value_bytes", ctypes.c_void_p),
         ("calibrated", ctypes.c_int32),
+        ("col", ctypes.c_void_p),
+        ("cols", ctypes.c_int64),
+        ("col_scaled", ctypes.c_void_p),  # the kernel's, for one step
+        ("zero", ctypes.c_float),
+        ("col_sums", ctypes.c_void_p),
     ]
 
 
@@ -149,14 +157,19 @@ def _kernel_kind(state: Tensor) -> int | None:
     """The kernel's name for how ``state`` is stored, or None if only the compiled step knows."""
     if not isinstance(state, StateTensor):
         return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
-    if not (isinstance(state, OptimState) and state.codes.is_contiguous() and state.scale.is_contiguous()):
-        return None
-    return _format_kind(type(state))
+    if isinstance(state, FactoredState):  # a row slice (part) reads its parent's columns: not here
+        readable = state.dtype == torch.float32 and not state.part and all(t.dtype == torch.float32 and t.is_contiguous() for t in (state.row, state.col))
+    else:
+        readable = isinstance(state, OptimState) and state.codes.is_contiguous() and state.scale.is_contiguous()
+    return _format_kind(type(state)) if readable else None
 
 
 @functools.cache
 def _format_kind(cls) -> int | None:
     """The kernel's name for a format whose encoding it has (None for the others)."""
+    if issubclass(cls, FactoredState):
+        same = all(getattr(cls, m) is getattr(FactoredState, m) for m in ("quantize_", "dequantize", "_total"))
+        return KIND_FACTORED if same else None
     if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
         return None
     if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
@@ -186,11 +199,29 @@ def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, 
     if param_update != "nearest":
         return f"param_update={param_update!r} (it rounds bf16 parameters to nearest only)"
     for name, state in states.items():
+        if getattr(state, "part", False):
+            return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
         if _kernel_kind(state) is None:
             return f"the {name} state {type(state).__name__} (a format with its own encoding)"
         if isinstance(state, OptimState) and state.block_size > lib.lowbit_max_chunk():
             return f"block_size {state.block_size} of the {name} state (at most {lib.lowbit_max_chunk()})"
+    unit = chunk_unit(states.values())
+    if unit > lib.lowbit_max_chunk():
+        return (
+            f"a factored state's rows of {max(s.col.numel() for s in states.values() if isinstance(s, FactoredState))} elements and the "
+            f"other states' blocks meet only every {unit} elements (the kernel's chunks hold at most {lib.lowbit_max_chunk()})"
+        )
     return None
+
+
+def chunk_unit(states) -> int:
+    """The fewest elements that are whole blocks of every blockwise state and whole rows of every
+    factored one: the kernel's chunks are multiples of it (chunk_size in the C file)."""
+    unit = 1
+    for state in states:
+        size = state.col.numel() if isinstance(state, FactoredState) else state.block_size if isinstance(state, OptimState) else 1
+        unit = math.lcm(unit, max(size, 1))
+    return unit
 
 
 # ---- calling it --------------------------------------------------------------------------------
@@ -199,6 +230,8 @@ def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, 
 def _describe(state: Tensor | None) -> _State:
     if state is None:
         return _State(kind=KIND_F32)
+    if isinstance(state, FactoredState):
+        return _State(kind=KIND_FACTORED, data=state.row.data_ptr(), col=state.col.data_ptr(), cols=state.col.numel())
     if not isinstance(state, OptimState):
         return _State(kind=_kernel_kind(state), data=state.data_ptr())
     described = _State.from_buffer_copy(_format_description(type(state), state.signed))
@@ -312,9 +345,9 @@ def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) 
         amsgrad=group["amsgrad"],
     )
     if library().lowbit_adam_step(params, len(items), ctypes.byref(hyper), torch.get_num_threads()) != 0:
-        raise MemoryError("the fused CPU kernel could not allocate its work list")
+        raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
     # what an in-place aten op would do: autograd then catches a later backward through old values
     for param, _grad, step, *moments in items:
         for written in (param, step, *moments):
-            if written is not None and not isinstance(written, OptimState):
+            if written is not None and not isinstance(written, StateTensor):
                 torch.autograd.graph.increment_version(written)

@@ -22,7 +22,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_CODEBOOK = 2, KIND_E4M3 = 3 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_CODEBOOK = 2, KIND_E4M3 = 3, KIND_FACTORED = 4 };
 
 typedef struct {
     int32_t kind;
@@ -40,6 +40,12 @@ typedef struct {
     int32_t key_lo, key_hi;    /* packed (fused_cpu._near_code_table) */
     const uint8_t *value_bytes;  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256 * k + c] */
     int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
+    /* KIND_FACTORED (factored.py): data holds the row sums of the (numel / cols) x cols matrix */
+    float *col;                /* its column sums */
+    int64_t cols;
+    float *col_scaled;         /* filled for one step: col / total, a value is row * col_scaled + zero */
+    float zero;                /* total - total: 0, or NaN when the sums are not finite */
+    double *col_sums;          /* filled for one step: each task's sums of the new columns */
 } state_t;
 
 typedef struct {
@@ -363,6 +369,12 @@ static float calibrated_scale(const calibration_t *cal, float scale, int64_t bs)
 /* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
 static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
     if (s->kind == KIND_F32) return (float *)s->data + start;
+    if (s->kind == KIND_FACTORED) {  /* the chunk is whole rows: row * (col / total) + (total - total) */
+        const float *row = (const float *)s->data + start / s->cols;
+        for (int64_t r = 0; r * s->cols < n; r++)
+            for (int64_t c = 0; c < s->cols; c++) buffer[r * s->cols + c] = row[r] * s->col_scaled[c] + s->zero;
+        return buffer;
+    }
     if (s->kind == KIND_BF16) {
         const uint16_t *src = (const uint16_t *)s->data + start;
         for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(src[i]);
@@ -380,11 +392,32 @@ static float *load_state(const state_t *s, int64_t start, int64_t n, float *buff
     return buffer;
 }
 
+/* The sum of n values in double, in an order that does not depend on how the loop is vectorized:
+ * eight running sums (element i goes to i % 8), added pairwise at the end. */
+static double sum_of(const float *x, int64_t n) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)  /* written so that it vectorizes */
+        for (int j = 0; j < 8; j++) lane[j] += (double)x[i + j];
+    for (int j = 0; i < n; i++, j++) lane[j] += (double)x[i];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
 /* Writes back what load_state gave (nothing to do for fp32 states, updated in place). x holds the
  * chunk's n values and room up to the next block boundary (zero-padded here, as the compiled step
- * pads the last block); it is overwritten. */
-static void store_state(const state_t *s, int64_t start, int64_t n, float *x) {
+ * pads the last block); it is overwritten. A factored state's chunk (whole rows) sets its rows' sums
+ * and adds its columns to col_sums, the running column sums of the chunk's task. */
+static void store_state(const state_t *s, int64_t start, int64_t n, float *x, double *col_sums) {
     if (s->kind == KIND_F32) return;
+    if (s->kind == KIND_FACTORED) {
+        float *row = (float *)s->data + start / s->cols;
+        for (int64_t r = 0; r * s->cols < n; r++) {
+            const float *values = x + r * s->cols;
+            row[r] = (float)sum_of(values, s->cols);
+            for (int64_t c = 0; c < s->cols; c++) col_sums[c] += (double)values[c];
+        }
+        return;
+    }
     if (s->kind == KIND_BF16) {
         uint16_t *dst = (uint16_t *)s->data + start;
         for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(x[i]);
@@ -492,7 +525,7 @@ static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float 
     for (; i < n; i++) update_one(h, k, c1, c2, high1, high2, p + i, g[i], m + i, v + i, vmax + i);
 }
 
-static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, int64_t start, int64_t n) {
+static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, int64_t start, int64_t n, int64_t task) {
     float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], m_buffer[MAX_CHUNK], v_buffer[MAX_CHUNK], vmax_buffer[MAX_CHUNK];
     float *p = load_values(t->param_kind, t->param, start, n, p_buffer);
     const float *g = load_values(t->grad_kind, t->grad, start, n, g_buffer);
@@ -500,19 +533,63 @@ static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, i
     float *v = load_state(&t->exp_avg_sq, start, n, v_buffer);
     float *vmax = h->amsgrad ? load_state(&t->max_exp_avg_sq, start, n, vmax_buffer) : vmax_buffer;
     update_chunk(h, k, n, p, g, m, v, vmax);
-    store_state(&t->exp_avg, start, n, m);
-    store_state(&t->exp_avg_sq, start, n, v);
-    if (h->amsgrad) store_state(&t->max_exp_avg_sq, start, n, vmax);
+    store_state(&t->exp_avg, start, n, m, t->exp_avg.col_sums + task * t->exp_avg.cols);
+    store_state(&t->exp_avg_sq, start, n, v, t->exp_avg_sq.col_sums + task * t->exp_avg_sq.cols);
+    if (h->amsgrad) store_state(&t->max_exp_avg_sq, start, n, vmax, t->max_exp_avg_sq.col_sums + task * t->max_exp_avg_sq.cols);
     store_values(t->param_kind, t->param, start, n, p);
 }
 
+static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
+
+/* Elements per chunk: a whole number of blocks of every quantized state and of rows of every
+ * factored one (fused_cpu.chunk_unit); about 1024, which keeps the buffers in L1. */
 static int64_t chunk_size(const param_t *t) {
-    /* a whole number of blocks of every quantized state; 1024 elements keep the buffers in L1 */
-    int64_t size = 1024;
+    int64_t unit = 1;
     const state_t *states[3] = {&t->exp_avg, &t->exp_avg_sq, &t->max_exp_avg_sq};
-    for (int i = 0; i < 3; i++)
-        if (states[i]->kind >= KIND_CODEBOOK && states[i]->block_size > size) size = states[i]->block_size;
-    return size;
+    for (int i = 0; i < 3; i++) {
+        int64_t size = states[i]->kind == KIND_FACTORED ? states[i]->cols : states[i]->kind >= KIND_CODEBOOK ? states[i]->block_size : 1;
+        if (size > 0) unit = unit / gcd(unit, size) * size;
+    }
+    return unit * (unit < 1024 ? 1024 / unit : 1);
+}
+
+/* A parameter's chunks are split into tasks, each stepped by one thread in order. A parameter with a
+ * factored state has at most MAX_TASKS, each with its own running column sums, added in task order
+ * at the end: the sums then do not depend on the threads. The others have a task per chunk. */
+#define MAX_TASKS 32
+
+static int has_factored(const param_t *t) {
+    return t->exp_avg.kind == KIND_FACTORED || t->exp_avg_sq.kind == KIND_FACTORED || t->max_exp_avg_sq.kind == KIND_FACTORED;
+}
+
+/* A factored state's fields for one step: col / total (total = the column sums' sum, at least
+ * FLT_MIN, as factored.py reads it) and zeroed column sums for each task. Returns 0, or 1 if out of
+ * memory. */
+static int begin_factored(state_t *s, int64_t tasks) {
+    s->col_scaled = NULL;
+    s->col_sums = NULL;
+    if (s->kind != KIND_FACTORED) return 0;
+    s->col_scaled = malloc((s->cols > 0 ? s->cols : 1) * sizeof(float));
+    s->col_sums = calloc(tasks * s->cols > 0 ? tasks * s->cols : 1, sizeof(double));
+    if (!s->col_scaled || !s->col_sums) return 1;
+    float total = (float)sum_of(s->col, s->cols);
+    if (total < FLT_MIN) total = FLT_MIN;  /* clamp(min=tiny); NaN stays NaN */
+    for (int64_t c = 0; c < s->cols; c++) s->col_scaled[c] = s->col[c] / total;
+    s->zero = total - total;
+    return 0;
+}
+
+/* After the step: the new column sums, the tasks' sums added in task order. */
+static void end_factored(state_t *s, int64_t tasks, int ok) {
+    if (s->kind != KIND_FACTORED) return;
+    if (ok)
+        for (int64_t c = 0; c < s->cols; c++) {
+            double sum = 0;
+            for (int64_t i = 0; i < tasks; i++) sum += s->col_sums[i * s->cols + c];
+            s->col[c] = (float)sum;
+        }
+    free(s->col_scaled);
+    free(s->col_sums);
 }
 
 int lowbit_max_chunk(void) { return MAX_CHUNK; }
@@ -545,37 +622,56 @@ void lowbit_divide(const float *a, int64_t n, float b, int root, float *out) {
     for (; i < n; i++) out[i] = a[i] / b;
 }
 
-/* Steps every parameter once; returns 0. Chunks of all parameters are shared among the threads. */
-int lowbit_adam_step(const param_t *params, int64_t count, const hyper_t *h, int threads) {
-    int64_t *first_chunk = malloc((count + 1) * sizeof(int64_t));
+/* Steps every parameter once; returns 0 (1: out of memory, nothing stepped). The tasks of all
+ * parameters are shared among the threads. */
+int lowbit_adam_step(param_t *params, int64_t count, const hyper_t *h, int threads) {
+    int64_t *first_task = malloc((count + 1) * sizeof(int64_t));
     scalars_t *k = malloc((count ? count : 1) * sizeof(scalars_t));
-    if (!first_chunk || !k) { free(first_chunk); free(k); return 1; }
-    first_chunk[0] = 0;
-    for (int64_t j = 0; j < count; j++) {
-        const param_t *t = &params[j];
-        float step = *t->step + 1.0f;
-        *t->step = step;
-        k[j].lr_times_wd = h->lr * h->weight_decay;
-        k[j].bias_correction1 = 1.0f - powf(h->beta1, step);
-        k[j].sqrt_bias_correction2 = sqrtf(1.0f - powf(h->beta2, step));
-        int64_t size = chunk_size(t);
-        first_chunk[j + 1] = first_chunk[j] + (t->numel + size - 1) / size;
+    int failed = !first_task || !k;
+    int64_t prepared = 0;  /* parameters whose factored states got their fields (or tried to) */
+    if (first_task) first_task[0] = 0;
+    while (!failed && prepared < count) {
+        param_t *t = &params[prepared];
+        int64_t chunks = (t->numel + chunk_size(t) - 1) / chunk_size(t);
+        int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
+        first_task[prepared + 1] = first_task[prepared] + tasks;
+        failed = begin_factored(&t->exp_avg, tasks) | begin_factored(&t->exp_avg_sq, tasks) | begin_factored(&t->max_exp_avg_sq, tasks);
+        prepared++;
     }
-    int64_t total = first_chunk[count];
-    #pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
-    for (int64_t c = 0; c < total; c++) {
-        int64_t lo = 0, hi = count - 1;  /* the parameter this chunk belongs to */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (first_chunk[mid] <= c) lo = mid; else hi = mid - 1;
+    if (!failed) {
+        for (int64_t j = 0; j < count; j++) {
+            const param_t *t = &params[j];
+            float step = *t->step + 1.0f;
+            *t->step = step;
+            k[j].lr_times_wd = h->lr * h->weight_decay;
+            k[j].bias_correction1 = 1.0f - powf(h->beta1, step);
+            k[j].sqrt_bias_correction2 = sqrtf(1.0f - powf(h->beta2, step));
         }
-        const param_t *t = &params[lo];
-        int64_t size = chunk_size(t);
-        int64_t start = (c - first_chunk[lo]) * size;
-        int64_t n = t->numel - start < size ? t->numel - start : size;
-        step_chunk(t, h, &k[lo], start, n);
+        int64_t total = first_task[count];
+        #pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
+        for (int64_t c = 0; c < total; c++) {
+            int64_t lo = 0, hi = count - 1;  /* the parameter this task belongs to */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first_task[mid] <= c) lo = mid; else hi = mid - 1;
+            }
+            const param_t *t = &params[lo];
+            int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+            int64_t task = c - first_task[lo], tasks = first_task[lo + 1] - first_task[lo];
+            for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
+                int64_t start = chunk * size;
+                step_chunk(t, h, &k[lo], start, t->numel - start < size ? t->numel - start : size, task);
+            }
+        }
     }
-    free(first_chunk);
+    for (int64_t j = 0; j < prepared; j++) {
+        param_t *t = &params[j];
+        int64_t tasks = first_task[j + 1] - first_task[j];
+        end_factored(&t->exp_avg, tasks, !failed);
+        end_factored(&t->exp_avg_sq, tasks, !failed);
+        end_factored(&t->max_exp_avg_sq, tasks, !failed);
+    }
+    free(first_task);
     free(k);
-    return 0;
+    return failed;
 }
