@@ -53,8 +53,6 @@ class _State(ctypes.Structure):
         ("thresholds", ctypes.c_void_p),
         ("nan_code", ctypes.c_int32),
         ("near_code", ctypes.c_void_p),
-        ("key_lo", ctypes.c_int32),
-        ("key_hi", ctypes.c_int32),
         ("value_bytes", ctypes.c_void_p),
         ("calibrated", ctypes.c_int32),
         ("col", ctypes.c_void_p),
@@ -255,8 +253,7 @@ def _format_description(cls, signed: bool) -> _State:
         thresholds, described.nan_code = _search_thresholds(cls, signed)
         described.thresholds = thresholds.data_ptr()
         if cls.bits == 8:
-            near_code, described.key_lo, described.key_hi = _near_code_table(cls, signed)
-            described.near_code = near_code.data_ptr()
+            described.near_code = _near_code_table(cls, signed).data_ptr()
             described.value_bytes = _value_bytes(cls, signed).data_ptr()
     return described
 
@@ -273,32 +270,28 @@ def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
 
 
 @functools.cache
-def _near_code_table(cls, signed: bool) -> tuple[Tensor, int, int]:
-    """The nearest-code tables (base_code, threshold) cut to the keys where they vary and packed into
-    one int32 per key, so that one L1-resident gather finds a code: (table, key_lo, key_hi).
+def _near_code_table(cls, signed: bool) -> Tensor:
+    """The nearest-code tables (base_code, threshold) packed into one int32 per key (a value's top 16
+    bits, sign included), so that one gather and one comparison find a code.
 
-    A key is a value's top 16 bits; its magnitude part (key & 0x7FFF) is clamped to [key_lo, key_hi]
-    (the tables are constant outside) and row = clamped - key_lo, plus key_hi - key_lo + 1 for
-    negative values. Entry = base | limit << 8: the code is base + 1 where the value's low 16 bits
-    (complemented for negative values, whose order they reverse) reach limit; limit = 2**16 where
-    no threshold falls in the bucket. NaN and infinities the kernel gives nan_code.
+    Entry = base | (limit - 1) << 16: the code is base + 1 where the value's low 16 bits, complemented
+    for negative values (whose order they reverse), reach limit. The kernel compares them, shifted up
+    by 16, with the entry as a whole (unsigned) and takes the low byte of entry + 1 or entry. No
+    threshold in the bucket: limit = 2**16 (never reached); limit 0 (always reached) is stored as
+    base + 1 with limit 2**16. NaN and infinities get nan_code.
     """
     cpu = torch.device("cpu")
-    base = _table(cls, signed, "base_code", cpu).to(torch.int32).view(2, 2**15)[:, :FINITE_KEYS]
-    threshold = _table(cls, signed, "threshold", cpu).view(2, 2**15)[:, :FINITE_KEYS]
-    split = ~threshold.isnan()
-    # for either sign, where the tables differ from their value at the smallest / the largest key
-    low_varies = ((base != base[:, :1]) | split).any(0).nonzero()
-    high_varies = ((base != base[:, -1:]) | split).any(0).nonzero()
-    key_lo = max(int(low_varies[0]) - 1, 0) if len(low_varies) else 0
-    key_hi = min(int(high_varies[-1]) + 1, FINITE_KEYS - 1) if len(high_varies) else 0
-    keys = torch.arange(FINITE_KEYS)
-    shared = (keys <= key_lo) | (keys >= key_hi)  # rows that keys outside the cut also read: no threshold
-    assert not split[:, shared].any() and torch.equal(base[:, keys.clamp(key_lo, key_hi)], base)
-    low = threshold.view(torch.int32) & 0xFFFF
-    low[1] = 0xFFFF - low[1]  # negative values: a larger value has smaller low bits
-    limit = torch.where(split, low, torch.tensor(2**16, dtype=torch.int32))
-    return (base | limit << 8)[:, key_lo : key_hi + 1].reshape(-1).contiguous(), key_lo, key_hi
+    base = _table(cls, signed, "base_code", cpu).to(torch.int64)
+    threshold = _table(cls, signed, "threshold", cpu)
+    keys = torch.arange(2**16)
+    low = threshold.view(torch.int32).to(torch.int64) & 0xFFFF
+    low = torch.where(keys >= 2**15, 0xFFFF - low, low)  # negative values: a larger value has smaller low bits
+    limit = torch.where(threshold.isnan(), 2**16, low)
+    base, limit = torch.where(limit == 0, base + 1, base), torch.where(limit == 0, 2**16, limit)
+    non_finite = (keys & 0x7FFF) >= 0x7F80
+    base, limit = torch.where(non_finite, _search_thresholds(cls, signed)[1], base), torch.where(non_finite, 2**16, limit)
+    assert int(base.max()) <= 255
+    return (base | (limit - 1) << 16).to(torch.int32)  # wraps to int32: the kernel compares unsigned
 
 
 @functools.cache
@@ -306,9 +299,6 @@ def _value_bytes(cls, signed: bool) -> Tensor:
     """The codebook's values byte by byte ([k, code]: byte k of code's fp32 value), for the kernel's
     gather-free decoding of 8-bit codes."""
     return _table(cls, signed, "codebook", torch.device("cpu")).view(torch.uint8).view(-1, 4).t().contiguous()
-
-
-FINITE_KEYS = 0x7F80  # top-16-bit keys of finite magnitudes: 0x7F80 begins infinity and NaN
 
 
 @functools.cache

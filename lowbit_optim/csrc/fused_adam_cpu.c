@@ -36,8 +36,7 @@ typedef struct {
     const float *threshold;
     const float *thresholds;   /* KIND_CODEBOOK: the sorted decision thresholds, NaN-padded to 2**bits */
     int32_t nan_code;          /* the code the tables give NaN and infinities */
-    const int32_t *near_code;  /* KIND_CODEBOOK, 8 bits: both tables for the keys where they vary, */
-    int32_t key_lo, key_hi;    /* packed (fused_cpu._near_code_table) */
+    const int32_t *near_code;  /* KIND_CODEBOOK, 8 bits: both tables packed (fused_cpu._near_code_table) */
     const uint8_t *value_bytes;  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256 * k + c] */
     int32_t calibrated;        /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */
     /* KIND_FACTORED (factored.py): data holds the row sums of the (numel / cols) x cols matrix */
@@ -316,24 +315,16 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
             if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
     } else {
-        /* one gather from the packed table (fused_cpu._near_code_table): the bucket's base code,
-         * plus one where the value's low 16 bits (complemented if negative) reach its limit */
-        __m512i key_lo = _mm512_set1_epi32(s->key_lo), key_hi = _mm512_set1_epi32(s->key_hi);
-        __m512i per_sign = _mm512_set1_epi32(s->key_hi - s->key_lo + 1), low16 = _mm512_set1_epi32(0xFFFF);
+        /* one gather from the packed table (fused_cpu._near_code_table) by the value's top 16 bits,
+         * then base + 1 where its low 16 bits (complemented if negative), on top, exceed the entry */
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             __m512i bits = _mm512_castps_si512(v);
-            __m512i magnitude = _mm512_and_si512(_mm512_srli_epi32(bits, 16), low15);
-            __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
-            __m512i row = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(magnitude, key_lo), key_hi), key_lo);
-            __m512i entry = _mm512_i32gather_epi32(_mm512_mask_add_epi32(row, negative, row, per_sign), s->near_code, 4);
-            __m512i low = _mm512_and_si512(bits, low16);
-            low = _mm512_mask_xor_epi32(low, negative, low, low16);
-            __m512i code = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-            code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(low, _mm512_srli_epi32(entry, 8)), code, _mm512_set1_epi32(1));
-            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(magnitude, non_finite_key), nan_code);
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, s->codebook, 4));
+            __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), s->near_code, 4);
+            __m512i low = _mm512_slli_epi32(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), 16);
+            __m512i code = _mm512_mask_sub_epi32(entry, _mm512_cmpgt_epu32_mask(low, entry), entry, _mm512_set1_epi32(-1));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));  /* the low bytes */
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(_mm512_and_si512(code, _mm512_set1_epi32(0xFF)), s->codebook, 4));
         }
     }
 #endif
