@@ -156,7 +156,8 @@ def _kernel_kind(state: Tensor) -> int | None:
     if not isinstance(state, StateTensor):
         return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
     if isinstance(state, FactoredState):  # a row slice (part) reads its parent's columns: not here
-        readable = state.dtype == torch.float32 and not state.part and all(t.dtype == torch.float32 and t.is_contiguous() for t in (state.row, state.col))
+        sums = (state.row, state.col)
+        readable = state.dtype == torch.float32 and not state.part and all(t.dtype == torch.float32 and t.is_contiguous() for t in sums)
     else:
         readable = isinstance(state, OptimState) and state.codes.is_contiguous() and state.scale.is_contiguous()
     return _format_kind(type(state)) if readable else None

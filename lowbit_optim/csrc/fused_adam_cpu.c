@@ -106,6 +106,7 @@ static inline uint8_t f32_to_e4m3(float x) {  /* round to nearest even; what rou
  * q + (a - q * b) * y rounds to exactly RN(a / b) (Markstein's theorem), provided the residual
  * a - q * b is exact: a and q normal and well inside the exponent range. Lanes outside that range
  * (tiny, huge, non-finite) take a real division; zero is exact as a * y. The scalar loops divide. */
+#ifdef __AVX512F__
 typedef struct {
     float b, y;
     uint32_t lo, span;  /* the FMA path serves |a| whose bits lie in [lo, lo + span) */
@@ -125,7 +126,6 @@ static divisor_t exact_divisor(float b) {
     return d;
 }
 
-#ifdef __AVX512F__
 /* q = a * y and its FMA correction, the quotient wherever a is in the divisor's range */
 static inline __m512 corrected_quotient(__m512 a, const divisor_t *d, __m512 *q) {
     __m512 y = _mm512_set1_ps(d->y);
@@ -281,7 +281,6 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
     int64_t i = 0;
 #ifdef __AVX512F__
     divisor_t d = exact_divisor(scale);
-    __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
         __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
         for (; i + 16 <= bs; i += 16) {
@@ -297,6 +296,7 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
             if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, e4m3_values, 4));
         }
     } else if (s->bits == 4) {
+        __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
         __m512 values = _mm512_loadu_ps(s->codebook);
         /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
          * search with permutes (the tables' answer, without their two gathers) */
@@ -357,18 +357,27 @@ static float calibrated_scale(const calibration_t *cal, float scale, int64_t bs)
 
 /* ---- reading and writing one chunk as fp32 ---------------------------------------------------- */
 
+/* A parameter's or gradient's n values as fp32: in place, or converted from bf16 into buffer. */
+static float *load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *buffer) {
+    if (kind == KIND_F32) return (float *)src + start;
+    const uint16_t *h = (const uint16_t *)src + start;
+    for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(h[i]);
+    return buffer;
+}
+
+static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
+    if (kind == KIND_F32) return;  /* updated in place */
+    uint16_t *h = (uint16_t *)dst + start;
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+}
+
 /* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
 static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
-    if (s->kind == KIND_F32) return (float *)s->data + start;
+    if (s->kind == KIND_F32 || s->kind == KIND_BF16) return load_values(s->kind, s->data, start, n, buffer);
     if (s->kind == KIND_FACTORED) {  /* the chunk is whole rows: row * (col / total) + (total - total) */
         const float *row = (const float *)s->data + start / s->cols;
         for (int64_t r = 0; r * s->cols < n; r++)
             for (int64_t c = 0; c < s->cols; c++) buffer[r * s->cols + c] = row[r] * s->col_scaled[c] + s->zero;
-        return buffer;
-    }
-    if (s->kind == KIND_BF16) {
-        const uint16_t *src = (const uint16_t *)s->data + start;
-        for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(src[i]);
         return buffer;
     }
     int64_t bs = s->block_size;
@@ -399,7 +408,10 @@ static double sum_of(const float *x, int64_t n) {
  * pads the last block); it is overwritten. A factored state's chunk (whole rows) sets its rows' sums
  * and adds its columns to col_sums, the running column sums of the chunk's task. */
 static void store_state(const state_t *s, int64_t start, int64_t n, float *x, double *col_sums) {
-    if (s->kind == KIND_F32) return;
+    if (s->kind == KIND_F32 || s->kind == KIND_BF16) {
+        store_values(s->kind, s->data, start, n, x);
+        return;
+    }
     if (s->kind == KIND_FACTORED) {
         float *row = (float *)s->data + start / s->cols;
         for (int64_t r = 0; r * s->cols < n; r++) {
@@ -407,11 +419,6 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
             row[r] = (float)sum_of(values, s->cols);
             for (int64_t c = 0; c < s->cols; c++) col_sums[c] += (double)values[c];
         }
-        return;
-    }
-    if (s->kind == KIND_BF16) {
-        uint16_t *dst = (uint16_t *)s->data + start;
-        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(x[i]);
         return;
     }
     int64_t bs = s->block_size;
@@ -432,20 +439,6 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
         uint8_t *packed = (uint8_t *)s->data + start / 2;
         for (int64_t i = 0; i < padded / 2; i++) packed[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
     }
-}
-
-/* A parameter's or gradient's n values as fp32: in place, or converted from bf16 into buffer. */
-static float *load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *buffer) {
-    if (kind == KIND_F32) return (float *)src + start;
-    const uint16_t *h = (const uint16_t *)src + start;
-    for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(h[i]);
-    return buffer;
-}
-
-static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
-    if (kind == KIND_F32) return;  /* updated in place */
-    uint16_t *h = (uint16_t *)dst + start;
-    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
 }
 
 /* ---- the update ------------------------------------------------------------------------------ */
@@ -623,7 +616,7 @@ int lowbit_adam_step(param_t *params, int64_t count, const hyper_t *h, int threa
     if (first_task) first_task[0] = 0;
     while (!failed && prepared < count) {
         param_t *t = &params[prepared];
-        int64_t chunks = (t->numel + chunk_size(t) - 1) / chunk_size(t);
+        int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
         int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
         first_task[prepared + 1] = first_task[prepared] + tasks;
         failed = begin_factored(&t->exp_avg, tasks) | begin_factored(&t->exp_avg_sq, tasks) | begin_factored(&t->max_exp_avg_sq, tasks);
