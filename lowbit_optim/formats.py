@@ -7,7 +7,7 @@ tensor dtype behind the same interface, so the optimizer treats every format ali
 import torch
 from torch import Tensor
 
-from . import quant
+from . import foreign, quant
 from .state import CodebookState, OptimState, StateTensor, check_block_size
 
 _REGISTRY: dict = {}
@@ -96,6 +96,7 @@ def holds(fmt, state: Tensor, block_size: int | None, signed: bool) -> bool:
 
 def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
     """``state`` in format ``fmt`` (unchanged if it already is): how checkpoints change format."""
+    state = foreign.from_foreign(state, signed)  # another library's state (torchao's) as ours
     if holds(fmt, state, block_size, signed):
         return state
     values = state.dequantize() if isinstance(state, StateTensor) else state
