@@ -59,9 +59,10 @@ def _train(state_format: str, steps: int, seed: int = 0) -> tuple[float, float]:
 def main(steps: int = 60) -> dict:
     # fp32 is the reference: the quantized formats should match its loss at about a quarter of the memory
     results = {fmt: _train(fmt, steps) for fmt in ("int8-linear", "8bit", "fp32")}
-    print(f"{'state format':<14}{'final loss':>12}{'bytes/param':>13}   ({steps} steps)")
+    reference = results["fp32"][0]
+    print(f"{'state format':<14}{'final loss':>14}{'vs fp32':>10}{'bytes/param':>13}   ({steps} steps)")
     for fmt, (loss, bpp) in results.items():
-        print(f"{fmt:<14}{loss:>12.3e}{bpp:>13.3f}")
+        print(f"{fmt:<14}{loss:>14.6e}{(loss / reference - 1) * 100:>+9.2f}%{bpp:>13.3f}")
     return results
 
 

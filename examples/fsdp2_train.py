@@ -32,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="total training steps")
     p.add_argument("--stop-after", type=int, default=None, help="save and stop after this many steps (to resume later)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    p.add_argument("--checkpoint-dir", default="checkpoints/fsdp2_char_gpt")
+    # under out/, which git ignores: a run from the repository root leaves no untracked files
+    p.add_argument("--checkpoint-dir", default="out/checkpoints/fsdp2_char_gpt")
     p.add_argument("--batch-size", type=int, default=32, help="global batch, split between the ranks")
     p.add_argument("--block-size", type=int, default=128, help="context length in characters")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
