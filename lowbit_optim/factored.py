@@ -38,6 +38,7 @@ class FactoredState(StateTensor):
 
     name = "factored"
     inner_names = ("row", "col")
+    inner_dtypes = (torch.float32, torch.float32)
     holds_signed = False
     default_block_size = None  # no blocks: block_size is accepted and ignored
 
@@ -60,10 +61,18 @@ class FactoredState(StateTensor):
         cls.check_signed(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         rows, cols = factor_shape(shape)
-        return cls(torch.zeros(rows, device=device), torch.zeros(cols, device=device), shape, signed, False, dtype or torch.float32)
+        return cls(torch.zeros(rows, dtype=torch.float32, device=device), torch.zeros(cols, dtype=torch.float32, device=device), shape, signed, False, dtype or torch.float32)
 
     def _meta(self) -> tuple:
         return (self.signed, self.part)
+
+    def _check_sizes(self) -> None:
+        if not isinstance(self.part, bool):
+            raise ValueError(f"part is {self.part!r}, not a bool")
+        # rows x cols may split the elements other than factor_shape does: a view keeps its owner's sums
+        rows, cols = self.row.numel(), self.col.numel()
+        if rows * cols != self.numel():
+            raise ValueError(f"row and col hold sums of {rows} rows and {cols} columns: {rows * cols} elements, not {self.numel()}")
 
     def _describe(self) -> dict:
         return {"signed": self.signed, "factors": (self.row.numel(), self.col.numel())} | ({"part": True} if self.part else {})

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import formats
 from .factored import FactoredState
-from .state import CodebookState, OptimState, StateTensor, _table, _table_values
+from .state import CodebookState, OptimState, StateTensor, _table, _table_values, describe_tensor
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -225,6 +225,48 @@ def chunk_unit(states) -> int:
 
 # ---- calling it --------------------------------------------------------------------------------
 
+_MOMENT_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def check_inputs(param: Tensor, grad: Tensor, step: Tensor, moments, amsgrad: bool) -> None:
+    """Raise a ValueError unless every tensor has the size, dtype and layout the kernel assumes: it
+    reads and writes them through raw pointers, unchecked, so a corrupt state or a gradient of
+    another size would corrupt memory."""
+    problem = _input_problem(param, grad, step, moments, amsgrad)
+    if problem:
+        raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {problem}")
+
+
+def _input_problem(param: Tensor, grad: Tensor, step: Tensor, moments, amsgrad: bool) -> str | None:
+    # attribute checks only: this runs for every parameter at every step
+    numel = param.numel()
+    if not _plain_fits(param, numel):
+        return f"values are {describe_tensor(param)}, not contiguous float32 or bfloat16 values on the CPU"
+    if not _plain_fits(grad, numel):
+        return f"gradient is {describe_tensor(grad)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
+    if step.dtype != torch.float32 or not step.is_cpu or step.numel() != 1:
+        return f"step counter is {describe_tensor(step)}, not one float32 value on the CPU"
+    if amsgrad and moments[2] is None:
+        return "max_exp_avg_sq state is missing (amsgrad=True needs it)"
+    for name, state in zip(_MOMENT_NAMES, moments):
+        if state is None:
+            continue
+        if not isinstance(state, StateTensor):
+            if not _plain_fits(state, numel):
+                return f"{name} state is {describe_tensor(state)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
+            continue
+        try:
+            state.check_layout()
+        except ValueError as error:
+            return f"{name} state: {error}"
+        if not state.is_cpu or state.numel() != numel:
+            return f"{name} state is {state!r}, not a state of {numel} elements on the CPU"
+    return None
+
+
+def _plain_fits(t: Tensor, numel: int) -> bool:
+    return t.dtype in _PLAIN_KINDS and t.is_contiguous() and t.is_cpu and t.numel() == numel
+
 
 def _describe(state: Tensor | None) -> _State:
     if state is None:
@@ -264,9 +306,9 @@ def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
     """A codebook's sorted decision thresholds, NaN-padded to 2**bits (NaN is never <= a value),
     and the code of NaN: what the kernel's binary search needs to give the lookup tables' codes."""
     thresholds = torch.tensor(_table_values(cls, signed)["decision_thresholds"][0], dtype=torch.float32)
-    padded = torch.full((2**cls.bits,), math.nan)
+    padded = torch.full((2**cls.bits,), math.nan, dtype=torch.float32)
     padded[: thresholds.numel()] = thresholds
-    nan_code = int(cls.encode(torch.tensor([math.nan]), signed)[0])
+    nan_code = int(cls.encode(torch.tensor([math.nan], dtype=torch.float32), signed)[0])
     return padded, nan_code
 
 
@@ -310,9 +352,11 @@ def _int32_base_code(cls, signed: bool) -> Tensor:
 
 def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) -> None:
     """Step every (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq or None) of ``group``
-    (local, contiguous tensors) in one kernel call. Steps are counted like the compiled step."""
+    (local, contiguous tensors that unsupported_reason accepts) in one kernel call. Steps are
+    counted like the compiled step."""
     params = (_Param * len(items))()
     for entry, (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq) in zip(params, items):
+        check_inputs(param, grad, step, (exp_avg, exp_avg_sq, max_exp_avg_sq), group["amsgrad"])
         entry.numel = param.numel()
         entry.param_kind = _PLAIN_KINDS[param.dtype]
         entry.grad_kind = _PLAIN_KINDS[grad.dtype]

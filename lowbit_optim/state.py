@@ -59,6 +59,7 @@ class StateTensor(Tensor):
 
     name: ClassVar[str | None] = None  # registry key; None for abstract bases
     inner_names: ClassVar[tuple[str, ...]] = ()
+    inner_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # of the inner tensors, in inner_names' order
     holds_signed: ClassVar[bool] = True  # False: only nonnegative states (second moments)
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
@@ -101,6 +102,11 @@ class StateTensor(Tensor):
         """The view of rows [start, end) that aten.slice along dim 0 returns."""
         raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
 
+    def _check_sizes(self) -> None:
+        """Raise a ValueError if the inner tensors' sizes, or the metadata that sets them, do not fit
+        the logical shape (check_layout has checked each is a 1-D tensor of its dtype)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _check_sizes")
+
     # ---- shared -------------------------------------------------------------------------------
 
     @classmethod
@@ -121,6 +127,25 @@ class StateTensor(Tensor):
         out = cls.zeros(x.shape, signed, block_size, device=x.device, dtype=x.dtype)
         out.copy_(x)
         return out
+
+    def check_layout(self) -> None:
+        """Raise a ValueError saying what is wrong if the inner tensors do not fit the logical shape,
+        as in a truncated or edited checkpoint: the fused kernel trusts them, and would read and write
+        past their ends."""
+        try:
+            if not isinstance(self.signed, bool):
+                raise ValueError(f"signed is {self.signed!r}, not a bool")
+            device = self.device
+            for name, dtype in zip(self.inner_names, self.inner_dtypes):
+                t = getattr(self, name, None)
+                if not isinstance(t, Tensor) or t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or t.device != device:
+                    raise ValueError(f"{name} must be a 1-D contiguous {dtype} tensor on {device}, not {describe_tensor(t)}")
+            self._check_sizes()
+        except ValueError as error:
+            raise ValueError(
+                f"{_format_name(self)} of shape {tuple(self.shape)} is inconsistent: {error}. Make states with "
+                f"{type(self).__name__}.zeros() or .from_float(), or load an intact checkpoint"
+            ) from None
 
     def _inner(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
@@ -217,6 +242,7 @@ class OptimState(StateTensor):
     case of a table of code values)."""
 
     inner_names = ("codes", "scale")
+    inner_dtypes = (torch.uint8, torch.float32)
     bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
@@ -273,15 +299,26 @@ class OptimState(StateTensor):
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
         blocks = quant.num_blocks(shape.numel(), block_size)
-        codes = cls.encode(torch.zeros(block_size, device=device), signed)  # zero's code, once
+        codes = cls.encode(torch.zeros(block_size, dtype=torch.float32, device=device), signed)  # zero's code, once
         codes = codes.repeat(blocks)
         if cls.bits == 4:
             codes = quant.pack_nibbles(codes)
-        scale = torch.zeros(blocks, device=device)
+        scale = torch.zeros(blocks, dtype=torch.float32, device=device)
         return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
 
     def _meta(self) -> tuple:
         return (self.block_size, self.signed)
+
+    def _check_sizes(self) -> None:
+        bits, block_size = type(self).bits, self.block_size  # the class's bits, as the kernel reads them
+        check_block_size(block_size, bits)
+        blocks = quant.num_blocks(self.numel(), block_size)
+        if self.scale.numel() != blocks or self.codes.numel() != blocks * block_size * bits // 8:
+            raise ValueError(
+                f"codes has {self.codes.numel()} and scale {self.scale.numel()} elements, but {self.numel()} elements "
+                f"in {blocks} blocks of {block_size} need {blocks * block_size * bits // 8} bytes of {bits}-bit codes "
+                f"and {blocks} scales"
+            )
 
     def _describe(self) -> dict:
         return {"signed": self.signed, "block_size": self.block_size}
@@ -416,12 +453,24 @@ def _format_name(state: StateTensor) -> str:
     return f"{type(state).__name__} ({state.name!r} state format)"
 
 
+def describe_tensor(t) -> str:
+    """What ``t`` is, for error messages about tensors of the wrong kind."""
+    if not isinstance(t, Tensor):
+        return f"a {type(t).__name__}"
+    return f"a {'' if t.is_contiguous() else 'non-contiguous '}{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
 def _dequantize_arg(x):
     return x.dequantize() if isinstance(x, StateTensor) else x
 
 
 def _dequantize_and_run(func, args, kwargs):
     """Generic fallback: run ``func`` on dequantized arguments; write mutated states back."""
+    # below autograd (inside a custom op's kernel, e.g. step_op.py) composite ops such as .to() arrive
+    # undecomposed: decompose them as the autograd layer would have
+    decomposed = func.decompose(*args, **kwargs)
+    if decomposed is not NotImplemented:
+        return decomposed
     schema = func._schema
     state = next(x for x in tree_leaves((args, kwargs)) if isinstance(x, StateTensor))
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):

@@ -1,0 +1,431 @@
+"""Corrupt state never reaches the fused C kernel, which reads and writes every tensor through a raw
+pointer, trusting its size.
+
+A checkpoint is data from a file: a quantized state whose inner tensors do not fit its shape must be
+refused when it is loaded, with an error naming the parameter, and the kernel's entry point checks
+every tensor again at each step (the state may have been changed since). A gradient of another shape
+(assigned through ``.data``, which autograd does not check) is refused by every step path.
+
+The fuzz cases and the kernel's entry-point cases run in a child process (``python
+test/test_validation.py``), so that a crash, the bug these tests guard against, fails the tests
+instead of killing pytest.
+"""
+
+import io
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lowbit_optim
+from conftest import QUANTIZED_FORMATS, ROOT, quantized_formats
+from lowbit_optim import OptimState, StateTensor, fused_cpu
+
+# a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
+SHAPES = [(71, 64), (96,)]
+OPTIONS = dict(lr=1e-2, amsgrad=True, min_quantize_numel=256)
+CHECKED = "exp_avg_sq"  # quantized in every quantized format's spec (factored holds only this one)
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+
+
+def set_grads(params) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+def save(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def load(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def checkpoint(spec) -> bytes:
+    """The saved state dict of a small model after one (eager) step."""
+    params = make_params()
+    opt = lowbit_optim.AdamW(params, state_format=spec, compile=False, **OPTIONS)
+    set_grads(params)
+    opt.step()
+    return save(opt.state_dict())
+
+
+def fresh_optimizer(spec):
+    params = make_params()
+    return params, lowbit_optim.AdamW(params, state_format=spec, fused=True, **OPTIONS)
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values with a stride of 2."""
+    return torch.stack([t, t], -1).select(-1, 0)
+
+
+# ---- corrupt checkpoints are refused on load, naming the parameter -----------------------------
+
+
+def _inner(state: StateTensor, index: int) -> str:
+    return state.inner_names[index]  # codes / scale, or a factored state's row / col
+
+
+def _bad_metadata(state: StateTensor) -> None:
+    if isinstance(state, OptimState):
+        state.block_size //= 2
+    else:
+        state.part = "yes"
+
+
+CORRUPTIONS = {
+    "short codes": (lambda s: setattr(s, _inner(s, 0), getattr(s, _inner(s, 0))[:-1]), "elements"),
+    "short scale": (lambda s: setattr(s, _inner(s, 1), getattr(s, _inner(s, 1))[:-1]), "elements"),
+    "wrong dtype": (lambda s: setattr(s, _inner(s, 1), getattr(s, _inner(s, 1)).double()), "must be a 1-D contiguous torch.float32 tensor"),
+    "non-contiguous": (lambda s: setattr(s, _inner(s, 0), non_contiguous(getattr(s, _inner(s, 0)))), "not a non-contiguous"),
+    "2-D codes": (lambda s: setattr(s, _inner(s, 0), getattr(s, _inner(s, 0)).view(1, -1)), "must be a 1-D"),
+    "wrong block_size": (_bad_metadata, "elements|part is 'yes'"),
+    "signed not a bool": (lambda s: setattr(s, "signed", 1), "signed is 1, not a bool"),
+}
+
+
+@quantized_formats
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_checkpoint_state_is_refused(info, corruption):
+    corrupt, message = CORRUPTIONS[corruption]
+    state_dict = load(checkpoint(info.spec))
+    corrupt(state_dict["state"][0][CHECKED])
+    _, opt = fresh_optimizer(info.spec)
+    with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(71, 64\)\) is corrupt: .*({message})"):
+        opt.load_state_dict(load(save(state_dict)))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (torch.zeros(71, 64, dtype=torch.int32), "has dtype torch.int32, not a floating-point dtype"),
+        (torch.zeros(70, 64), "has shape \\(70, 64\\) but the parameter has shape \\(71, 64\\)"),
+        ([0.0] * 4544, "is a list, not a tensor"),
+    ],
+    ids=["integer", "another shape", "not a tensor"],
+)
+def test_plain_checkpoint_state_is_checked(value, message):
+    state_dict = load(checkpoint("fp32"))
+    state_dict["state"][0]["exp_avg"] = value
+    _, opt = fresh_optimizer("fp32")
+    with pytest.raises(ValueError, match=rf"checkpoint state 'exp_avg' of parameter 0 .*{message}"):
+        opt.load_state_dict(load(save(state_dict)))
+
+
+@pytest.mark.parametrize("step", [torch.zeros(0), torch.zeros(2), "1", None, True], ids=["empty", "two", "str", "None", "bool"])
+def test_checkpoint_step_must_be_a_number(step):
+    state_dict = load(checkpoint("8bit"))
+    state_dict["state"][1]["step"] = step
+    _, opt = fresh_optimizer("8bit")
+    expected = r"checkpoint state 'step' of parameter 1 \(shape \(96,\)\) is .*: it must be a number or a one-element tensor"
+    with pytest.raises(ValueError, match=expected):
+        opt.load_state_dict(load(save(state_dict)))
+
+
+# ---- a gradient of another shape ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{}, {"fused": False}, {"compile": False}], ids=["fused", "compiled", "eager"])
+def test_gradient_of_another_shape_is_refused(options):
+    """Autograd checks what is assigned to p.grad, not to p.grad.data: the step checks it. (The
+    compiled path refuses it before compiling anything.)"""
+    params = make_params()
+    opt = lowbit_optim.AdamW(params, state_format="8bit", **(OPTIONS | options))
+    set_grads(params)
+    params[0].grad.data = torch.randn(10)
+    before = [p.detach().clone() for p in params]
+    expected = r"gradient of a parameter of shape \(71, 64\) has shape \(10,\); it was probably set through \.data"
+    with pytest.raises(RuntimeError, match=expected):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_check_layout_accepts_what_the_library_makes():
+    """Views, row slices and flattened states keep valid layouts (the checks are no stricter than
+    the states the package itself builds)."""
+    for info in QUANTIZED_FORMATS:
+        signed = info.fmt.holds_signed
+        state = info.fmt.from_float(torch.randn(64, 96).abs(), signed)
+        for view in (state, state.view(-1), state.view(96, 64), state[0:32], state[32:64], state[0:0]):
+            view.check_layout()
+
+
+# ---- the fuzz and the kernel's entry point, in a child process ---------------------------------
+
+
+def run_child() -> tuple[list[dict], dict | None]:
+    """Every case's result (one dict each), and if the child did not finish, the case it was
+    running (family, format, case) and a message with its exit status and the end of its stderr."""
+    # the package this process tests, and the root (examples.custom_format pickles by reference from it)
+    path = [str(pathlib.Path(lowbit_optim.__file__).parent.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    # MALLOC_PERTURB_: freed and fresh heap memory filled with junk, so that misreads show
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MALLOC_PERTURB_": "165"}
+    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300, env=env, check=False)
+    results, running = [], None
+    for line in child.stdout.splitlines():
+        record = json.loads(line)
+        running = record.get("start")
+        if running is None:
+            results.append(record)
+    if child.returncode == 0:
+        return results, None
+    message = f"the child exited with status {child.returncode} while running {running}:\n{child.stderr[-3000:]}"
+    return results, {"running": running, "message": message}
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    return run_child()
+
+
+def _results(child_results, family: str, name: str) -> list[dict]:
+    """This format's results of a family of cases; fails if the child crashed in them or before."""
+    results, crash = child_results
+    if crash is not None and crash["running"] is not None and crash["running"][:2] == [family, name]:
+        pytest.fail(crash["message"])
+    mine = [r for r in results if r["family"] == family and r["format"] == name]
+    assert mine, f"the child never ran the {family} cases of {name}: {crash and crash['message']}"
+    return mine
+
+
+@quantized_formats
+def test_fuzzed_checkpoints_never_crash_or_load_silently(child_results, info):
+    failures = []
+    for r in _results(child_results, "checkpoint", info.name):
+        if r["outcome"] == "refused" and "parameter" not in r["detail"]:
+            failures.append(f"{r['case']}: refused without naming the parameter: {r['detail']}")
+        elif r["outcome"] in ("raised", "step failed"):
+            failures.append(f"{r['case']}: {r['outcome']}: {r['detail']}")
+        elif r["outcome"] == "stepped" and r["must_refuse"]:
+            failures.append(f"{r['case']}: a corrupt state loaded silently")
+        elif r["outcome"] == "stepped" and not r["finite"] and not r["semantic"]:
+            failures.append(f"{r['case']}: loaded, and the step made non-finite parameters")
+    assert not failures, "\n".join(failures)
+
+
+@quantized_formats
+def test_fused_kernel_checks_every_tensor_it_is_given(child_results, info):
+    """fused_cpu.adam_step called directly with a state corrupted in memory, a gradient, step or
+    parameter the kernel would misread: a ValueError naming the parameter's shape, nothing stepped."""
+    failures = [
+        f"{r['case']}: {r['outcome']}: {r['detail']}"
+        for r in _results(child_results, "kernel", info.name)
+        if r["outcome"] != "refused" or "cannot step a parameter of shape (71, 64)" not in r["detail"]
+    ]
+    assert not failures, "\n".join(failures)
+
+
+# ---- the child's side ------------------------------------------------------------------------
+
+
+def tensor_mutations(t: torch.Tensor, rng: random.Random, plain: bool = False) -> dict:
+    """name -> t changed in size, shape, dtype or layout (each one invalid for an inner tensor)."""
+    n = t.numel()
+    out = {
+        "truncated": t.reshape(-1)[: rng.randrange(n)],
+        "extended": torch.cat([t.reshape(-1), t.reshape(-1)[: rng.randint(1, n)]]),
+        "2-D": t.reshape(2, -1) if n % 2 == 0 else t.reshape(1, -1),
+        "empty": t.reshape(-1)[:0].clone(),
+    }
+    if not plain:  # a non-contiguous plain state is valid (the compiled step takes it)
+        out["non-contiguous"] = non_contiguous(t)
+    for dtype in (torch.int8, torch.float16, torch.float64, torch.int32, torch.uint8, torch.float32):
+        if dtype != t.dtype:
+            out[f"as {dtype}"] = t.to(dtype)
+    return out
+
+
+def checkpoint_mutations(state_dict: dict, rng: random.Random) -> list[tuple[str, object, bool, bool]]:
+    """(name, function changing a state dict, whether it must be refused, whether it changes only
+    what the codes mean (a flipped signed: the layout stays valid, the values need not be finite))."""
+    cases = []
+    for index, state in state_dict["state"].items():
+        for key, value in state.items():
+            where = f"param {index} {key}"
+            if key == "step":
+                for name, step, refuse in [
+                    ("empty", torch.zeros(0), True), ("two values", torch.zeros(2), True), ("a str", "1", True),
+                    ("a list", [1.0], True), ("None", None, True), ("float64", torch.tensor(1.0, dtype=torch.float64), False),
+                    ("an int", 1, False), ("shape (1, 1)", torch.ones(1, 1), False),
+                ]:  # fmt: skip
+                    cases.append((f"{where} {name}", _setter(index, key, step), refuse, False))
+            elif not isinstance(value, StateTensor):
+                for name, new in tensor_mutations(value, rng, plain=True).items():
+                    refuse = new.shape != value.shape or not new.is_floating_point()
+                    cases.append((f"{where} {name}", _setter(index, key, new), refuse, False))
+            else:
+                cases += state_mutations(index, key, value, rng)
+    return cases
+
+
+def state_mutations(index, key, state: StateTensor, rng: random.Random) -> list:
+    where = f"param {index} {key}"
+    cases = []
+    for field in state.inner_names:
+        for name, new in tensor_mutations(getattr(state, field), rng).items():
+            cases.append((f"{where} {field} {name}", _attribute_setter(index, key, field, new), True, False))
+    attributes = {"signed": [1, "yes", None]}
+    if isinstance(state, OptimState):
+        bs = state.block_size
+        attributes["block_size"] = [bs // 2, bs * 2, 3, 0, -bs, str(bs), float(bs), True, None, 2**40]
+    else:
+        attributes["part"] = ["yes", 1, None]
+    for attribute, values in attributes.items():
+        for value in values:
+            cases.append((f"{where} {attribute}={value!r}", _attribute_setter(index, key, attribute, value), True, False))
+    cases.append((f"{where} signed flipped", _attribute_setter(index, key, "signed", not state.signed), False, True))
+    if isinstance(state, OptimState):  # twice the block size, with scales to match: valid, and loads
+        cases.append((f"{where} block_size doubled consistently", _double_blocks(index, key), False, False))
+    for shape in [(64, 71), (71, 63), (4544,), (0,), (71, 64, 1)]:
+        if torch.Size(shape) != state.shape:
+            cases.append((f"{where} shape {shape}", _reshaper(index, key, shape), True, False))
+    return cases
+
+
+def _setter(index, key, value):
+    def mutate(state_dict):
+        state_dict["state"][index][key] = value
+
+    return mutate
+
+
+def _reshaper(index, key, shape):
+    def mutate(state_dict):
+        state = state_dict["state"][index][key]
+        state_dict["state"][index][key] = state._like(shape=shape)  # the same inner tensors
+
+    return mutate
+
+
+def _attribute_setter(index, key, attribute, value):
+    def mutate(state_dict):
+        setattr(state_dict["state"][index][key], attribute, value)
+
+    return mutate
+
+
+def _double_blocks(index, key):
+    def mutate(state_dict):
+        state = state_dict["state"][index][key]
+        blocks = -(-state.numel() // (2 * state.block_size))
+        state.block_size *= 2
+        state.scale = state.scale[:blocks].clone()
+        state.codes = torch.cat([state.codes, state.codes])[: blocks * state.block_size * state.bits // 8].clone()
+
+    return mutate
+
+
+def random_combinations(state_dict: dict, rng: random.Random, count: int) -> list:
+    """``count`` cases of two mutations at once (together they may make a valid state again, e.g. a
+    tensor truncated then extended: none must be refused, all must be safe)."""
+    singles = checkpoint_mutations(state_dict, rng)
+    cases = []
+    for _ in range(count):
+        (name_a, a, _, semantic_a), (name_b, b, _, semantic_b) = rng.sample(singles, 2)
+        cases.append((f"{name_a} + {name_b}", _both(a, b), False, semantic_a or semantic_b))
+    return cases
+
+
+def _both(a, b):
+    def mutate(state_dict):
+        a(state_dict)
+        b(state_dict)
+
+    return mutate
+
+
+def _announce(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def fuzz_checkpoints(info) -> None:
+    base = checkpoint(info.spec)
+    rng = random.Random(f"fuzz-{info.name}")
+    cases = checkpoint_mutations(load(base), rng) + random_combinations(load(base), rng, 30)
+    for case, mutate, must_refuse, semantic in cases:
+        _announce(start=["checkpoint", info.name, case])
+        record = dict(family="checkpoint", format=info.name, case=case, must_refuse=must_refuse, semantic=semantic)
+        state_dict = load(base)
+        mutate(state_dict)
+        try:
+            loaded = load(save(state_dict))
+        except (ValueError, TypeError, RuntimeError) as error:  # fine as well
+            _announce(**record, outcome="refused by torch.load", detail=str(error))
+            continue
+        params, opt = fresh_optimizer(info.spec)
+        try:
+            opt.load_state_dict(loaded)
+        except (ValueError, TypeError, RuntimeError) as error:
+            _announce(**record, outcome="refused", detail=str(error))
+            continue
+        except Exception as error:  # noqa: BLE001 - reported as a failure
+            _announce(**record, outcome="raised", detail=f"{type(error).__name__}: {error}")
+            continue
+        set_grads(params)
+        try:
+            opt.step()
+        except Exception as error:  # noqa: BLE001 - reported as a failure
+            _announce(**record, outcome="step failed", detail=f"{type(error).__name__}: {error}")
+            continue
+        _announce(**record, outcome="stepped", finite=all(bool(p.isfinite().all()) for p in params), detail="")
+
+
+def fuzz_kernel_entry(info) -> None:
+    """Corrupt what fused_cpu.adam_step is given, in memory, and call it directly."""
+    rng = random.Random(f"kernel-{info.name}")
+    params, opt = fresh_optimizer(info.spec)
+    set_grads(params)
+    opt.step()
+    p = params[0]
+    group, state = opt.param_groups[0], opt.state[p]
+    quantized = state[CHECKED]
+    cases = {}
+    for field in quantized.inner_names:
+        for name, new in tensor_mutations(getattr(quantized, field), rng).items():
+            cases[f"{CHECKED} {field} {name}"] = ("state", field, new)
+    for name, new in tensor_mutations(p.grad, rng, plain=True).items():
+        if name != "2-D":  # as many elements in 2-D are read right: the kernel reads every tensor flat
+            cases[f"gradient {name}"] = ("grad", None, new)
+    cases["gradient expanded"] = ("grad", None, torch.zeros(1).expand(p.shape))
+    cases["parameter non-contiguous"] = ("param", None, non_contiguous(p.detach()))
+    cases["step empty"] = ("step", None, torch.zeros(0))
+    cases["step float64"] = ("step", None, torch.zeros((), dtype=torch.float64))
+    cases["max_exp_avg_sq missing"] = ("max", None, None)
+    for case, (what, field, new) in cases.items():
+        _announce(start=["kernel", info.name, case])
+        moments = [state["exp_avg"], quantized._like(), state["max_exp_avg_sq"]]
+        item = [p.detach(), p.grad, state["step"]]
+        if what == "state":
+            setattr(moments[1], field, new)
+        elif what == "max":
+            moments[2] = None
+        else:
+            item[["param", "grad", "step"].index(what)] = new
+        before = p.detach().clone()
+        try:
+            fused_cpu.adam_step([(*item, *moments)], group, decoupled_weight_decay=True)
+        except ValueError as error:
+            outcome = "refused" if torch.equal(p, before) else "refused after stepping"
+            _announce(family="kernel", format=info.name, case=case, outcome=outcome, detail=str(error))
+            continue
+        _announce(family="kernel", format=info.name, case=case, outcome="stepped", detail=f"finite: {bool(p.isfinite().all())}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for info in QUANTIZED_FORMATS:
+        fuzz_checkpoints(info)
+        fuzz_kernel_entry(info)
