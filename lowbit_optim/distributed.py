@@ -226,9 +226,9 @@ def _stage(state: OptimState, first: int, last: int, values: Tensor, codes: Tens
     if staging is None:
         n = state.numel()
         staging = state._dcp_staging = {
-            "values": torch.zeros(n, device=device),
+            "values": torch.zeros(n, dtype=torch.float32, device=device),
             "codes": torch.zeros(n, dtype=torch.uint8, device=device),
-            "scales": torch.zeros(n, device=device),
+            "scales": torch.zeros(n, dtype=torch.float32, device=device),
             "exact": torch.zeros(n, dtype=torch.bool, device=device),  # code and scale known, in this state's codebook
             "covered": torch.zeros(n, dtype=torch.bool, device=device),
             "waiting": torch.zeros(state.scale.numel(), dtype=torch.bool, device=device),  # blocks with staged elements

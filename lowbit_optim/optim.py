@@ -5,10 +5,10 @@ import fnmatch
 import torch
 from torch import Tensor, nn
 
-from . import formats, fused_cpu, precision
+from . import formats, fused_cpu, precision, step_op
 from .functional import adam_step
-from .state import StateTensor, check_block_size
-from .distributed import like_param, local, map_local, shard_like
+from .state import StateTensor, check_block_size, describe_tensor
+from .distributed import is_dtensor, like_param, local, map_local, shard_like
 
 # One compiled step shared by every optimizer and format. Shapes are dynamic, so the number of
 # graphs depends on the formats and flags in use, never on the number of distinct parameter shapes.
@@ -19,7 +19,10 @@ _compiled_adam_step = torch.compile(adam_step, fullgraph=True, dynamic=True)
 _RECOMPILE_LIMIT = 256
 
 # group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
-_STRUCTURAL_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
+_STRUCTURAL_KEYS = (
+    "state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format",
+    "decoupled_weight_decay", "foreach", "capturable", "differentiable", "fused",
+)  # fmt: skip
 
 # state name -> whether its values can be negative (picks the signed or unsigned codebook)
 _SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False, "compensation": True}
@@ -43,10 +46,15 @@ class Adam(torch.optim.Optimizer):
     one call of the fused C kernel (fused_cpu.py; same numbers as the compiled step, in one pass
     over memory) and the rest with the compiled step; True requires the kernel for every
     parameter (an error says why one cannot use it); False always uses the compiled step.
+
+    torch.optim's other keywords are accepted so that code written for it runs unchanged:
+    ``decoupled_weight_decay=True`` makes Adam AdamW (as in torch >= 2.7); ``foreach`` only picks
+    torch's implementation, never its numbers, so any value is accepted and ignored; ``capturable``
+    and ``differentiable`` must stay False (an error says so).
     """
 
     default_weight_decay = 0.0
-    decoupled_weight_decay = False
+    default_decoupled_weight_decay = False
 
     def __init__(
         self,
@@ -66,7 +74,15 @@ class Adam(torch.optim.Optimizer):
         bf16_stochastic_round: bool = False,
         compile: bool = True,
         fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        decoupled_weight_decay: bool | None = None,
     ):
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self.default_decoupled_weight_decay
+        elif self.default_decoupled_weight_decay and not decoupled_weight_decay:
+            raise ValueError(f"{type(self).__name__} always decouples weight decay; use lowbit_optim.Adam for L2 regularization")
         if weight_decay is None:
             weight_decay = self.default_weight_decay
         if bf16_stochastic_round:
@@ -85,20 +101,38 @@ class Adam(torch.optim.Optimizer):
             min_quantize_numel=min_quantize_numel,
             param_update=param_update,
             compensation_format=compensation_format,
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused if compile else False,
         )
-        if fused not in (None, True, False):
-            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        _check_torch_keywords(fused, foreach, capturable, differentiable)
         if fused and not compile:
             raise ValueError("fused=True contradicts compile=False (the eager reference step); pass one of them")
-        self._step_fn = _compiled_adam_step if compile else adam_step
-        self._fused = fused if compile else False
+        self._compile = compile
+        self._step_op_key = step_op.register(self)
+        self._params = []  # every parameter in param-group order, for step_op
         super().__init__(params, defaults)
+
+    @property
+    def _step_fn(self):
+        return _compiled_adam_step if self._compile else adam_step
+
+    # ---- copies ---------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
+        return {**super().__getstate__(), "_compile": self._compile}
 
     # ---- param groups ---------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        # a group that names its own formats inherits the constructor's block_size without using it
+        block_size_given = "block_size" in param_group or "state_format" not in param_group
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        self._params = self._params + group["params"]
         _check_hyperparameters(group)
         if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
             group["param_update"] = "stochastic"
@@ -106,12 +140,20 @@ class Adam(torch.optim.Optimizer):
         # names keep state_dict() loadable with torch.load(weights_only=True)
         group["state_format"] = _format_names(group["state_format"])
         group["compensation_format"] = formats.get_format(group["compensation_format"]).name
-        for state_name, name in {**_moment_formats(group), "compensation": group["compensation_format"]}.items():
+        used = {**_moment_formats(group), "compensation": group["compensation_format"]}
+        for state_name, name in used.items():
             fmt = formats.get_format(name)
             if formats.is_quantized(fmt):
                 fmt.check_signed(_SIGNED[state_name])
             if group["block_size"] is not None and formats.is_blockwise(fmt):
                 check_block_size(group["block_size"], fmt.bits)
+        if group["param_update"] != "kahan":
+            del used["compensation"]
+        if block_size_given and group["block_size"] is not None and not any(formats.is_blockwise(formats.get_format(n)) for n in used.values()):
+            raise ValueError(
+                f"block_size={group['block_size']} applies to blockwise state formats (8bit, 4bit, fp8, ...), but "
+                f"state_format {group['state_format']!r} has no blocks: drop block_size or pick a blockwise format"
+            )
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(
@@ -120,9 +162,18 @@ class Adam(torch.optim.Optimizer):
                 )
             if not p.is_floating_point():
                 raise TypeError(f"parameters must be floating point, got {p.dtype}")
+            if p.dtype == torch.float64:
+                raise TypeError(
+                    "float64 parameters are not supported: lowbit_optim computes the step in float32 and would "
+                    "round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64"
+                )
 
     def __setstate__(self, state):
+        state.setdefault("_compile", self.__dict__.get("_compile", True))
         super().__setstate__(state)
+        if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
+            self._step_op_key = step_op.register(self)
+        self._params = [p for group in self.param_groups for p in group["params"]]
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -144,7 +195,7 @@ class Adam(torch.optim.Optimizer):
         return group["block_size"] or fmt.default_block_size
 
     def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
-        state["step"] = torch.tensor(0.0)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)  # never the default dtype: bf16 stops counting at 256
         for name in self._state_names(param, group):
             state[name] = self._new_state(param, group, name)
 
@@ -165,35 +216,53 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
+            if closure is None and not any(is_dtensor(p) for p in self._params):
+                return step_op.step(self._step_op_key, self._params)
+            return _step_outside_graph(self, closure)  # a closure runs backward: a graph break either way
+        return self._step_eagerly(closure)
+
+    def _step_eagerly(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            for group in self.param_groups:
-                self._step_group(group)
+        self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
         return loss
 
-    def _step_group(self, group: dict) -> None:
+    def _step_params(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """Step ``params`` (every parameter that has a gradient, in param-group order, or the
+        tensors the step op was given for them) with ``grads``."""
+        stepped = [[p for p in group["params"] if p.grad is not None] for group in self.param_groups]
+        if [p.shape for ps in stepped for p in ps] != [p.shape for p in params]:
+            raise RuntimeError(
+                "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
+                "was compiled; add parameters with add_param_group(), not by editing param_groups"
+            )
+        given = iter(zip(params, grads))
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            for group, ps in zip(self.param_groups, stepped):
+                self._step_group(group, [(p, *next(given)) for p in ps])
+
+    def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """Step each (parameter, its tensor to update, gradient) of ``group``."""
         hyper = None
         fused = []  # what the fused CPU kernel steps, all in one call at the end
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
+        for p, tensor, grad in items:
+            _check_grad_shape(p, grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
             state = self.state[p]
             if not state:
                 self._init_state(p, group, state)
-            param = local(p.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
+            param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 state["step"].add_(1)
                 continue
             mode = _param_update(p, group)
             moments = [local(state["exp_avg"]), local(state["exp_avg_sq"])]
             moments.append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
-            if self._use_fused(p, param, local(grad), state["step"], moments, mode):
+            if self._use_fused(p, group["fused"], param, local(grad), state["step"], moments, mode):
                 fused.append((param, local(grad), state["step"], *moments))
                 continue
             if hyper is None:  # once per group and step: a changed lr / beta / eps never recompiles
@@ -207,21 +276,21 @@ class Adam(torch.optim.Optimizer):
                 *(_flat(m) if m is not None else None for m in moments),
                 _flat(state[extra]) if extra else None,
                 *hyper,
-                decoupled_weight_decay=self.decoupled_weight_decay,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
                 maximize=group["maximize"],
                 param_update=mode,
             )
             if not param.is_contiguous():
                 param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
         if fused:
-            fused_cpu.adam_step(fused, group, decoupled_weight_decay=self.decoupled_weight_decay)
+            fused_cpu.adam_step(fused, group, decoupled_weight_decay=group["decoupled_weight_decay"])
 
-    def _use_fused(self, p: Tensor, param: Tensor, grad: Tensor, step: Tensor, moments: list, mode: str) -> bool:
-        if self._fused is False or (self._fused is None and param.device.type != "cpu"):
+    def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, moments: list, mode: str) -> bool:
+        if fused is False or (fused is None and param.device.type != "cpu"):
             return False
         states = {name: m for name, m in zip(("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), moments) if m is not None}
         reason = fused_cpu.unsupported_reason(param, grad, step, states, mode)
-        if reason is not None and self._fused:
+        if reason is not None and fused:
             raise RuntimeError(
                 f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "
                 "Pass fused=None to step such parameters with the compiled step."
@@ -233,15 +302,38 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint of this or any other format (or of torch.optim.Adam/AdamW): states are
         converted to this optimizer's formats; a checkpoint of the same format resumes bit-exactly."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
+                "Pass what optimizer.state_dict() returned (not model.state_dict())"
+            )
         structural = [{k: g[k] for k in _STRUCTURAL_KEYS} for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, keep in zip(self.param_groups, structural):
-            group.update(keep)
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            for i, p in enumerate(group["params"]):
-                if p in self.state:
-                    self._convert_loaded_state(p, group, self.state[p], i)
+        saved = {}
+
+        def keep_saved_tensors(optimizer, loaded: dict) -> None:
+            # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
+            # bf16 parameter would come back rounded): remember them as saved, after the user's hooks
+            ids = (i for g in loaded["param_groups"] for i in g["params"])
+            params = (p for g in self.param_groups for p in g["params"])
+            saved.update({p: loaded["state"][i] for i, p in zip(ids, params) if i in loaded["state"]})
+
+        def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
+            for group, keep in zip(self.param_groups, structural):
+                group.update(keep)
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                for i, p in enumerate(group["params"]):
+                    if p in self.state:
+                        self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
+                        self._convert_loaded_state(p, group, self.state[p], i)
+
+        hooks = [self.register_load_state_dict_pre_hook(keep_saved_tensors), self.register_load_state_dict_post_hook(convert, prepend=True)]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _convert_loaded_state(self, param: Tensor, group: dict, state: dict, index: int) -> None:
         expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group["amsgrad"] else set())
@@ -260,25 +352,33 @@ class Adam(torch.optim.Optimizer):
             if value is None:  # a precision buffer the checkpoint did not have: start from zero error
                 state[name] = self._new_state(param, group, name)
                 continue
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
-                    f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
-                )
+            _check_loaded_state(name, value, param, index)
             value = shard_like(value, param)  # a full (unsharded) checkpoint value for a DTensor parameter
             if name != "param_correction":
                 fmt = self.state_format_of(param, group, name)
                 block_size = self._block_size(fmt, group)
                 value = map_local(lambda v: formats.convert(fmt, v, _SIGNED[name], block_size), value)
             state[name] = value.to(param.device)
-        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu()
+        step = state["step"]
+        if isinstance(step, bool) or not (isinstance(step, (int, float)) or isinstance(step, Tensor) and step.numel() == 1):
+            raise ValueError(
+                f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {describe_tensor(step)}: "
+                "it must be a number or a one-element tensor"
+            )
+        state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def _step_outside_graph(optimizer: Adam, closure):
+    return optimizer._step_eagerly(closure)
 
 
 class AdamW(Adam):
     """AdamW (decoupled weight decay, default 1e-2) with optimizer state in any registered format."""
 
     default_weight_decay = 1e-2
-    decoupled_weight_decay = True
+    default_decoupled_weight_decay = True
 
 
 class AnyPrecisionAdamW(AdamW):
@@ -320,8 +420,28 @@ def _dtype_format(dtype) -> str:
     return formats.get_format(dtype).name
 
 
+def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool) -> None:
+    """torch.optim's keywords at the values that mean something here (see Adam's docstring)."""
+    for name, value in (("fused", fused), ("foreach", foreach)):
+        if value not in (None, True, False):
+            raise ValueError(f"{name} must be None, True or False, got {value!r}")
+    if capturable:
+        raise ValueError(
+            "capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step "
+            "counter on the CPU. Pass capturable=False"
+        )
+    if differentiable:
+        raise ValueError(
+            "differentiable=True is not supported: quantized states cannot carry gradients through the step. "
+            "Pass differentiable=False, or use torch.optim for a differentiable optimizer"
+        )
+
+
 def _check_hyperparameters(group: dict) -> None:
-    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"invalid betas {betas!r}: Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)")
+    lr, (beta1, beta2), eps, wd = group["lr"], betas, group["eps"], group["weight_decay"]
     lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
     if not isinstance(lr_value, (int, float)) or not lr_value >= 0:
         raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
@@ -353,6 +473,36 @@ def _moment_formats(group: dict) -> dict:
 def _param_update(param: Tensor, group: dict) -> str:
     # the rounding modes exist for bf16 weights; an fp32 weight takes the fp32 result as it is
     return group["param_update"] if param.dtype == torch.bfloat16 else "nearest"
+
+
+def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
+    # autograd checks p.grad's shape, but not a tensor assigned to p.grad.data; the steps read grad as param's
+    if grad.shape != param.shape:
+        raise RuntimeError(
+            f"the gradient of a parameter of shape {tuple(param.shape)} has shape {tuple(grad.shape)}; it was "
+            "probably set through .data. Assign p.grad a tensor of the parameter's shape"
+        )
+
+
+def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
+    """Raise a ValueError naming the parameter if checkpoint state ``name`` cannot be ``param``'s: a
+    corrupt quantized state would make the fused kernel read and write past its buffers."""
+    where = f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where} is {describe_tensor(value)}, not a tensor")
+    if value.shape != param.shape:
+        raise ValueError(
+            f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
+            f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
+        )
+    floating = name != "param_correction"  # int8-correction's rounding errors are int8
+    if value.is_floating_point() != floating:
+        raise ValueError(f"{where} has dtype {value.dtype}, not a {'floating-point' if floating else 'integer'} dtype")
+    if isinstance(local(value), StateTensor):
+        try:
+            local(value).check_layout()
+        except ValueError as error:
+            raise ValueError(f"{where} is corrupt: {error}") from None
 
 
 def _hyperparameter_tensors(group: dict, device) -> list[Tensor]:

@@ -112,7 +112,7 @@ def decision_thresholds(codebook: list[float], rounding_space=None) -> Tensor:
     boundaries = decision_boundaries(values, rounding_space)
     # round the fp64 boundary to fp32, step up one ulp if it fell below
     rounded = boundaries.float()
-    return torch.where(rounded.double() < boundaries, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+    return torch.where(rounded.double() < boundaries, torch.nextafter(rounded, torch.tensor(math.inf, dtype=rounded.dtype)), rounded)
 
 
 def nearest_code_tables(thresholds: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,7 +143,7 @@ def nearest_code_tables(thresholds: Tensor) -> tuple[Tensor, Tensor]:
             "of fp32 values sharing their top 16 bits"
         )
     split = top > base
-    threshold = torch.where(split, thresholds[base.clamp(max=len(thresholds) - 1)], torch.tensor(math.nan))  # NaN: never >=
+    threshold = torch.where(split, thresholds[base.clamp(max=len(thresholds) - 1)], torch.tensor(math.nan, dtype=thresholds.dtype))  # NaN: never >=
     return base.to(torch.uint8), threshold
 
 

@@ -195,18 +195,32 @@ def test_fp32_state_matches_torch_optim(case):
 # 2. The compiled step equals the eager one
 # ------------------------------------------------------------------------------------------------
 
-# Observed after 3 steps: params differ by <= 4.3e-7 (bf16 state) and <= 1.2e-7 otherwise; no
-# quantized code differs (mismatch fraction 0), fp32 states differ by fp32 round-off only, and a
-# fraction 2.2e-4 of bf16 state elements by one bf16 ulp.
+# What the compiled step guarantees against the eager one. Both compute the same formula, but inductor
+# may contract a * b + c into one FMA where the CPU has it (AVX2 and AVX-512 builds differ) and order
+# reductions its own way, changing an fp32 result by an ulp. Where that moves a value across a
+# rounding boundary, a code flips to its neighbour: that element's state differs by one code step,
+# and its parameter by the difference of two Adam updates (each at most ~lr), not by round-off.
+# Observed on AVX-512 after 3 steps: params differ by <= 4.3e-7 (bf16 state) and <= 1.2e-7 otherwise,
+# no quantized code differs, a fraction 2.2e-4 of bf16 state elements by one bf16 ulp. On an AVX2
+# EPYC: one 8-bit element of 4544 (2.2e-4) flipped, its parameter off by 5.7e-5.
 COMPILED_PARAM_ATOL = 1e-6
 MAX_CODE_FLIP_FRACTION = 1e-3
 
 
+def assert_params_agree_but_for_flipped_codes(model_a: nn.Module, model_b: nn.Module, steps: int) -> None:
+    """Parameters within fp32 round-off (COMPILED_PARAM_ATOL) but for a fraction below
+    MAX_CODE_FLIP_FRACTION of elements, which differ by less than two Adam updates per step."""
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        diff = (a - b).detach().abs()
+        assert float((diff > COMPILED_PARAM_ATOL).float().mean()) < MAX_CODE_FLIP_FRACTION, name
+        assert float(diff.max()) <= 2 * LR * steps, name
+
+
 @all_formats
 def test_compiled_step_matches_eager(info):
-    """compile=True and compile=False run the same function: params agree to fp32 round-off and
-    quantized states agree except for codes flipped at a rounding boundary (a tiny fraction, and by
-    one code step at most)."""
+    """compile=True and compile=False run the same function: params and quantized states agree except
+    where fp32 round-off (FMA contraction) flipped a code at a rounding boundary: a tiny fraction of
+    elements, each state by one code step at most, each parameter by less than two updates."""
     models = [make_mlp(), make_mlp()]
     opts = [
         lowbit_optim.AdamW(m.parameters(), lr=LR, state_format=info.spec, compile=compiled, fused=False)
@@ -215,7 +229,7 @@ def test_compiled_step_matches_eager(info):
     for model, opt in zip(models, opts):
         train(model, opt, 3)
 
-    assert_params_close(*models, rtol=0, atol=COMPILED_PARAM_ATOL)
+    assert_params_agree_but_for_flipped_codes(*models, steps=3)
     compiled_states, eager_states = (moments(o, m) for o, m in zip(opts, models))
     assert compiled_states.keys() == eager_states.keys()
     for key, state in compiled_states.items():
@@ -890,6 +904,14 @@ BAD_INPUT = {
     'state_format="9bit"': with_one_param(state_format="9bit"),
     "block_size=100": with_one_param(state_format="8bit", block_size=100),
     "block_size=0": with_one_param(state_format="8bit", block_size=0),
+    "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
+    "betas=(0.9,)": with_one_param(betas=(0.9,)),
+    "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
+    "capturable=True": with_one_param(capturable=True),
+    "differentiable=True": with_one_param(differentiable=True),
+    "foreach='yes'": with_one_param(foreach="yes"),
+    "AdamW(decoupled_weight_decay=False)": with_one_param(decoupled_weight_decay=False),
+    "a model's state dict": lambda: with_one_param()().load_state_dict(nn.Linear(2, 2).state_dict()),
 }
 
 
@@ -915,7 +937,15 @@ eps=-1: ValueError: invalid eps -1: eps must be >= 0
 weight_decay=-1: ValueError: invalid weight_decay -1: weight_decay must be >= 0
 state_format="9bit": ValueError: unknown state format '9bit'; use one of [<registered formats>] or an OptimState subclass that sets a `name`
 block_size=100: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 100
-block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0""",
+block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0
+block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
+betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
+float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+capturable=True: ValueError: capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step counter on the CPU. Pass capturable=False
+differentiable=True: ValueError: differentiable=True is not supported: quantized states cannot carry gradients through the step. Pass differentiable=False, or use torch.optim for a differentiable optimizer
+foreach='yes': ValueError: foreach must be None, True or False, got 'yes'
+AdamW(decoupled_weight_decay=False): ValueError: AdamW always decouples weight decay; use lowbit_optim.Adam for L2 regularization
+a model's state dict: ValueError: not an optimizer state dict: it needs the keys 'state' and 'param_groups', got ['bias', 'weight']. Pass what optimizer.state_dict() returned (not model.state_dict())""",
         )
 
 

@@ -1,0 +1,50 @@
+"""The optimizer step as one opaque op, for training steps compiled with torch.compile.
+
+PyTorch documents compiling a function that calls ``opt.step()``. Traced by dynamo, our step would be
+unrolled through the state subclasses, the fused kernel's ctypes call and cached tables: graph
+breaks, warnings and minutes of compiling. So while dynamo traces, ``step()`` emits one custom op,
+``lowbit_optim::step``, that declares what it mutates (the parameters) and, at run time, runs the
+optimizer's ordinary step (its own compiled step or the fused kernel) on the tensors it is given.
+Learning rates and other options are read when it runs: changing them recompiles nothing.
+"""
+
+import itertools
+import weakref
+
+import torch
+from torch import Tensor
+
+# key -> optimizer: a graph holds the key as a constant; the op finds the optimizer by it at run time
+_OPTIMIZERS: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def register(optimizer) -> int:
+    """A key for ``optimizer`` (each copy needs its own), to be stored on it when it is made:
+    registering while dynamo traces would break the graph."""
+    key = next(_KEYS)
+    _OPTIMIZERS[key] = optimizer
+    return key
+
+
+@torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
+def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor]) -> None:
+    _OPTIMIZERS[optimizer_id]._step_params(params, grads)
+
+
+@_step.register_fake
+def _step_fake(optimizer_id: int, params: list[Tensor], grads: list[Tensor]) -> None:
+    return None
+
+
+def with_grads(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """The parameters that have a gradient, and those gradients."""
+    params = [p for p in params if p.grad is not None]
+    return params, [p.grad for p in params]
+
+
+def step(key: int, params: list[Tensor]) -> None:
+    """The step of the optimizer registered as ``key`` over ``params`` (all of its parameters, in
+    param-group order) as one op of the graph being traced. Its param groups are not read here:
+    dynamo would guard on every value in them (a new graph for each lr)."""
+    torch.ops.lowbit_optim.step(key, *with_grads(params))

@@ -1,0 +1,216 @@
+"""lowbit_optim behaves like torch.optim where users' code expects it: copies and pickles of the
+optimizer, any default dtype, exact resume for every parameter dtype, state_dict round trips,
+torch.optim's keywords, and ``opt.step()`` inside the user's ``torch.compile``d function.
+
+Structure tests run the step eagerly or in the fused kernel (cheap); the compiled-training test
+shares the default AdamW graphs of the rest of the suite.
+"""
+
+import contextlib
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import lowbit_optim
+from conftest import all_formats
+from test_optim import LR, assert_same_bits, make_mlp, moments, regression_data, save_and_load, train
+
+
+def trained(spec, steps: int = 2, dtype=torch.float32, **kwargs):
+    model = make_mlp(dtype=dtype)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=spec, **kwargs)
+    train(model, opt, steps)
+    return model, opt
+
+
+def assert_same_training(model_a, opt_a, model_b, opt_b) -> None:
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(a, b)
+    expected = moments(opt_a, model_a)
+    assert moments(opt_b, model_b).keys() == expected.keys()
+    for key, state in moments(opt_b, model_b).items():
+        assert type(state) is type(expected[key]) and state.dtype == expected[key].dtype, key
+        assert_same_bits(state, expected[key], key)
+
+
+# ------------------------------------------------------------------------------------------------
+# Copies: deepcopy, pickle and whole-object torch.save step like the original
+# ------------------------------------------------------------------------------------------------
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
+    "torch.save": lambda obj: torch.load(io.BytesIO(_saved(obj)), weights_only=False),
+}
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("how", COPIES)
+@pytest.mark.parametrize("kwargs", [dict(), dict(compile=False)], ids=["fused", "eager"])
+def test_copies_step_like_the_original(how, kwargs):
+    """A copy of (model, optimizer) trains on exactly like the original (EMA / rollback code and
+    whole-object checkpoints depend on it), and is an optimizer of its own."""
+    model, opt = trained("8bit", **kwargs)
+    model_copy, opt_copy = COPIES[how]((model, opt))
+    train(model, opt, 2)
+    train(model_copy, opt_copy, 2)
+    assert_same_training(model, opt, model_copy, opt_copy)
+    assert opt_copy._step_op_key != opt._step_op_key
+
+
+# ------------------------------------------------------------------------------------------------
+# Nothing depends on the default dtype
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def default_dtype_set(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("default_dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+@all_formats
+def test_default_dtype_changes_nothing(info, default_dtype):
+    """Under torch.set_default_dtype(...) states are created and stepped exactly as under fp32: the
+    step counter stays float32 (in bf16 it would stop at 256) and quantized states keep their block
+    layout."""
+    x, y = regression_data()
+    runs = []
+    for dtype in (torch.get_default_dtype(), default_dtype):
+        model = make_mlp()
+        with default_dtype_set(dtype):  # only the optimizer's work: the model and data stay fp32
+            opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec)
+        for _ in range(2):
+            (model(x) - y).square().mean().backward()
+            with default_dtype_set(dtype):
+                opt.step()
+            opt.zero_grad()
+        runs += [model, opt]
+    assert_same_training(*runs)
+    assert all(s["step"].dtype == torch.float32 for s in opt.state.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume is bit-exact for every parameter dtype
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("spec", ["fp32", "8bit", "4bit"])
+def test_resume_is_exact_for_every_param_dtype(spec, dtype):
+    """torch.optim.Optimizer.load_state_dict casts floating-point states to the parameter's dtype;
+    the fp32 state of a small (unquantized) tensor of a bf16/fp16 model must not come back rounded."""
+    model, opt = trained(spec, dtype=dtype, compile=False)
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.AdamW(resumed_model.parameters(), lr=LR, state_format=spec, compile=False)
+    resumed.load_state_dict(save_and_load(opt.state_dict()))
+    assert_same_training(model, opt, resumed_model, resumed)  # states as saved, in fp32
+    train(model, opt, 2)
+    train(resumed_model, resumed, 2)
+    assert_same_training(model, opt, resumed_model, resumed)
+
+
+def test_state_dict_round_trip_is_unchanged():
+    """load_state_dict(state_dict()) gives back the same state_dict (no key gained or lost), with the
+    param-group keys of torch.optim.AdamW."""
+    model, opt = trained("8bit", compile=False)
+    saved = opt.state_dict()
+    reloaded = lowbit_optim.AdamW(copy.deepcopy(model).parameters(), lr=LR, state_format="8bit", compile=False)
+    reloaded.load_state_dict(save_and_load(saved))
+    assert reloaded.state_dict()["param_groups"] == saved["param_groups"]
+    torch_keys = torch.optim.AdamW(make_mlp().parameters()).state_dict()["param_groups"][0].keys()
+    assert torch_keys <= saved["param_groups"][0].keys()
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.optim's keywords
+# ------------------------------------------------------------------------------------------------
+
+
+def test_adam_decoupled_weight_decay_is_adamw():
+    """Adam(decoupled_weight_decay=True) is AdamW, as in torch >= 2.7; foreach, capturable=False and
+    differentiable=False are accepted and change nothing."""
+    steps = []
+    for cls, kwargs in [(lowbit_optim.AdamW, {}), (lowbit_optim.Adam, dict(decoupled_weight_decay=True, foreach=True, capturable=False, differentiable=False))]:
+        model = make_mlp()
+        opt = cls(model.parameters(), lr=LR, weight_decay=0.1, state_format="8bit", **kwargs)
+        train(model, opt, 2)
+        steps.append((model, opt))
+    assert_same_training(*steps[0], *steps[1])
+    assert steps[1][1].state_dict()["param_groups"][0]["decoupled_weight_decay"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# opt.step() inside the user's torch.compile
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+def test_step_inside_torch_compile(fused):
+    """PyTorch's documented pattern (``@torch.compile def fn(): opt.step()``): the step is one
+    opaque op in the user's graph (step_op.py), with no graph break and no warning, and the same
+    bits as calling opt.step() eagerly. Changing lr does not recompile."""
+    (model, opt), (reference_model, reference) = (
+        (m, lowbit_optim.AdamW(m.parameters(), lr=LR, state_format="8bit", fused=fused)) for m in (make_mlp(), make_mlp())
+    )
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+
+    compiles = CompileCounterWithBackend("inductor")
+
+    @torch.compile(fullgraph=True, backend=compiles)
+    def compiled_step():
+        opt.step()
+
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for m, step_fn in ((model, compiled_step), (reference_model, reference.step)):
+                m(x).square().mean().backward()
+                step_fn()
+                m.zero_grad()
+            for o in (opt, reference):
+                o.param_groups[0]["lr"] = LR / (step + 2)
+    # torch's own DeprecationWarnings (torch.jit inside inductor) are not ours to fix
+    assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
+    assert sum(counters["graph_break"].values()) == 0
+    assert compiles.frame_count == 1
+    assert_same_training(reference_model, reference, model, opt)
+
+
+def test_grad_scaler_skips_non_finite_steps():
+    """torch.amp.GradScaler drives the optimizer as it drives torch.optim: scaled gradients are
+    unscaled before the step, and a step with a non-finite gradient (which would poison a whole block
+    of state) is skipped, leaving parameters and states untouched."""
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = regression_data()
+    for poison in (False, True):
+        before = copy.deepcopy((model, opt))
+        scaler.scale((model(x) - y).square().mean()).backward()
+        if poison:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert_same_training(*before, model, opt)
+    assert all(float(s["step"]) == 1 for s in opt.state.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
