@@ -135,6 +135,15 @@ class ShardView(Tensor):
 torch.serialization.add_safe_globals([ShardView])  # DCP loads checkpoints with weights_only=True
 
 
+def _shard_view(state: OptimState, index) -> ShardView:
+    # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
+    # write the state through a view that can be cut at any row, so checkpoints reshard
+    return ShardView(state)
+
+
+OptimState.__get_tensor_shard__ = _shard_view  # registered here: state.py knows nothing of DCP
+
+
 def _rows(state: Tensor) -> int:
     return state.shape[0] if state.dim() else 1
 

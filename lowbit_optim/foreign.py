@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import quant
+from .registry import get_format
 from .state import check_block_size
 
 # torchao class name -> (our format holding the same numbers, bits per code)
@@ -24,8 +25,6 @@ def from_foreign(state: Tensor, signed: bool) -> Tensor:
     cls = type(state)
     if not cls.__module__.startswith("torchao.") or cls.__name__ not in _TORCHAO:
         return state
-    from .formats import get_format  # formats imports this module
-
     name, bits = _TORCHAO[cls.__name__]
     fmt, fp8 = get_format(name), name == "fp8"
     codes, scale, signed = state.codes, state.scale, getattr(state, "signed", signed)

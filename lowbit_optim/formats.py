@@ -1,4 +1,4 @@
-"""The concrete state formats and the registry that maps short names to them.
+"""The concrete state formats, registered under their short names (registry.py).
 
 A quantized format is a small OptimState subclass; a plain format (fp32, bf16) is an ordinary
 tensor dtype behind the same interface, so the optimizer treats every format alike.
@@ -8,34 +8,8 @@ import torch
 from torch import Tensor
 
 from . import foreign, quant
+from .registry import get_format, register_format, registered_formats
 from .state import CodebookState, OptimState, StateTensor, check_block_size
-
-_REGISTRY: dict = {}
-
-
-def register_format(fmt) -> None:
-    """Make ``fmt`` (an OptimState subclass or PlainFormat) available as ``state_format=fmt.name``.
-    OptimState subclasses with a ``name`` register themselves when defined."""
-    existing = _REGISTRY.get(fmt.name)
-    if existing is not None and existing is not fmt and getattr(existing, "__qualname__", None) != getattr(fmt, "__qualname__", 0):
-        raise ValueError(f"state format name {fmt.name!r} is already taken by {existing!r}")
-    _REGISTRY[fmt.name] = fmt
-
-
-def registered_formats() -> dict:
-    """Name -> format, for every registered format (built-in ones first)."""
-    return dict(_REGISTRY)
-
-
-def get_format(spec):
-    """Resolve a format name or class. Raises a ValueError listing the choices for anything else."""
-    if isinstance(spec, str) and spec in _REGISTRY:
-        return _REGISTRY[spec]
-    if isinstance(spec, PlainFormat) or (isinstance(spec, type) and issubclass(spec, StateTensor) and spec.name is not None):
-        return spec
-    raise ValueError(
-        f"unknown state format {spec!r}; use one of {sorted(_REGISTRY)} or an OptimState subclass that sets a `name`"
-    )
 
 
 def paired_state_format(name: str, exp_avg: str = "4bit"):

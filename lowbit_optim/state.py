@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import quant
+from .registry import register_format
 
 aten = torch.ops.aten
 
@@ -72,8 +73,6 @@ class StateTensor(Tensor):
         super().__init_subclass__(**kwargs)
         torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
         if cls.name is not None:
-            from .formats import register_format
-
             register_format(cls)
 
     def __init__(self, *args, **kwargs):
@@ -367,13 +366,6 @@ class OptimState(StateTensor):
         per_block = bs * self.bits // 8
         codes = self.codes[first_block * per_block : end_block * per_block]
         return self._like(codes=codes, scale=self.scale[first_block:end_block], shape=(end - start, *self.shape[1:]))
-
-    def __get_tensor_shard__(self, index):
-        # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
-        # write the state through a view that can be cut at any row, so checkpoints reshard (distributed.py)
-        from .distributed import ShardView
-
-        return ShardView(self)
 
 
 class CodebookState(OptimState):
