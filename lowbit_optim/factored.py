@@ -24,7 +24,7 @@ Only nonnegative states can be factored (a signed first moment's sums cancel): u
 import torch
 from torch import Tensor
 
-from .state import StateTensor
+from .state import KernelLayout, StateTensor, computes_as
 
 
 def factor_shape(shape: torch.Size) -> tuple[int, int]:
@@ -76,6 +76,10 @@ class FactoredState(StateTensor):
 
     def _describe(self) -> dict:
         return {"signed": self.signed, "factors": (self.row.numel(), self.col.numel())} | ({"part": True} if self.part else {})
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        return KernelLayout("factored") if computes_as(cls, FactoredState, "quantize_", "dequantize", "_total") else None
 
     def _total(self) -> Tensor:
         # an all-zero state (total 0) reads as zeros

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import foreign, quant
 from .registry import get_format, register_format, registered_formats
-from .state import CodebookState, OptimState, StateTensor, check_block_size
+from .state import CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as
 
 
 def paired_state_format(name: str, exp_avg: str = "4bit"):
@@ -177,6 +177,11 @@ class OptimStateFp8(OptimState):
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
         return quant.fp8_decode(codes, cls.fp8_dtype)
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        same = computes_as(cls, OptimStateFp8, "encode", "decode", "quantize_", "dequantize")
+        return KernelLayout("e4m3") if same and cls.fp8_dtype == torch.float8_e4m3fn else None
 
 
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)

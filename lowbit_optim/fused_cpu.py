@@ -3,9 +3,9 @@
 The compiled step (functional.adam_step under torch.compile) defines the numerics and serves every
 device and format. On the CPU, inductor turns it into several passes (moments, block absmax,
 encoding) with scalar table gathers; csrc/fused_adam_cpu.c computes the same numbers in one pass
-per chunk of blocks, for every format it recognizes: plain fp32/bf16 states, codebook formats
-(CodebookState subclasses that keep its encode/decode) and FP8 e4m3. Factored states (factored.py)
-it steps too, with one difference: it sums rows and columns in double, in its own order, so their
+per chunk of blocks, for plain fp32/bf16 states and every format that declares a kernel layout
+(``StateTensor.kernel_layout``: codebook formats that keep CodebookState's encoding, FP8 e4m3,
+factored): this module only marshals what the formats declare. Factored states it steps with one difference: it sums rows and columns in double, in its own order, so their
 sums can differ from the compiled step's in the last bit (the compiled step sums fp32 in inductor's
 order). Anything else (a format with its own encoding, stochastic / Kahan / int8-correction
 parameter updates) takes the compiled step.
@@ -28,9 +28,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import formats
 from .factored import FactoredState
-from .state import CodebookState, OptimState, StateTensor, _table, _table_values, describe_tensor
+from .state import OptimState, StateTensor, describe_tensor
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_adam_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -160,26 +159,22 @@ def _kernel_kind(state: Tensor) -> int | None:
         readable = state.dtype == torch.float32 and not state.part and all(t.dtype == torch.float32 and t.is_contiguous() for t in sums)
     else:
         readable = isinstance(state, OptimState) and state.codes.is_contiguous() and state.scale.is_contiguous()
-    return _format_kind(type(state)) if readable else None
+    return _format_kind(type(state), state.signed) if readable else None
+
+
+_LAYOUT_KINDS = {"codebook": KIND_CODEBOOK, "e4m3": KIND_E4M3, "factored": KIND_FACTORED}
 
 
 @functools.cache
-def _format_kind(cls) -> int | None:
-    """The kernel's name for a format whose encoding it has (None for the others)."""
-    if issubclass(cls, FactoredState):
-        same = all(getattr(cls, m) is getattr(FactoredState, m) for m in ("quantize_", "dequantize", "_total"))
-        return KIND_FACTORED if same else None
-    if cls.quantize_ is not OptimState.quantize_ or cls.dequantize is not OptimState.dequantize:
-        return None
-    if cls.encode.__func__ is CodebookState.encode.__func__ and cls.decode.__func__ is CodebookState.decode.__func__:
-        return KIND_CODEBOOK
-    if (
-        cls.encode.__func__ is formats.OptimStateFp8.encode.__func__
-        and cls.decode.__func__ is formats.OptimStateFp8.decode.__func__
-        and cls.fp8_dtype == torch.float8_e4m3fn
-    ):
-        return KIND_E4M3
-    return None
+def _layout(cls, signed: bool):
+    """The format's declared kernel layout (StateTensor.kernel_layout), cached: asked every step."""
+    return cls.kernel_layout(signed)
+
+
+def _format_kind(cls, signed: bool) -> int | None:
+    """The kernel's name for a format whose codec it has (None for the others)."""
+    layout = _layout(cls, signed)
+    return None if layout is None else _LAYOUT_KINDS.get(layout.kind)
 
 
 def unsupported_reason(param: Tensor, grad: Tensor, step: Tensor, states: dict, param_update: str) -> str | None:
@@ -286,13 +281,13 @@ def _describe(state: Tensor | None) -> _State:
 def _format_description(cls, signed: bool) -> _State:
     """What the kernel needs of a format (its kind, constants and tables), built once: a step only
     adds each state's block size and pointers."""
-    kind = _format_kind(cls)
+    kind = _format_kind(cls, signed)
     described = _State(kind=kind, bits=cls.bits, scale_max=cls.scale_max, calibrated=cls.calibrated(signed))
     if kind == KIND_CODEBOOK:
-        cpu = torch.device("cpu")
-        described.codebook = _table(cls, signed, "codebook", cpu).data_ptr()
+        tables = _layout(cls, signed).tables
+        described.codebook = tables["codebook"].data_ptr()
         described.base_code = _int32_base_code(cls, signed).data_ptr()
-        described.threshold = _table(cls, signed, "threshold", cpu).data_ptr()
+        described.threshold = tables["threshold"].data_ptr()
         thresholds, described.nan_code = _search_thresholds(cls, signed)
         described.thresholds = thresholds.data_ptr()
         if cls.bits == 8:
@@ -305,7 +300,7 @@ def _format_description(cls, signed: bool) -> _State:
 def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
     """A codebook's sorted decision thresholds, NaN-padded to 2**bits (NaN is never <= a value),
     and the code of NaN: what the kernel's binary search needs to give the lookup tables' codes."""
-    thresholds = torch.tensor(_table_values(cls, signed)["decision_thresholds"][0], dtype=torch.float32)
+    thresholds = _layout(cls, signed).tables["decision_thresholds"]
     padded = torch.full((2**cls.bits,), math.nan, dtype=torch.float32)
     padded[: thresholds.numel()] = thresholds
     nan_code = int(cls.encode(torch.tensor([math.nan], dtype=torch.float32), signed)[0])
@@ -323,9 +318,8 @@ def _near_code_table(cls, signed: bool) -> Tensor:
     threshold in the bucket: limit = 2**16 (never reached); limit 0 (always reached) is stored as
     base + 1 with limit 2**16. NaN and infinities get nan_code.
     """
-    cpu = torch.device("cpu")
-    base = _table(cls, signed, "base_code", cpu).to(torch.int64)
-    threshold = _table(cls, signed, "threshold", cpu)
+    tables = _layout(cls, signed).tables
+    base, threshold = tables["base_code"].to(torch.int64), tables["threshold"]
     keys = torch.arange(2**16)
     low = threshold.view(torch.int32).to(torch.int64) & 0xFFFF
     low = torch.where(keys >= 2**15, 0xFFFF - low, low)  # negative values: a larger value has smaller low bits
@@ -341,13 +335,13 @@ def _near_code_table(cls, signed: bool) -> Tensor:
 def _value_bytes(cls, signed: bool) -> Tensor:
     """The codebook's values byte by byte ([k, code]: byte k of code's fp32 value), for the kernel's
     gather-free decoding of 8-bit codes."""
-    return _table(cls, signed, "codebook", torch.device("cpu")).view(torch.uint8).view(-1, 4).t().contiguous()
+    return _layout(cls, signed).tables["codebook"].view(torch.uint8).view(-1, 4).t().contiguous()
 
 
 @functools.cache
 def _int32_base_code(cls, signed: bool) -> Tensor:
     # the scalar loops' table (the vector loops use _near_code_table)
-    return _table(cls, signed, "base_code", torch.device("cpu")).to(torch.int32)
+    return _layout(cls, signed).tables["base_code"].to(torch.int32)
 
 
 def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) -> None:

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 import math
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
@@ -42,6 +43,22 @@ def implements(*ops):
         return handler
 
     return register
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """How the fused CPU kernel (fused_cpu.py) steps a format: ``kind`` names the codec it runs
+    ("codebook", "e4m3", "factored"); ``tables`` holds the format's numbers that codec reads (CPU
+    tensors, e.g. a codebook's values and its nearest-code tables)."""
+
+    kind: str
+    tables: dict = field(default_factory=dict)
+
+
+def computes_as(cls, base, *methods: str) -> bool:
+    """Whether ``cls`` inherits ``methods`` from ``base`` unchanged: only then may it declare
+    ``base``'s kernel layout (a subclass with its own encoding must take the compiled step)."""
+    return all(getattr(getattr(cls, m), "__func__", getattr(cls, m)) is getattr(getattr(base, m), "__func__", getattr(base, m)) for m in methods)
 
 
 def check_block_size(block_size, bits: int = 8) -> int:
@@ -100,6 +117,11 @@ class StateTensor(Tensor):
     def _rows(self, start: int, end: int) -> "StateTensor":
         """The view of rows [start, end) that aten.slice along dim 0 returns."""
         raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        """What the fused CPU kernel needs to step this format, or None: only the compiled step can."""
+        return None
 
     def _check_sizes(self) -> None:
         """Raise a ValueError if the inner tensors' sizes, or the metadata that sets them, do not fit
@@ -385,6 +407,13 @@ class CodebookState(OptimState):
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
         return quant.decode_codebook(codes, _codebook_tensor(cls, signed, codes.device))
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        if not computes_as(cls, CodebookState, "encode", "decode", "quantize_", "dequantize"):
+            return None
+        names = ("codebook", "base_code", "threshold", "decision_thresholds")
+        return KernelLayout("codebook", {name: _table(cls, signed, name, torch.device("cpu")) for name in names})
 
     @classmethod
     @functools.cache
