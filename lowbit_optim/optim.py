@@ -112,8 +112,11 @@ class Adam(torch.optim.Optimizer):
             raise ValueError("fused=True contradicts compile=False (the eager reference step); pass one of them")
         self._compile = compile
         self._step_op_key = step_op.register(self)
-        self._params = []  # every parameter in param-group order, for step_op
         super().__init__(params, defaults)
+
+    @property
+    def _groups(self) -> list[dict]:
+        return self.__dict__["param_groups"]
 
     @property
     def _step_fn(self):
@@ -132,7 +135,6 @@ class Adam(torch.optim.Optimizer):
         block_size_given = "block_size" in param_group or "state_format" not in param_group
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._params = self._params + group["params"]
         _check_hyperparameters(group)
         if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
             group["param_update"] = "stochastic"
@@ -173,7 +175,6 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
             self._step_op_key = step_op.register(self)
-        self._params = [p for group in self.param_groups for p in group["params"]]
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -217,8 +218,11 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
-            if closure is None and not any(is_dtensor(p) for p in self._params):
-                return step_op.step(self._step_op_key, self._params)
+            # the groups' lists read through another name: dynamo guards on every value of
+            # self.param_groups (a new graph for each lr), not on what is read through an alias
+            params = [p for group in self._groups for p in group["params"]]
+            if closure is None and not any(is_dtensor(p) for p in params):
+                return step_op.step(self._step_op_key, params)
             return _step_outside_graph(self, closure)  # a closure runs backward: a graph break either way
         return self._step_eagerly(closure)
 

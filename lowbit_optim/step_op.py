@@ -45,6 +45,5 @@ def with_grads(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
 
 def step(key: int, params: list[Tensor]) -> None:
     """The step of the optimizer registered as ``key`` over ``params`` (all of its parameters, in
-    param-group order) as one op of the graph being traced. Its param groups are not read here:
-    dynamo would guard on every value in them (a new graph for each lr)."""
+    param-group order) as one op of the graph being traced."""
     torch.ops.lowbit_optim.step(key, *with_grads(params))

@@ -214,3 +214,24 @@ def test_grad_scaler_skips_non_finite_steps():
     assert_same_training(*before, model, opt)
     assert all(float(s["step"]) == 1 for s in opt.state.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_step_inside_torch_compile_follows_replaced_params():
+    """Wrappers such as accelerate's FSDP2 preparation replace the tensors in param_groups directly
+    (not through add_param_group): the compiled step then steps the new parameters, not the old."""
+    old, new = make_mlp(), make_mlp(seed=1)
+    opt = lowbit_optim.AdamW(old.parameters(), lr=LR, state_format="8bit")
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+
+    @torch.compile(fullgraph=True)
+    def compiled_step():
+        opt.step()
+
+    opt.param_groups[0]["params"] = list(new.parameters())
+    before = [p.detach().clone() for p in (*old.parameters(), *new.parameters())]
+    for m in (old, new):
+        m(x).square().mean().backward()
+    compiled_step()
+    after = [p.detach() for p in (*old.parameters(), *new.parameters())]
+    changed = [not torch.equal(a, b) for a, b in zip(before, after)]
+    assert changed == [False] * 4 + [True] * 4
