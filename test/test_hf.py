@@ -1,0 +1,170 @@
+"""Hugging Face Trainer and Accelerate: training, checkpoints and exact resumes keep the low-bit state.
+
+The Trainer tests run examples/hf_trainer.py's tiny GPT-2 (2 layers, d_model 64, bytes as tokens).
+The FSDP2 test runs this file as a 2-process job (gloo), see ``_fsdp2_job``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, import_script
+
+import lowbit_optim
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+
+from lowbit_optim.hf import optimizer_cls_and_kwargs  # noqa: E402
+
+example = import_script("examples/hf_trainer")
+
+
+def _trainer(output_dir, *flags, optimizer=None):
+    args = example.parse_args(["--output-dir", str(output_dir), "--steps", "20", "--save-steps", "10", "--logging-steps", "10", "--quiet", *flags])
+    return example.build_trainer(args, optimizer)
+
+
+def _params(module) -> dict:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"differ after resuming: {different}"
+
+
+def _check_states(optimizer, fmt: str) -> None:
+    """Embeddings keep fp32 state (the helper's default); the other weights ``fmt``'s state class."""
+    cls = lowbit_optim.get_format(fmt)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name in ("exp_avg", "exp_avg_sq"):
+                state = optimizer.state[p][name]
+                quantized = group["state_format"] == fmt and p.numel() >= group["min_quantize_numel"]
+                assert isinstance(state, cls) if quantized else type(state) is torch.Tensor, (tuple(p.shape), name, type(state))
+    assert any(group["state_format"] == fmt and len(group["params"]) > 1 for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_trainer_resume_is_exact(tmp_path, fmt):
+    full = _trainer(tmp_path / "full", "--state-format", fmt)
+    full.train()
+    part = _trainer(tmp_path / "part", "--state-format", fmt, "--stop-after", "10")
+    part.train()
+    assert part.state.global_step == 10
+    # Trainer's own checkpoint, read as Trainer reads it: the states on disk are low-bit
+    saved = torch.load(tmp_path / "part" / "checkpoint-10" / "optimizer.pt", weights_only=True)
+    assert any(isinstance(s["exp_avg"], lowbit_optim.get_format(fmt)) for s in saved["state"].values())
+
+    resumed = _trainer(tmp_path / "part", "--state-format", fmt)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 20
+    _assert_same(_params(resumed.model), _params(full.model))  # bit for bit: data order, RNG, lr schedule, states
+    _check_states(resumed.optimizer.optimizer, fmt)  # Trainer's optimizer is accelerate's wrapper
+
+
+def test_helper_takes_training_arguments(tmp_path):
+    trainer = _trainer(tmp_path)
+    model, args = trainer.model, trainer.args
+    trainer.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs(model, args, state_format="4bit", eps=1e-6)
+    opt = trainer.create_optimizer()
+    assert type(opt) is lowbit_optim.AdamW
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len(set(params)) == len(list(model.parameters()))
+    decayed = {p for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    named = dict(model.named_parameters(remove_duplicate=False))  # GPT-2 ties lm_head to wte
+    assert decayed == {named[n] for n in trainer.get_decay_parameter_names(model)}  # Trainer's own split
+    for g in opt.param_groups:
+        assert g["lr"] == args.learning_rate and g["betas"] == (args.adam_beta1, args.adam_beta2) and g["eps"] == 1e-6
+        assert g["weight_decay"] in (0.0, args.weight_decay)
+        embedding = any(p is model.transformer.wte.weight or p is model.transformer.wpe.weight for p in g["params"])
+        assert g["state_format"] == ("fp32" if embedding else "4bit")
+
+
+def _steps(model, opt, accelerator, n: int) -> None:
+    for _ in range(n):
+        accelerator.backward(model(torch.randn(8, 64)).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+
+
+def _mixed_formats(model) -> lowbit_optim.AdamW:
+    # two formats in two groups: accelerate must keep each group's
+    return lowbit_optim.AdamW([{"params": model[0].parameters(), "state_format": "4bit"}, {"params": model[2].parameters()}], lr=1e-2, state_format="8bit")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check_mixed_formats(opt) -> None:
+    weights = [g["params"][0] for g in opt.param_groups]
+    assert [type(_local(opt.state[w]["exp_avg"])) for w in weights] == [lowbit_optim.OptimState4bit, lowbit_optim.OptimState8bit]
+
+
+def _save_step_load(model, opt, accelerator, checkpoint, full=lambda t: t) -> None:
+    """save_state, 2 steps, load_state, the same 2 steps (load_state restores the RNG): same bits."""
+    _steps(model, opt, accelerator, 3)
+    accelerator.save_state(checkpoint)
+    saved = {n: full(p) for n, p in _params(model).items()}
+    _steps(model, opt, accelerator, 2)
+    after = {n: full(p) for n, p in _params(model).items()}
+    accelerator.load_state(checkpoint)
+    _check_mixed_formats(opt.optimizer)
+    _assert_same({n: full(p) for n, p in _params(model).items()}, saved)
+    _steps(model, opt, accelerator, 2)
+    _assert_same({n: full(p) for n, p in _params(model).items()}, after)
+
+
+def test_accelerate_prepare_keeps_state_format(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = _mlp()
+    model, opt = accelerator.prepare(model, _mixed_formats(model))
+    _save_step_load(model, opt, accelerator, tmp_path / "checkpoint")
+    assert isinstance(opt.state_dict()["state"][0]["exp_avg"], lowbit_optim.OptimState4bit)
+
+
+def _fsdp2_job(checkpoint: str) -> None:
+    """One rank: accelerate's FSDP2 prepare, steps, save_state (DCP) and load_state, on CPU.
+
+    accelerate ignores ``fsdp_plugin`` on CPU (its FSDP is for MULTI_GPU and the like; MULTI_CPU gets
+    DDP), so the job overrides ``Accelerator.distributed_type``: everything else is accelerate's own
+    FSDP2 code (fully_shard, swapping the optimizer's parameters, sharded checkpoints)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.tensor import DTensor
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    Accelerator.distributed_type = property(lambda self: DistributedType.FSDP)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator.state.distributed_type, accelerator.state.fsdp_plugin = DistributedType.FSDP, plugin  # what prepare() reads
+    model = _mlp()
+    model, opt = accelerator.prepare(model, _mixed_formats(model))
+    if not isinstance(model[0].weight, DTensor):
+        open(os.path.join(checkpoint, "not_sharded"), "w").close()  # the test skips: torchrun hides exit codes
+        return
+    _save_step_load(model, opt, accelerator, checkpoint, full=DTensor.full_tensor)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_accelerate_fsdp2_keeps_state_format(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path)]
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
+    if (tmp_path / "not_sharded").exists():
+        pytest.skip("this accelerate version did not shard the model under its FSDP2 path on CPU")
+
+
+if __name__ == "__main__":  # one rank of test_accelerate_fsdp2_keeps_state_format: test_hf.py CHECKPOINT_DIR
+    _fsdp2_job(sys.argv[1])
