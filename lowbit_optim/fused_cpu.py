@@ -344,7 +344,7 @@ def _int32_base_code(cls, signed: bool) -> Tensor:
     return _layout(cls, signed).tables["base_code"].to(torch.int32)
 
 
-def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) -> None:
+def adam_step(items: list[tuple], group: dict) -> None:
     """Step every (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq or None) of ``group``
     (local, contiguous tensors that unsupported_reason accepts) in one kernel call. Steps are
     counted like the compiled step."""
@@ -369,7 +369,7 @@ def adam_step(items: list[tuple], group: dict, *, decoupled_weight_decay: bool) 
         eps=group["eps"],
         one_minus_beta1=1 - beta1,
         one_minus_beta2=1 - beta2,
-        decoupled_weight_decay=decoupled_weight_decay,
+        decoupled_weight_decay=group["decoupled_weight_decay"],
         maximize=group["maximize"],
         amsgrad=group["amsgrad"],
     )

@@ -287,7 +287,7 @@ class Adam(torch.optim.Optimizer):
             if not param.is_contiguous():
                 param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
         if fused:
-            fused_cpu.adam_step(fused, group, decoupled_weight_decay=group["decoupled_weight_decay"])
+            fused_cpu.adam_step(fused, group)
 
     def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, moments: list, mode: str) -> bool:
         if fused is False or (fused is None and param.device.type != "cpu"):

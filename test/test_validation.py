@@ -416,7 +416,7 @@ def fuzz_kernel_entry(info) -> None:
             item[["param", "grad", "step"].index(what)] = new
         before = p.detach().clone()
         try:
-            fused_cpu.adam_step([(*item, *moments)], group, decoupled_weight_decay=True)
+            fused_cpu.adam_step([(*item, *moments)], group)
         except ValueError as error:
             outcome = "refused" if torch.equal(p, before) else "refused after stepping"
             _announce(family="kernel", format=info.name, case=case, outcome=outcome, detail=str(error))
