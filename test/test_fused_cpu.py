@@ -9,8 +9,10 @@ against float64 sums instead. What the kernel does not take must fall back to th
 raise with fused=True.
 """
 
+import contextlib
 import ctypes
 import math
+import platform
 
 import expecttest
 import pytest
@@ -96,6 +98,7 @@ FLAG_CASES = {
     "bf16 params": dict(state_format="8bit", dtype=torch.bfloat16),
     "per-moment formats": dict(state_format={"exp_avg": "4bit", "exp_avg_sq": "fp8"}, amsgrad=True),
     "betas <= 0.5": dict(state_format="8bit", betas=(0.3, 0.5)),  # lerp's other branch
+    "bf16 states, Adam L2, amsgrad": dict(cls=lowbit_optim.Adam, state_format="bf16", amsgrad=True, maximize=True),
     "block_size 32": dict(state_format="4bit", block_size=32),
     "block_size 2048": dict(state_format="8bit", block_size=2048),  # blocks longer than a chunk
     "lr tensor, no decay": dict(state_format="fp8", lr=torch.tensor(3e-3), weight_decay=0.0),
@@ -110,21 +113,53 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi"], ids=["scalar", "no VBMI"])
-def test_builds_for_other_cpus_match(flag):
-    """Built without AVX-512 the kernel runs its scalar loops, without VBMI it decodes 8-bit codes with
-    gathers: the same bits again (4-bit and 8-bit codes both ways, fp8, calibrated scales, factored
-    sums: their order does not depend on the vector width)."""
-    specs = [{"exp_avg": "4bit", "exp_avg_sq": "8bit"}, {"exp_avg": "8bit", "exp_avg_sq": "4bit"}, "fp8", {"exp_avg": "fp8", "exp_avg_sq": "factored"}]
-    expected = [run(True, state_format=spec) for spec in specs]
+# The kernel's code paths on x86, each a build with one more flag: AVX-512 intrinsics (native here),
+# AVX2 intrinsics for the table lookups and compiler-vectorized loops for the rest, and the portable
+# loops alone (x86-64: SSE2, as on a CPU the file has no intrinsics for).
+BUILDS = {"native": None, "AVX2": "-mno-avx512f", "portable": "-march=x86-64"}
+build_flags = pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
+
+
+@contextlib.contextmanager
+def kernel_built_with(flag):
+    """fused_cpu's kernel built with one more compiler flag (None: as it is) while in the block."""
+    if flag is None:
+        yield
+        return
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"{flag} is an x86 flag")
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, flag])
             fused_cpu._load.cache_clear()
-            for spec, reference in zip(specs, expected):
-                assert_identical(run(True, state_format=spec), reference, exact_sums=True)
+            yield
     finally:
         fused_cpu._load.cache_clear()
+
+
+# what each build must step like the native one: both code widths in both moments, fp8, calibrated
+# scales, factored sums (their order does not depend on the vector width), and the update's flags
+OTHER_BUILD_CASES = [
+    dict(state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"}),
+    dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"}),
+    dict(state_format="fp8"),
+    dict(state_format={"exp_avg": "fp8", "exp_avg_sq": "factored"}),
+    dict(state_format="bf16", amsgrad=True),
+    dict(cls=lowbit_optim.Adam, state_format="bf16", maximize=True, betas=(0.3, 0.5)),  # L2, lerp's other branch
+    dict(cls=lowbit_optim.Adam, state_format="4bit", amsgrad=True),
+    dict(state_format="8bit", dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi", "-march=x86-64"], ids=["AVX2", "no VBMI", "portable"])
+def test_builds_for_other_cpus_match(flag):
+    """Built without AVX-512 the kernel runs AVX2 lookups and compiler-vectorized loops, without VBMI
+    it decodes 8-bit codes with gathers, for x86-64 it runs its portable loops alone: the same bits
+    again."""
+    expected = [run(True, **kwargs) for kwargs in OTHER_BUILD_CASES]
+    with kernel_built_with(flag):
+        for kwargs, reference in zip(OTHER_BUILD_CASES, expected):
+            assert_identical(run(True, **kwargs), reference, exact_sums=True)
 
 
 def test_fused_step_compiles_nothing():
@@ -236,26 +271,36 @@ def test_fused_step_bumps_version_counters():
         loss.backward()
 
 
-@pytest.mark.parametrize("state_format", ["8bit", "4bit", "fp8", "bf16", FACTORED], ids=str)
-def test_non_finite_gradients_match_the_compiled_step(state_format):
+NON_FINITE_CASES = {name: dict(state_format=name) for name in ["8bit", "4bit", "fp8", "bf16"]} | {
+    "factored": dict(state_format=FACTORED),
+    "fp8 amsgrad": dict(state_format="fp8", amsgrad=True),  # torch.maximum propagates NaN
+}
+
+
+@build_flags
+@pytest.mark.parametrize("case", NON_FINITE_CASES, ids=list(NON_FINITE_CASES))
+def test_non_finite_gradients_match_the_compiled_step(case, flag):
     """A NaN and an inf in the gradient poison the same blocks as in the compiled step: same
     scales, same values, same codes outside NaN-scaled blocks (inside them any code decodes to NaN,
-    and the sign of a NaN, which fp8 codes keep, depends on how each compiler makes it)."""
+    and the sign of a NaN, which fp8 codes keep, depends on how each compiler makes it); in every
+    build of the kernel."""
 
     def poisoned(fused):
         torch.manual_seed(0)
         param = torch.nn.Parameter(torch.randn(71, 64))
-        opt = lowbit_optim.AdamW([param], lr=1e-2, state_format=state_format, fused=fused)
+        opt = lowbit_optim.AdamW([param], lr=1e-2, fused=fused, **NON_FINITE_CASES[case])
         param.grad = torch.randn_like(param)
         param.grad[3, 5], param.grad[40, 1] = float("nan"), float("inf")
         opt.step()
         return param, opt.state[param]
 
-    (a, state_a), (b, state_b) = poisoned(True), poisoned(False)
+    with kernel_built_with(flag):
+        a, state_a = poisoned(True)
+    b, state_b = poisoned(False)
     exact = dict(rtol=0, atol=0, equal_nan=True)
     factored = isinstance(state_b["exp_avg_sq"], FactoredState)
     torch.testing.assert_close(a, b, **(FACTORED_PARAMS if factored else exact) | dict(equal_nan=True))
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key in [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state_b]:
         s, t = state_a[key], state_b[key]
         if isinstance(s, OptimState):
             torch.testing.assert_close(s.scale, t.scale, **exact)
@@ -312,31 +357,41 @@ def test_division_of_square_roots_is_exact(divisor):
     assert_divides_exactly(roots, divisor, root=True)
 
 
+@build_flags
 @blockwise_formats_by_signedness
-def test_kernel_encodes_like_the_format(info, signed):
+def test_kernel_encodes_like_the_format(info, signed, flag):
     """The kernel's encoding (its packed tables, binary searches and fp8 rounding) gives the format's
     own codes on the format suite's adversarial inputs: every code, midpoints and their neighbours,
-    zeros, denormals, range ends; NaN and infinities as the format's tables give them."""
+    zeros, denormals, range ends; NaN and infinities as the format's tables give them. In every
+    build, in its vector loops (a multiple of 16 values) and in its tails (7 values at a time)."""
     state = info.fmt.zeros(256, signed=signed)
     if fused_cpu._kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
     v = torch.cat([encode_inputs(info, signed), torch.tensor([math.nan, math.inf, -math.inf])])
     v = torch.cat([v, v.new_zeros(-v.numel() % 16)])
-    codes = torch.empty(v.numel(), dtype=torch.uint8)
-    fused_cpu.library().lowbit_encode(ctypes.byref(fused_cpu._describe(state)), v.data_ptr(), v.numel(), codes.data_ptr())
+    codes, tail_codes = torch.empty(v.numel(), dtype=torch.uint8), torch.empty(v.numel(), dtype=torch.uint8)
+    with kernel_built_with(flag):
+        encode = fused_cpu.library().lowbit_encode
+        described = ctypes.byref(fused_cpu._describe(state))
+        encode(described, v.data_ptr(), v.numel(), codes.data_ptr())
+        for start in range(0, v.numel(), 7):
+            encode(described, v[start:].data_ptr(), min(7, v.numel() - start), tail_codes[start:].data_ptr())
     expected = info.fmt.encode(v, signed)
-    wrong = codes != expected
-    if fused_cpu._kernel_kind(state) == fused_cpu.KIND_E4M3:
-        # the sign of a NaN code is the compiler's (any NaN code decodes to NaN); an infinity never
-        # reaches the encoder in a step (an infinite absmax makes the block's values NaN)
-        wrong &= v.isfinite()
-    assert not wrong.any(), f"{int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {codes[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
+    for where, got in [("vector loops", codes), ("tails", tail_codes)]:
+        wrong = got != expected
+        if fused_cpu._kernel_kind(state) == fused_cpu.KIND_E4M3:
+            # the sign of a NaN code is the compiler's (any NaN code decodes to NaN); an infinity never
+            # reaches the encoder in a step (an infinite absmax makes the block's values NaN)
+            wrong &= v.isfinite()
+            assert bool((got[~v.isfinite()] & 0x7F == 0x7F).all()), f"{where}: NaN and infinities must give a NaN code"
+        assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
 
 
+@build_flags
 @blockwise_formats_by_signedness
-def test_kernel_decodes_like_the_format(info, signed):
-    """Every code, in every position of a block (the kernel decodes 64, 16 or 1 at a time), reads
-    back as the state's own dequantize gives it."""
+def test_kernel_decodes_like_the_format(info, signed, flag):
+    """Every code, in every position of a block (the kernel decodes 64, 16, 8 or 1 at a time), reads
+    back as the state's own dequantize gives it, in every build."""
     g = torch.Generator().manual_seed(1)
     n = 4 * info.block_size + 17  # whole blocks and a partial one
     state = info.fmt.from_float(sample((n,), signed, seed=1), signed)
@@ -347,7 +402,8 @@ def test_kernel_decodes_like_the_format(info, signed):
     padded = torch.cat([codes, codes.new_zeros(state.padded_numel - n)])
     state.codes.copy_(quant.pack_nibbles(padded) if info.fmt.bits == 4 else padded)
     out = torch.empty(n)
-    fused_cpu.library().lowbit_decode(ctypes.byref(fused_cpu._describe(state)), n, out.data_ptr())
+    with kernel_built_with(flag):
+        fused_cpu.library().lowbit_decode(ctypes.byref(fused_cpu._describe(state)), n, out.data_ptr())
     torch.testing.assert_close(out, state.dequantize(), rtol=0, atol=0, equal_nan=True)
 
 

@@ -7,19 +7,30 @@
  * -ffp-contract=off), so this kernel and the compiled step produce the same bits.
  *
  * Speed comes from doing that arithmetic with fewer slow instructions, never from changing it:
- * fp32 parameters, gradients and states are worked on where they lie (no copies); the update is one
- * vector loop; a division by a number shared by a block or a step (a scale, a bias correction) is
- * a multiplication by its reciprocal plus one FMA correction, which gives the correctly rounded
- * quotient (exact_divisor below); 8-bit codes decode without gathers (byte lookups, with AVX-512
- * VBMI) and encode with one gather from a table small enough for L1.
+ * fp32 parameters, gradients and states are worked on where they lie (no copies), bf16 states too
+ * (converted in the update loop); the update is one vector loop; with AVX-512, a division by a
+ * number shared by a block or a step (a scale, a bias correction) is a multiplication by its
+ * reciprocal plus one FMA correction, which gives the correctly rounded quotient (exact_divisor
+ * below); 8-bit codes decode without gathers (byte lookups, with AVX-512 VBMI) and encode with one
+ * gather from a table small enough for L1.
+ *
+ * Three paths, one set of numbers: AVX-512 intrinsics; AVX2 intrinsics (8 lanes) for what needs
+ * table lookups (decoding, encoding), which compilers do not vectorize; and portable loops, the
+ * reference, which compilers vectorize for whatever they target (the update, block absmax, fp8
+ * encoding, bf16 conversion) and which serve as the other paths' tails. In those, a select
+ * is written as a mask or a value choice, never as a branch around arithmetic: GCC will not
+ * if-convert a branch around an operation that may trap, and the loop then stays scalar.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1
 #endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_CODEBOOK = 2, KIND_E4M3 = 3, KIND_FACTORED = 4 };
@@ -73,7 +84,8 @@ static inline float bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16)
 static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays a quiet NaN */
     uint32_t u = bits_of(x);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return x != x ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+    uint32_t nan = 0u - (x != x);  /* a mask, not a branch (see the top) */
+    return (uint16_t)((rounded & ~nan) | (0x7FC0u & nan));
 }
 
 static inline float e4m3_to_f32(uint8_t c) {
@@ -86,18 +98,14 @@ static inline float e4m3_to_f32(uint8_t c) {
 static inline uint8_t f32_to_e4m3(float x) {  /* round to nearest even; what rounds above 448 -> NaN, as torch */
     uint32_t u = bits_of(x), sign = (u >> 24) & 0x80;
     uint32_t a = u & 0x7FFFFFFFu;
-    uint32_t code;
-    if (a >= 0x43F00000u) {               /* 480 and above, inf, NaN */
-        code = 0x7F;
-    } else if (a < 0x3C800000u) {         /* below 2**-6: subnormal, steps of 2**-9 */
-        /* adding 2**14, whose fp32 ulp is 2**-9, rounds to that grid (to nearest even) and leaves
-         * the multiple of 2**-9 in the low mantissa bits */
-        code = bits_of(float_of(a) + 16384.0f) - bits_of(16384.0f);
-    } else {
-        uint32_t odd = (a >> 20) & 1u;
-        code = (a + 0x7FFFFu + odd - (120u << 23)) >> 20;
-    }
-    return (uint8_t)(code | sign);
+    /* both cases computed, one selected by a mask (see the top) */
+    uint32_t normal = (a + 0x7FFFFu + ((a >> 20) & 1u) - (120u << 23)) >> 20;
+    normal = normal < 0x7Fu ? normal : 0x7Fu;  /* what rounds to 0x7F or above (480 and up, inf, NaN): 0x7F */
+    /* below 2**-6 (subnormal, steps of 2**-9): adding 2**14, whose fp32 ulp is 2**-9, rounds to that
+     * grid (to nearest even) and leaves the multiple of 2**-9 in the low mantissa bits */
+    uint32_t subnormal = bits_of(float_of(a) + 16384.0f) - bits_of(16384.0f);
+    uint32_t below = 0u - (a < 0x3C800000u);
+    return (uint8_t)(((subnormal & below) | (normal & ~below)) | sign);
 }
 
 /* ---- exact division by a shared divisor -------------------------------------------------------
@@ -105,7 +113,8 @@ static inline uint8_t f32_to_e4m3(float x) {  /* round to nearest even; what rou
  * correction. With y = RN(1 / b), q = RN(a * y) is within an ulp of a / b and the FMA correction
  * q + (a - q * b) * y rounds to exactly RN(a / b) (Markstein's theorem), provided the residual
  * a - q * b is exact: a and q normal and well inside the exponent range. Lanes outside that range
- * (tiny, huge, non-finite) take a real division; zero is exact as a * y. The scalar loops divide. */
+ * (tiny, huge, non-finite) take a real division; zero is exact as a * y. AVX-512 only: the other
+ * paths divide (with AVX2, 8-lane divisions measured faster than the corrected products). */
 #ifdef __AVX512F__
 typedef struct {
     float b, y;
@@ -165,8 +174,25 @@ static inline __m512 divide_root(__m512 a, const divisor_t *d, int ready) {
 
 /* ---- the hot loops over one block: decode, absmax, encode ---------------------------------------
  * With AVX-512 (the library is built with -march=native) they are written with intrinsics: the
- * compiler does not vectorize table gathers indexed by bytes. The scalar loops are the reference
- * and the fallback; both compute exactly the same values. */
+ * compiler does not vectorize table gathers indexed by bytes. With AVX2 only, decoding and encoding
+ * are intrinsics too: the same loops with 8 lanes, dividing. The portable loops are the reference,
+ * the tails and everything elsewhere; all compute exactly the same values. */
+
+#ifdef AVX2_ONLY
+/* table[idx] for a 16-entry table held in two registers (idx in 0..15) */
+static inline __m256 lookup16(__m256 low, __m256 high, __m256i idx) {
+    __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  /* bit 3 on top: blendv's selector */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, idx), _mm256_permutevar8x32_ps(high, idx), upper);
+}
+
+/* the low bytes of 8 int32 lanes, stored as 8 bytes */
+static inline void store_low_bytes(uint8_t *dst, __m256i x) {
+    __m256i bytes = _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+#endif
 
 static float e4m3_values[256];  /* KIND_E4M3 decodes through this table like a codebook */
 static uint8_t e4m3_value_bytes[4 * 256];
@@ -224,6 +250,23 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
             _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s));
         }
     }
+#elif defined(AVX2_ONLY)
+    __m256 s = _mm256_set1_ps(scale);
+    if (bits == 8) {
+        for (; i + 8 <= m; i += 8) {
+            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(codebook, idx, 4), s));
+        }
+    } else {
+        __m256 low = _mm256_loadu_ps(codebook), high = _mm256_loadu_ps(codebook + 8);
+        __m256i shifts = _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24);  /* code 2k: byte k's high nibble */
+        for (; i + 8 <= m; i += 8) {
+            int32_t four;  /* 8 codes, in every lane */
+            memcpy(&four, c + i / 2, 4);
+            __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(four), shifts), _mm256_set1_epi32(15));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup16(low, high, idx), s));
+        }
+    }
 #endif
     (void)value_bytes;
     for (; i < m; i++) {
@@ -233,23 +276,16 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
 }
 
 /* the block's scale: absmax (at least MIN_BLOCK_SCALE; NaN if any value is NaN) / scale_max */
-static float block_scale(const float *x, int64_t bs, float scale_max) {
-    float absmax = 0.0f;
-    int nan = 0;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    /* magnitudes compared as integers: the order of floats, with NaN above infinity */
-    __m512i top = _mm512_setzero_si512(), magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-    for (; i + 16 <= bs; i += 16) top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude));
-    uint32_t bits = (uint32_t)_mm512_reduce_max_epu32(top);
-    nan = bits > 0x7F800000u;
-    absmax = nan ? 0.0f : float_of(bits);
-#endif
-    for (; i < bs; i++) {
-        absmax = fmaxf(absmax, fabsf(x[i]));
-        nan |= x[i] != x[i];
+static float block_scale(const float *restrict x, int64_t bs, float scale_max) {
+    /* magnitudes compared as integers: the order of floats, with NaN above infinity (compilers
+     * vectorize this as well as the AVX-512 intrinsics it replaces) */
+    uint32_t top = 0;
+    #pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < bs; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
     }
-    return (nan ? NAN : fmaxf(absmax, MIN_BLOCK_SCALE)) / scale_max;
+    return (top > 0x7F800000u ? NAN : fmaxf(float_of(top), MIN_BLOCK_SCALE)) / scale_max;
 }
 
 /* For a calibrated scale (quant.calibrated_scale): the products v * v and v * Q(v) of each normalized
@@ -271,13 +307,24 @@ static inline void store_products(const calibration_t *cal, int64_t i, __m512 v,
 }
 #endif
 
+#ifdef AVX2_ONLY
+static inline void store_products8(const calibration_t *cal, int64_t i, __m256 v, __m256 q) {
+    __m256d v_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    __m256d q_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(q)), q_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(q, 1));
+    _mm256_storeu_pd(cal->vv + i, _mm256_mul_pd(v_lo, v_lo));
+    _mm256_storeu_pd(cal->vv + i + 4, _mm256_mul_pd(v_hi, v_hi));
+    _mm256_storeu_pd(cal->vq + i, _mm256_mul_pd(v_lo, q_lo));
+    _mm256_storeu_pd(cal->vq + i + 4, _mm256_mul_pd(v_hi, q_hi));
+}
+#endif
+
 static inline void store_product(const calibration_t *cal, int64_t i, float v, uint8_t code) {
     cal->vv[i] = (double)v * (double)v;
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
 
 /* codes (one byte each) of the values x / scale: the exact nearest codebook value, or e4m3 rounding */
-static void encode_block(const state_t *s, const float *x, float scale, int64_t bs, uint8_t *codes, const calibration_t *cal) {
+static void encode_block(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
     int64_t i = 0;
 #ifdef __AVX512F__
     divisor_t d = exact_divisor(scale);
@@ -327,17 +374,77 @@ static void encode_block(const state_t *s, const float *x, float scale, int64_t 
             if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(_mm512_and_si512(code, _mm512_set1_epi32(0xFF)), s->codebook, 4));
         }
     }
-#endif
-    for (; i < bs; i++) {
-        float v = x[i] / scale;
-        if (s->kind == KIND_E4M3) {
-            codes[i] = f32_to_e4m3(v);
-        } else {
-            uint32_t bucket = bits_of(v) >> 16;
-            codes[i] = (uint8_t)(s->base_code[bucket] + (v >= s->threshold[bucket]));
+#elif defined(AVX2_ONLY)
+    __m256 divisor = _mm256_set1_ps(scale);
+    if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 8 at a time (compilers vectorize it, with many more packs) */
+        __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+        __m256 two14 = _mm256_set1_ps(16384.0f);
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256i u = _mm256_castps_si256(v), a = _mm256_and_si256(u, magnitude);
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+            __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, odd), _mm256_set1_epi32(0x7FFFF - (120 << 23))), 20);
+            normal = _mm256_min_epu32(normal, _mm256_set1_epi32(0x7F));
+            __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), two14)), _mm256_castps_si256(two14));
+            __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a));
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+            store_low_bytes(codes + i, code);
+            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(e4m3_values, code, 4));
         }
-        if (cal->vv) store_product(cal, i, v, codes[i]);
+    } else if (s->kind == KIND_CODEBOOK && s->bits == 4) {
+        /* the AVX-512 loop's binary search for how many thresholds are <= v: step k probes one of
+         * 2**k thresholds (t[7]; t[3] or t[11]; t[1, 5, 9, 13]; the even ones), a permute away */
+        const float *t = s->thresholds;
+        __m256 t7 = _mm256_set1_ps(t[7]), t3 = _mm256_set1_ps(t[3]), t11 = _mm256_set1_ps(t[11]);
+        __m256 odd = _mm256_setr_ps(t[1], t[5], t[9], t[13], 0, 0, 0, 0);
+        __m256 even = _mm256_setr_ps(t[0], t[2], t[4], t[6], t[8], t[10], t[12], t[14]);
+        __m256 q_low = _mm256_loadu_ps(s->codebook), q_high = _mm256_loadu_ps(s->codebook + 8);
+        __m256i nan_code = _mm256_set1_epi32(s->nan_code), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256 up8 = _mm256_cmp_ps(v, t7, _CMP_GE_OQ);
+            __m256 up4 = _mm256_cmp_ps(v, _mm256_blendv_ps(t3, t11, up8), _CMP_GE_OQ);
+            __m256i code = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(up8), _mm256_set1_epi32(8)),
+                                           _mm256_and_si256(_mm256_castps_si256(up4), _mm256_set1_epi32(4)));
+            __m256 up2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(odd, _mm256_srli_epi32(code, 2)), _CMP_GE_OQ);
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up2), _mm256_set1_epi32(2)));
+            __m256 up1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(even, _mm256_srli_epi32(code, 1)), _CMP_GE_OQ);
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up1), _mm256_set1_epi32(1)));
+            __m256i non_finite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), _mm256_set1_epi32(0x7F7FFFFF));
+            code = _mm256_blendv_epi8(code, nan_code, non_finite);
+            store_low_bytes(codes + i, code);
+            if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, code));
+        }
+    } else if (s->kind == KIND_CODEBOOK) {
+        __m256i sign = _mm256_set1_epi32(INT32_MIN);  /* flipped: an unsigned comparison as a signed one */
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256i bits = _mm256_castps_si256(v);
+            __m256i entry = _mm256_i32gather_epi32((const int *)s->near_code, _mm256_srli_epi32(bits, 16), 4);
+            __m256i low = _mm256_slli_epi32(_mm256_xor_si256(bits, _mm256_srai_epi32(bits, 31)), 16);
+            __m256i up = _mm256_cmpgt_epi32(_mm256_xor_si256(low, sign), _mm256_xor_si256(entry, sign));
+            __m256i code = _mm256_sub_epi32(entry, up);  /* entry + 1 where low > entry */
+            store_low_bytes(codes + i, code);  /* the low bytes */
+            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(s->codebook, _mm256_and_si256(code, _mm256_set1_epi32(0xFF)), 4));
+        }
     }
+#endif
+    /* the rest (all of it without AVX-512 or AVX2): fp8 rounding, which compilers vectorize, or the
+     * nearest-code tables (scalar, unless the target has gathers: faster than a vectorized count of
+     * thresholds with 4 lanes) */
+    int64_t first = i;
+    if (s->kind == KIND_E4M3) {
+        #pragma omp simd
+        for (int64_t j = first; j < bs; j++) codes[j] = f32_to_e4m3(x[j] / scale);
+    } else {  /* the nearest-code tables: base_code, plus one where v reaches the bucket's threshold */
+        for (int64_t j = first; j < bs; j++) {
+            float v = x[j] / scale;
+            uint32_t bucket = bits_of(v) >> 16;
+            codes[j] = (uint8_t)(s->base_code[bucket] + (v >= s->threshold[bucket]));
+        }
+    }
+    if (cal->vv)
+        for (int64_t j = first; j < bs; j++) store_product(cal, j, x[j] / scale, codes[j]);
 }
 
 /* quant.calibrated_scale: scale * sum(v * v) / sum(v * Q(v)) over the block, the sums taken by
@@ -448,36 +555,96 @@ typedef struct {
 } scalars_t;
 
 /* torch.lerp as torch.compile lowers it: start + w * (end - start) for |w| < 0.5, else
- * end - (1 - w) * (end - start); the multiplication by 1.0 it leaves in is exact and dropped. */
+ * end - (1 - w) * (end - start); the multiplication by 1.0 it leaves in is exact and dropped.
+ * (coeff: w, or -(1 - w) where high.) */
 static inline float lerp(float start, float end, float coeff, int high) {
-    return high ? end + coeff * (end - start) : start + coeff * (end - start);
+    return (high ? end : start) + coeff * (end - start);
 }
 
-/* One element of functional.adam_step; the vector loop below does the same to 16 at a time. */
-static inline void update_one(const hyper_t *h, const scalars_t *k, float c1, float c2, int high1, int high2,
-                              float *p, float grad, float *m, float *v, float *vmax) {
-    float g = h->maximize ? -grad : grad;
-    if (h->decoupled_weight_decay)
-        *p = *p - k->lr_times_wd * *p;
+typedef struct {
+    float c1, c2;  /* the moments' lerp coefficients */
+    int high1, high2;
+} weights_t;
+
+static weights_t lerp_weights(const hyper_t *h) {
+    float w1 = h->one_minus_beta1, w2 = h->one_minus_beta2;
+    weights_t w = {w1, w2, fabsf(w1) >= 0.5f, fabsf(w2) >= 0.5f};
+    if (w.high1) w.c1 = -(1.0f - w1);
+    if (w.high2) w.c2 = -(1.0f - w2);
+    return w;
+}
+
+/* an operand of the update: fp32 values, or bf16 values (bf16 states, read and written in place) */
+static inline float read_value(const void *x, int64_t j, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+
+static inline void write_value(void *x, int64_t j, float value, int bf16) {
+    if (bf16)
+        ((uint16_t *)x)[j] = f32_to_bf16(value);
     else
-        g = g + h->weight_decay * *p;
-    *m = lerp(*m, g, c1, high1);
-    *v = lerp(*v, g * g, c2, high2);
-    float d = *v;
-    if (h->amsgrad) {  /* torch.maximum: NaN propagates, else std::max(vmax, v) */
-        *vmax = (*vmax != *vmax || *v != *v) ? NAN : (*vmax < *v ? *v : *vmax);
-        d = *vmax;
+        ((float *)x)[j] = value;
+}
+
+/* functional.adam_step on elements i..n-1: the reference, the AVX-512 loop's tail and the whole
+ * update elsewhere, written so that compilers vectorize it. decoupled, amsgrad and bf16 (the
+ * states are bf16) are constants in each inlined copy (branches around arithmetic, see the top);
+ * maximize is a sign flip. */
+static inline __attribute__((always_inline)) void update_elements(const hyper_t *h, const scalars_t *k, const weights_t *w, int decoupled, int amsgrad, int bf16,
+                                                                  int64_t i, int64_t n, float *restrict p, const float *restrict g,
+                                                                  void *restrict m, void *restrict v, void *restrict vmax) {
+    /* in locals: stores to the arrays cannot change them */
+    float lr = h->lr, lr_wd = k->lr_times_wd, wd = h->weight_decay, eps = h->eps;
+    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = w->c1, c2 = w->c2;
+    int high1 = w->high1, high2 = w->high2;
+    uint32_t flip = h->maximize ? 0x80000000u : 0;
+    #pragma omp simd
+    for (int64_t j = i; j < n; j++) {
+        float P = p[j], G = float_of(bits_of(g[j]) ^ flip);
+        if (decoupled)
+            P = P - lr_wd * P;
+        else
+            G = G + wd * P;
+        float M = lerp(read_value(m, j, bf16), G, c1, high1), V = lerp(read_value(v, j, bf16), G * G, c2, high2);
+        write_value(m, j, M, bf16);
+        write_value(v, j, V, bf16);
+        if (amsgrad) {  /* torch.maximum: NaN propagates, else std::max(vmax, v) */
+            float old = read_value(vmax, j, bf16);
+            V = (old != old || V != V) ? NAN : (old < V ? V : old);
+            write_value(vmax, j, V, bf16);
+        }
+        float denom = sqrtf(V) / sbc2 + eps;
+        p[j] = P - lr * (M / bc1) / denom;
     }
-    float denom = sqrtf(d) / k->sqrt_bias_correction2 + h->eps;
-    *p = *p - h->lr * (*m / k->bias_correction1) / denom;
+}
+
+static void update_rest(const hyper_t *h, const scalars_t *k, const weights_t *w, int bf16, int64_t i, int64_t n, float *p, const float *g, void *m, void *v,
+                        void *vmax) {
+    switch (h->decoupled_weight_decay << 2 | h->amsgrad << 1 | bf16) {  /* a copy of the loop for each */
+        case 0: update_elements(h, k, w, 0, 0, 0, i, n, p, g, m, v, vmax); break;
+        case 1: update_elements(h, k, w, 0, 0, 1, i, n, p, g, m, v, vmax); break;
+        case 2: update_elements(h, k, w, 0, 1, 0, i, n, p, g, m, v, vmax); break;
+        case 3: update_elements(h, k, w, 0, 1, 1, i, n, p, g, m, v, vmax); break;
+        case 4: update_elements(h, k, w, 1, 0, 0, i, n, p, g, m, v, vmax); break;
+        case 5: update_elements(h, k, w, 1, 0, 1, i, n, p, g, m, v, vmax); break;
+        case 6: update_elements(h, k, w, 1, 1, 0, i, n, p, g, m, v, vmax); break;
+        default: update_elements(h, k, w, 1, 1, 1, i, n, p, g, m, v, vmax); break;
+    }
+}
+
+/* bf16 states: the portable loop, which reads and writes them in place (faster than converting
+ * them into buffers and back, with AVX-512 too) */
+static void update_bf16_states(const hyper_t *h, const scalars_t *k, int64_t n, float *p, const float *g, uint16_t *m, uint16_t *v, uint16_t *vmax) {
+    weights_t w = lerp_weights(h);
+    update_rest(h, k, &w, 1, 0, n, p, g, m, v, vmax);
 }
 
 static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float *p, const float *g, float *m, float *v, float *vmax) {
-    float w1 = h->one_minus_beta1, w2 = h->one_minus_beta2;
-    int high1 = fabsf(w1) >= 0.5f, high2 = fabsf(w2) >= 0.5f;
-    float c1 = high1 ? -(1.0f - w1) : w1, c2 = high2 ? -(1.0f - w2) : w2;
+    weights_t w = lerp_weights(h);
     int64_t i = 0;
 #ifdef __AVX512F__
+    float c1 = w.c1, c2 = w.c2;
+    int high1 = w.high1, high2 = w.high2;
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
     __m512 lr = _mm512_set1_ps(h->lr), lr_wd = _mm512_set1_ps(k->lr_times_wd), wd = _mm512_set1_ps(h->weight_decay);
@@ -506,20 +673,25 @@ static void update_chunk(const hyper_t *h, const scalars_t *k, int64_t n, float 
         _mm512_storeu_ps(p + i, P);
     }
 #endif
-    for (; i < n; i++) update_one(h, k, c1, c2, high1, high2, p + i, g[i], m + i, v + i, vmax + i);
+    update_rest(h, k, &w, 0, i, n, p, g, m, v, vmax);
 }
 
 static void step_chunk(const param_t *t, const hyper_t *h, const scalars_t *k, int64_t start, int64_t n, int64_t task) {
     float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], m_buffer[MAX_CHUNK], v_buffer[MAX_CHUNK], vmax_buffer[MAX_CHUNK];
     float *p = load_values(t->param_kind, t->param, start, n, p_buffer);
     const float *g = load_values(t->grad_kind, t->grad, start, n, g_buffer);
-    float *m = load_state(&t->exp_avg, start, n, m_buffer);
-    float *v = load_state(&t->exp_avg_sq, start, n, v_buffer);
-    float *vmax = h->amsgrad ? load_state(&t->max_exp_avg_sq, start, n, vmax_buffer) : vmax_buffer;
-    update_chunk(h, k, n, p, g, m, v, vmax);
-    store_state(&t->exp_avg, start, n, m, t->exp_avg.col_sums + task * t->exp_avg.cols);
-    store_state(&t->exp_avg_sq, start, n, v, t->exp_avg_sq.col_sums + task * t->exp_avg_sq.cols);
-    if (h->amsgrad) store_state(&t->max_exp_avg_sq, start, n, vmax, t->max_exp_avg_sq.col_sums + task * t->max_exp_avg_sq.cols);
+    if (t->exp_avg.kind == KIND_BF16 && t->exp_avg_sq.kind == KIND_BF16 && (!h->amsgrad || t->max_exp_avg_sq.kind == KIND_BF16)) {
+        uint16_t *m = (uint16_t *)t->exp_avg.data + start, *v = (uint16_t *)t->exp_avg_sq.data + start;
+        update_bf16_states(h, k, n, p, g, m, v, h->amsgrad ? (uint16_t *)t->max_exp_avg_sq.data + start : NULL);
+    } else {
+        float *m = load_state(&t->exp_avg, start, n, m_buffer);
+        float *v = load_state(&t->exp_avg_sq, start, n, v_buffer);
+        float *vmax = h->amsgrad ? load_state(&t->max_exp_avg_sq, start, n, vmax_buffer) : vmax_buffer;
+        update_chunk(h, k, n, p, g, m, v, vmax);
+        store_state(&t->exp_avg, start, n, m, t->exp_avg.col_sums + task * t->exp_avg.cols);
+        store_state(&t->exp_avg_sq, start, n, v, t->exp_avg_sq.col_sums + task * t->exp_avg_sq.cols);
+        if (h->amsgrad) store_state(&t->max_exp_avg_sq, start, n, vmax, t->max_exp_avg_sq.col_sums + task * t->max_exp_avg_sq.cols);
+    }
     store_values(t->param_kind, t->param, start, n, p);
 }
 
