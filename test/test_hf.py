@@ -24,6 +24,16 @@ from lowbit_optim.hf import optimizer_cls_and_kwargs  # noqa: E402
 example = import_script("examples/hf_trainer")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's ops gain nothing from a second thread, and under ``-n 2`` that thread waits for
+    the core the other worker holds: a Trainer test took 55-63 s with 2 threads, 5 s with 1."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _trainer(output_dir, *flags, optimizer=None):
     args = example.parse_args(["--output-dir", str(output_dir), "--steps", "20", "--save-steps", "10", "--logging-steps", "10", "--quiet", *flags])
     return example.build_trainer(args, optimizer)
