@@ -1,22 +1,32 @@
-"""What bounds an Adam step on this CPU: memory traffic or arithmetic? (issue #3)
+"""What bounds an Adam step on this CPU: memory traffic or arithmetic? (issues #3, #15)
 
 1. ``torch.optim.AdamW(fused=True)`` per element, with its four tensors in cache and in DRAM: if the
    times are close, the step is compute-bound and moving fewer bytes (quantized states) cannot by
    itself make a step faster than it.
 2. The bandwidth of plain copies, for scale.
-3. The divider: an AVX-512 loop (C, built with the fused kernel's compiler and flags) doing one square
-   root and K divisions per element over the GPT-2-small element count on L1-resident data, for
-   K = 0..5. The compiled step divides five times per element (three in the update, one per moment
-   by the block scale); torch's fused AdamW twice. The fused kernel gives the compiled step's bits
-   with one real division per element: it divides by a block scale or a bias correction as a
-   multiplication by the reciprocal plus an FMA correction (exact_divisor in the C file).
+3. The divider: a vector loop (C, built with the fused kernel's compiler) doing one square root and
+   K divisions per element over the GPT-2-small element count on L1-resident data, for K = 0..5,
+   with the widest vectors of the ISA measured (AVX-512: 16 lanes; AVX2: 8). The compiled step
+   divides five times per element (three in the update, one per moment by the block scale);
+   torch's fused AdamW twice. With AVX-512 the fused kernel gives the compiled step's bits with one
+   real division per element (it divides by a block scale or a bias correction as a multiplication
+   by the reciprocal plus an FMA correction: csrc/divide.h); with AVX2 it divides five times, with
+   8-lane divisions (measured faster there than the corrected products).
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
-   divisions are gone (decoding, block absmax, encoding, calibration).
+   divisions are counted (decoding, block absmax, encoding, calibration).
 
-    python benchmarks/compute_bound.py                     # ~1 min on 2 idle cores
+``--isa native,avx2`` measures it all twice: as this CPU runs it, and as an AVX2 + FMA CPU would
+(in a child process: torch's kernels forced to AVX2 with ATEN_CPU_CAPABILITY=avx2, the fused kernel
+built with -mno-avx512f, the AVX2 divider loop), so that an AVX-512 machine explains both.
+
+    python benchmarks/compute_bound.py                     # ~2 min on 2 idle cores
+    python benchmarks/compute_bound.py --isa native,avx2   # both ISAs, ~4 min
+    OMP_NUM_THREADS=1 python benchmarks/compute_bound.py --isa native,avx2   # one thread (divider too)
 """
 
 import argparse
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -27,7 +37,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import lowbit_optim  # noqa: E402
-from lowbit_optim import fused_cpu  # noqa: E402
+from lowbit_optim import fused_cpu, kernel_abi, kernel_build  # noqa: E402
+
+# The divider loop for each ISA: vector type, lane count, intrinsics, the compiler flag that enables
+# them, and the CPU flag (/proc/cpuinfo) that says they run here.
+ISAS = {
+    "avx512": dict(vec="__m512", lanes=16, p="_mm512", cflag="-mavx512f", cpu="avx512f"),
+    "avx2": dict(vec="__m256", lanes=8, p="_mm256", cflag="-mavx2", cpu="avx2"),
+}
 
 DIVIDER_SOURCE = r"""
 #include <immintrin.h>
@@ -41,20 +58,21 @@ int main(int argc, char **argv) {
     float sink = 0;
     #pragma omp parallel reduction(+ : sink)
     {
-        float buf[1024];
+        float buf[1024], lanes[LANES];
         for (int i = 0; i < 1024; i++) buf[i] = 1.0f + i * 1e-3f;
-        __m512 acc = _mm512_setzero_ps(), s = _mm512_set1_ps(1.0001f);
+        VEC acc = P_setzero_ps(), s = P_set1_ps(1.0001f);
         #pragma omp for
         for (long c = 0; c < n / 1024; c++)
-            for (int i = 0; i < 1024; i += 16) {
-                __m512 x = _mm512_loadu_ps(buf + i), r = _mm512_sqrt_ps(x);
+            for (int i = 0; i < 1024; i += LANES) {
+                VEC x = P_loadu_ps(buf + i), r = P_sqrt_ps(x);
                 for (int k = 0; k < divisions; k++) {  /* independent divisions: throughput, not latency */
-                    x = _mm512_add_ps(x, s);
-                    r = _mm512_add_ps(r, _mm512_div_ps(x, s));
+                    x = P_add_ps(x, s);
+                    r = P_add_ps(r, P_div_ps(x, s));
                 }
-                acc = _mm512_add_ps(acc, r);
+                acc = P_add_ps(acc, r);
             }
-        sink += _mm512_reduce_add_ps(acc);
+        P_storeu_ps(lanes, acc);
+        for (int i = 0; i < LANES; i++) sink += lanes[i];
     }
     printf("%.6f %g\n", omp_get_wtime() - start, sink);
     return 0;
@@ -62,11 +80,17 @@ int main(int argc, char **argv) {
 """
 
 
-def step_ns_per_element(make_optimizer, n: int, steps: int) -> float:
-    """Median step time per element of one n-element parameter, less the time of a 1024-element
-    step (the per-call cost of Python and the thread pool, which would swamp small sizes)."""
+def divider_source(isa: str) -> str:
+    spec = ISAS[isa]
+    return DIVIDER_SOURCE.replace("VEC", spec["vec"]).replace("LANES", str(spec["lanes"])).replace("P_", spec["p"] + "_")
 
-    def median_step(size: int) -> float:
+
+def step_ns_per_element(make_optimizer, n: int, steps: int) -> float:
+    """Fastest step time per element of one n-element parameter, less the time of a 1024-element
+    step (the per-call cost of Python and the thread pool, which would swamp small sizes). The
+    fastest, not the median: on a shared machine it is the least disturbed."""
+
+    def fastest_step(size: int) -> float:
         p = torch.nn.Parameter(torch.randn(size))
         p.grad = torch.randn(size)
         opt = make_optimizer([p])
@@ -76,9 +100,9 @@ def step_ns_per_element(make_optimizer, n: int, steps: int) -> float:
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        return min(times)
 
-    return (median_step(n) - median_step(1024)) / (n - 1024) * 1e9
+    return (fastest_step(n) - fastest_step(1024)) / (n - 1024) * 1e9
 
 
 def fused_adamw_ns_per_element(n: int, steps: int) -> float:
@@ -94,47 +118,55 @@ def kernel_ns_per_element(state_format: str, n: int, steps: int) -> float:
 def copy_gb_per_s(n: int) -> float:
     a, b = torch.randn(n), torch.empty(n)
     b.copy_(a)
-    start = time.perf_counter()
+    times = []
     for _ in range(5):
+        start = time.perf_counter()
         b.copy_(a)
-    return 2 * 4 * n * 5 / (time.perf_counter() - start) / 1e9
+        times.append(time.perf_counter() - start)
+    return 2 * 4 * n / min(times) / 1e9
 
 
-def divider_seconds(elements: int, max_divisions: int) -> dict[int, float] | None:
-    if fused_cpu._compiler() is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def divider_seconds(isa: str, elements: int, max_divisions: int) -> dict[int, float] | None:
+    """Seconds of the divider loop per number of divisions; None where the CPU lacks ``isa``."""
+    cc = kernel_build.compiler()
+    if cc is None or ISAS[isa]["cpu"] not in cpu_flags():
         return None
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = pathlib.Path(tmp) / "divider.c", pathlib.Path(tmp) / "divider"
-        source.write_text(DIVIDER_SOURCE)
-        subprocess.run([fused_cpu._compiler(), "-O3", "-march=native", "-fopenmp", str(source), "-o", str(binary)], check=True)
+        source.write_text(divider_source(isa))
+        subprocess.run([cc, "-O3", ISAS[isa]["cflag"], "-mfma", "-fopenmp", str(source), "-o", str(binary)], check=True)
         out = {}
-        for k in range(max_divisions + 1):
-            result = subprocess.run([str(binary), str(k), str(elements)], capture_output=True, text=True, check=True)
-            out[k] = float(result.stdout.split()[0])
+        for k in range(max_divisions + 1):  # the fastest of three runs, the least disturbed
+            runs = [subprocess.run([str(binary), str(k), str(elements)], capture_output=True, text=True, check=True) for _ in range(3)]
+            out[k] = min(float(r.stdout.split()[0]) for r in runs)
         return out
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--elements", type=int, default=124_439_808, help="elements of the divider loop (GPT-2 small)")
-    p.add_argument("--dram-elements", type=int, default=2**27, help="a parameter far larger than the caches")
-    p.add_argument("--max-divisions", type=int, default=5)
-    p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit", help="kernel formats of part 4")
-    args = p.parse_args(argv)
-    print(f"{torch.get_num_threads()} threads")
-    results = {"adamw_ns": {}, "divider_s": None}
+def measure(args, isa: str) -> dict:
+    """Every part, in this process, as it runs here (``isa`` names the divider loop to run)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join(kernel_build.FLAGS)}, {torch.get_num_threads()} threads")
+    results = {"isa": isa, "torch_capability": capability, "adamw_ns": {}, "divider_s": None}
     for n, steps in [(2**18, 300), (args.dram_elements, 7)]:
         ns = fused_adamw_ns_per_element(n, steps)
         results["adamw_ns"][n] = ns
         print(f"fused AdamW, {n:>11,} elements ({16 * n / 2**20:,.0f} MiB of p, g, m, v): {ns:.3f} ns/element")
     results["copy_gb_s"] = copy_gb_per_s(args.dram_elements)
     print(f"copy of {4 * args.dram_elements / 2**20:,.0f} MiB: {results['copy_gb_s']:.1f} GB/s (read + write)")
-    results["divider_s"] = divider_seconds(args.elements, args.max_divisions)
+    results["divider_s"] = divider_seconds(isa, args.elements, args.max_divisions)
     if results["divider_s"] is None:
-        print("divider loop skipped: it needs AVX-512 and a C compiler")
+        print(f"{isa} divider loop skipped: it needs {isa} and a C compiler")
     else:
         for k, seconds in results["divider_s"].items():
-            print(f"1 sqrt + {k} divisions per element, {args.elements:,} elements: {seconds:.4f} s")
+            print(f"{isa}: 1 sqrt + {k} divisions per element, {args.elements:,} elements: {seconds:.4f} s")
     results["kernel_ns"] = {}
     if fused_cpu.library() is None:
         print("fused kernel skipped: it cannot be built here")
@@ -145,6 +177,62 @@ def main(argv=None) -> dict:
         cache, dram = sizes.values()
         print(f"fused kernel, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
     return results
+
+
+def measure_avx2_in_child(argv: list[str]) -> dict | None:
+    """measure(..., "avx2") in a child process with torch forced to AVX2 (ATEN_CPU_CAPABILITY is
+    read when torch loads) and the fused kernel built without AVX-512."""
+    if "avx2" not in cpu_flags():
+        print("-- avx2 skipped: this CPU has no AVX2")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "avx2.json"
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        subprocess.run([sys.executable, __file__, *argv, "--isa", "avx2", "--child-json", str(out)], env=env, check=True)
+        results = json.loads(out.read_text())
+    # JSON keys are strings: back to the element counts and division counts they were
+    results["adamw_ns"] = {int(k): v for k, v in results["adamw_ns"].items()}
+    results["kernel_ns"] = {f: {int(k): v for k, v in sizes.items()} for f, sizes in results["kernel_ns"].items()}
+    results["divider_s"] = {int(k): v for k, v in results["divider_s"].items()} if results["divider_s"] else None
+    return results
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--elements", type=int, default=124_439_808, help="elements of the divider loop (GPT-2 small)")
+    p.add_argument("--dram-elements", type=int, default=2**27, help="a parameter far larger than the caches")
+    p.add_argument("--max-divisions", type=int, default=5)
+    p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit-calibrated,4bit", help="kernel formats of part 4")
+    p.add_argument("--isa", default="native", help="native, avx2 or both (comma-separated): see the module's doc")
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the avx2 child writes its results here
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    isas = args.isa.split(",")
+    if set(isas) - {"native", "avx2"}:
+        p.error(f"--isa takes native and avx2, got {args.isa!r}")
+    if args.child_json:  # the child: measure as an AVX2 CPU would, and hand the results back
+        kernel_build.FLAGS = [*kernel_build.FLAGS, "-mno-avx512f"]
+        kernel_abi.load.cache_clear()
+        pathlib.Path(args.child_json).write_text(json.dumps(measure(args, "avx2")))
+        return {}
+    results: dict = {}
+    if "native" in isas:
+        results = measure(args, "avx512" if "avx512f" in cpu_flags() else "avx2")
+    if "avx2" in isas:
+        results["avx2"] = measure_avx2_in_child(_without_isa(argv))
+    return results
+
+
+def _without_isa(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--isa":
+            skip = True
+        elif not a.startswith("--isa="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

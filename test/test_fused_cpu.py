@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats
-from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu, quant
-from lowbit_optim.formats import OptimStateFp8
+from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
+from lowbit_optim.formats import OptimState4bit, OptimStateFp8, OptimStateNF4
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
@@ -79,11 +79,18 @@ def kernel_takes(info) -> bool:
     return fused_cpu.unsupported_reason(torch.zeros(1), torch.zeros(1), torch.zeros(()), states, "nearest") is None
 
 
+def declares_a_layout(info) -> bool:
+    """Whether the format declares a kernel layout (StateTensor.kernel_layout) for a moment it holds."""
+    layout = getattr(info.fmt, "kernel_layout", None)
+    return layout is not None and any(layout(signed) is not None for signed in info.signedness)
+
+
 @all_formats
 def test_fused_matches_compiled_bitwise(info):
     """Every registered format the kernel takes gives the compiled step's exact bits (factored sums:
     a few ulp); one it does not take (its own encoding) is refused by fused=True and stepped by the
-    compiled step."""
+    compiled step. A format that declares a kernel layout (stochastic rounding included) is taken."""
+    assert kernel_takes(info) or not declares_a_layout(info), f"{info.name} declares a kernel layout, yet the kernel refuses it"
     if not kernel_takes(info):
         with pytest.raises(RuntimeError, match="own encoding"):
             run(True, state_format=info.spec)
@@ -100,6 +107,7 @@ FLAG_CASES = {
     "betas <= 0.5": dict(state_format="8bit", betas=(0.3, 0.5)),  # lerp's other branch
     "bf16 states, Adam L2, amsgrad": dict(cls=lowbit_optim.Adam, state_format="bf16", amsgrad=True, maximize=True),
     "block_size 32": dict(state_format="4bit", block_size=32),
+    "4bit, block_size 32, amsgrad": dict(state_format="4bit", block_size=32, amsgrad=True),  # dither positions in short blocks
     "block_size 2048": dict(state_format="8bit", block_size=2048),  # blocks longer than a chunk
     "lr tensor, no decay": dict(state_format="fp8", lr=torch.tensor(3e-3), weight_decay=0.0),
     "factored amsgrad": dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, amsgrad=True),
@@ -130,11 +138,16 @@ def kernel_built_with(flag):
         pytest.skip(f"{flag} is an x86 flag")
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, flag])
-            fused_cpu._load.cache_clear()
+            mp.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, flag])
+            kernel_abi.load.cache_clear()
             yield
     finally:
-        fused_cpu._load.cache_clear()
+        kernel_abi.load.cache_clear()
+
+
+def state_t(state):
+    """``state`` as the C's state_t, for the test hooks (lowbit_decode, lowbit_encode, ...)."""
+    return ctypes.byref(kernel_op.describe(kernel_op.kernel(), state))
 
 
 # what each build must step like the native one: both code widths in both moments, fp8, calibrated
@@ -147,6 +160,7 @@ OTHER_BUILD_CASES = [
     dict(state_format="bf16", amsgrad=True),
     dict(cls=lowbit_optim.Adam, state_format="bf16", maximize=True, betas=(0.3, 0.5)),  # L2, lerp's other branch
     dict(cls=lowbit_optim.Adam, state_format="4bit", amsgrad=True),
+    dict(state_format="4bit", amsgrad=True),  # stochastic rounding: each build's own vector loop
     dict(state_format="8bit", dtype=torch.bfloat16),
 ]
 
@@ -177,6 +191,28 @@ def test_mixed_group_falls_back_per_parameter():
     assert_identical(run(None, **mixed), run(False, **mixed))
 
 
+def test_stepper_is_chosen_once_per_parameter(monkeypatch):
+    """Whether the kernel can step a parameter is decided when its states are new (the formats'
+    layouts do not change between steps), not on every step; loaded states decide anew. Each step
+    still checks the gradient."""
+    calls = []
+    decide = fused_cpu.param_unsupported_reason
+    monkeypatch.setattr(fused_cpu, "param_unsupported_reason", lambda *a: calls.append(a) or decide(*a))
+    params = [torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(71, 64))]
+    opt = lowbit_optim.AdamW(params, state_format="8bit")
+    for _ in range(3):
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt.step()
+    assert len(calls) == 2, "one verdict per parameter"
+    opt.load_state_dict(opt.state_dict())  # new state tensors
+    opt.step()
+    assert len(calls) == 4
+    params[0].grad = torch.randn(96, 64).t()  # a non-contiguous gradient: refused by the per-step check
+    opt.step()
+    assert len(calls) == 4 and torch.isfinite(params[0]).all()
+
+
 class _E5M2(OptimStateFp8):  # unregistered (no name): a format whose encoding the kernel lacks
     name = None
     fp8_dtype = torch.float8_e5m2
@@ -195,7 +231,7 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(self.reason(param=torch.zeros(8, device="meta")), """the parameter is on meta, not the CPU""")
         self.assertExpectedInline(
             self.reason(param=torch.zeros(8, dtype=torch.float16)),
-            """parameter/gradient dtype torch.float16/torch.float16 (it takes float32 and bfloat16)""",
+            """gradient dtype torch.float16 (it takes float32 and bfloat16)""",
         )
         self.assertExpectedInline(
             self.reason(param_update="kahan"), """param_update='kahan' (it rounds bf16 parameters to nearest only)"""
@@ -235,29 +271,29 @@ class TestRefusals(expecttest.TestCase):
 
 def test_without_a_compiler(monkeypatch):
     """No C compiler: fused=None takes the compiled step; fused=True says what is missing."""
-    monkeypatch.setattr(fused_cpu, "_compiler", lambda: None)
-    fused_cpu._load.cache_clear()
+    monkeypatch.setattr(kernel_build, "compiler", lambda: None)
+    kernel_abi.load.cache_clear()
     try:
         assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
         with pytest.raises(RuntimeError, match="no C compiler was found to build it"):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
-        fused_cpu._load.cache_clear()
+        kernel_abi.load.cache_clear()
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     """A compiler that cannot build the kernel: a warning with the compiler's message, then the
     compiled step (fused=None), or an error naming the failure (fused=True)."""
-    monkeypatch.setattr(fused_cpu, "FLAGS", [*fused_cpu.FLAGS, "-fno-such-flag"])
-    monkeypatch.setattr(fused_cpu, "_cache_dir", lambda: tmp_path)
-    fused_cpu._load.cache_clear()
+    monkeypatch.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, "-fno-such-flag"])
+    monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)
+    kernel_abi.load.cache_clear()
     try:
         with pytest.warns(UserWarning, match="fused CPU kernel is unavailable.*no-such-flag"):
             assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
         with pytest.raises(RuntimeError, match="building it failed"):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
-        fused_cpu._load.cache_clear()
+        kernel_abi.load.cache_clear()
 
 
 def test_fused_step_bumps_version_counters():
@@ -271,7 +307,7 @@ def test_fused_step_bumps_version_counters():
         loss.backward()
 
 
-NON_FINITE_CASES = {name: dict(state_format=name) for name in ["8bit", "4bit", "fp8", "bf16"]} | {
+NON_FINITE_CASES = {name: dict(state_format=name) for name in ["8bit", "4bit", "4bit-calibrated", "fp8", "bf16"]} | {
     "factored": dict(state_format=FACTORED),
     "fp8 amsgrad": dict(state_format="fp8", amsgrad=True),  # torch.maximum propagates NaN
 }
@@ -365,26 +401,27 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
     zeros, denormals, range ends; NaN and infinities as the format's tables give them. In every
     build, in its vector loops (a multiple of 16 values) and in its tails (7 values at a time)."""
     state = info.fmt.zeros(256, signed=signed)
-    if fused_cpu._kernel_kind(state) is None:
+    if kernel_op.kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
     v = torch.cat([encode_inputs(info, signed), torch.tensor([math.nan, math.inf, -math.inf])])
     v = torch.cat([v, v.new_zeros(-v.numel() % 16)])
     codes, tail_codes = torch.empty(v.numel(), dtype=torch.uint8), torch.empty(v.numel(), dtype=torch.uint8)
     with kernel_built_with(flag):
         encode = fused_cpu.library().lowbit_encode
-        described = ctypes.byref(fused_cpu._describe(state))
+        described = state_t(state)
         encode(described, v.data_ptr(), v.numel(), codes.data_ptr())
         for start in range(0, v.numel(), 7):
             encode(described, v[start:].data_ptr(), min(7, v.numel() - start), tail_codes[start:].data_ptr())
-    expected = info.fmt.encode(v, signed)
+    # each call encodes one block: a stochastic format's dither counts positions from its start
+    expected = {"vector loops": info.fmt.encode(v, signed), "tails": torch.cat([info.fmt.encode(piece, signed) for piece in v.split(7)])}
     for where, got in [("vector loops", codes), ("tails", tail_codes)]:
-        wrong = got != expected
-        if fused_cpu._kernel_kind(state) == fused_cpu.KIND_E4M3:
+        wrong = got != expected[where]
+        if kernel_op.kernel_kind(state) == "e4m3":
             # the sign of a NaN code is the compiler's (any NaN code decodes to NaN); an infinity never
             # reaches the encoder in a step (an infinite absmax makes the block's values NaN)
             wrong &= v.isfinite()
             assert bool((got[~v.isfinite()] & 0x7F == 0x7F).all()), f"{where}: NaN and infinities must give a NaN code"
-        assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
+        assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[where][wrong][:4].tolist()}"
 
 
 @build_flags
@@ -395,7 +432,7 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     g = torch.Generator().manual_seed(1)
     n = 4 * info.block_size + 17  # whole blocks and a partial one
     state = info.fmt.from_float(sample((n,), signed, seed=1), signed)
-    if fused_cpu._kernel_kind(state) is None:
+    if kernel_op.kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
     every = torch.arange(2**info.fmt.bits, dtype=torch.uint8).repeat(n // 2**info.fmt.bits + 1)[:n]
     codes = every[torch.randperm(n, generator=g)]
@@ -403,8 +440,263 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     state.codes.copy_(quant.pack_nibbles(padded) if info.fmt.bits == 4 else padded)
     out = torch.empty(n)
     with kernel_built_with(flag):
-        fused_cpu.library().lowbit_decode(ctypes.byref(fused_cpu._describe(state)), n, out.data_ptr())
+        fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
     torch.testing.assert_close(out, state.dequantize(), rtol=0, atol=0, equal_nan=True)
+
+
+# ---- stochastic rounding (4bit) ---------------------------------------------------------------
+
+
+class _CalibratedSR(OptimState4bit):  # unregistered: stochastic codes under a calibrated scale (no built-in format has both)
+    name = None
+
+    @classmethod
+    def calibrated(cls, signed: bool) -> bool:
+        return True
+
+
+def stochastic_inputs(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized values for 4bit's encoding, shuffled so that each sits at many places of a block,
+    and for each the lower code of the pair it lies strictly between (-1 for the others): 31 points
+    inside every pair of neighbouring codes, 4 times over; every code and its fp32 neighbours; values
+    beyond the codebook (above 1, below -1 or the smallest unsigned code, negative unsigned ones),
+    signed zeros, denormals, NaN and infinities."""
+    codebook = OptimState4bit.decode(torch.arange(16, dtype=torch.uint8), signed)
+    fractions = torch.linspace(0, 1, 33)[1:-1]
+    between = codebook[:-1, None] + fractions * (codebook[1:] - codebook[:-1])[:, None]
+    on = torch.cat([codebook, torch.nextafter(codebook, torch.tensor(math.inf)), torch.nextafter(codebook, torch.tensor(-math.inf))])
+    outside = torch.tensor([1.5, -1.5, 1e30, -1e30, 0.03, -0.03, -0.5, 0.0, -0.0, 1e-40, -1e-40, math.nan, math.inf, -math.inf])
+    v = torch.cat([between.flatten().repeat(4), on, outside.repeat(3)])
+    pair = torch.cat([torch.arange(15).repeat_interleave(fractions.numel()).repeat(4), torch.full((on.numel() + 3 * outside.numel(),), -1)])
+    order = torch.randperm(v.numel(), generator=torch.Generator().manual_seed(0))
+    return v[order], pair[order]
+
+
+@build_flags
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_rounds_stochastically_like_the_format(signed, flag):
+    """The kernel's stochastic rounding (lowbit_encode of 4bit's layout) gives
+    OptimState4bit.encode's codes block by block (the dither hashes a value's place in its block):
+    between every pair of codes, on codes, beyond the codebook, for NaN and infinities; in blocks of
+    128 and 64 (vector loops) and of 1, 7, 9, 23 (tails); in every build."""
+    state = OptimState4bit.zeros(256, signed=signed)
+    assert kernel_op.kernel_kind(state) == "codebook", "the kernel should take 4bit"
+    v, pair = stochastic_inputs(signed)
+    lengths = [128, 7, 23, 64, 1, 9]
+    sizes = [lengths[i % len(lengths)] for i in range(v.numel())]
+    while sum(sizes) > v.numel():
+        sizes.pop()
+    pieces = v.split([*sizes, v.numel() - sum(sizes)])
+    with kernel_built_with(flag):
+        encode = fused_cpu.library().lowbit_encode
+        described = state_t(state)
+        got = [torch.empty(piece.numel(), dtype=torch.uint8) for piece in pieces]
+        for piece, codes in zip(pieces, got):
+            encode(described, piece.data_ptr(), piece.numel(), codes.data_ptr())
+    got, expected = torch.cat(got), torch.cat([OptimState4bit.encode(piece, signed) for piece in pieces])
+    wrong = got != expected
+    assert not wrong.any(), f"{int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
+    # the premise: values between two codes round to either, every pair both ways
+    for low in range(15):
+        assert set(expected[pair == low].tolist()) == {low, low + 1}, f"test setup: pair {low} should round both ways"
+
+
+@build_flags
+@pytest.mark.parametrize("fmt", [OptimState4bit, _CalibratedSR], ids=["4bit", "calibrated"])
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_quantizes_stochastically_like_the_format(fmt, signed, flag):
+    """What a step stores (block scales, then stochastic codes; lowbit_quantize) is what quantize_
+    stores, in whole blocks, a padded last one, blocks with a NaN, an infinity, only zeros; in every
+    build. A calibrated stochastic format takes its scales from its final codes, not the nearest ones."""
+    n = 37 * 128 + 45
+    x = sample((n,), signed, seed=2)
+    x[5 * 128 + 3], x[9 * 128 + 100] = math.nan, math.inf
+    x[12 * 128 : 13 * 128] = 0.0
+    reference = fmt.zeros(n, signed=signed)
+    reference.quantize_(x)
+    state = fmt.zeros(n, signed=signed)
+    assert kernel_op.kernel_kind(state) == "codebook", "the kernel should take it"
+    values = torch.cat([x, x.new_zeros(state.padded_numel - n)])  # room to the block boundary
+    with kernel_built_with(flag):
+        fused_cpu.library().lowbit_quantize(state_t(state), values.data_ptr(), n)
+    assert torch.equal(state.codes, reference.codes)
+    torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0, equal_nan=True)
+    if fmt.calibrated(signed):  # the premise: the nearest codes would give other scales
+        blocks = quant.to_blocks(x, 128, state.padded_numel)
+        scale = quant.block_absmax(blocks) / fmt.scale_max
+        normalized = blocks / scale[:, None]
+        nearest = OptimStateNF4.encode(normalized, signed)  # 4bit's nearest codes
+        finite = reference.scale.isfinite()
+        assert not torch.equal(quant.calibrated_scale(scale, normalized, fmt.decode(nearest, signed))[finite], reference.scale[finite])
+
+
+def test_dither_constant_comes_from_quant(monkeypatch):
+    """The C hash drops quant.DITHER_DROPPED_BITS bits, passed in at build time: another value
+    builds another library, whose codes follow the Python's again."""
+    monkeypatch.setattr(quant, "DITHER_DROPPED_BITS", 4)
+    kernel_abi.load.cache_clear()
+    try:
+        state = OptimState4bit.zeros(256)
+        v, _ = stochastic_inputs(True)
+        v = v[:512]
+        codes = torch.empty(v.numel(), dtype=torch.uint8)
+        fused_cpu.library().lowbit_encode(state_t(state), v.data_ptr(), v.numel(), codes.data_ptr())
+        assert torch.equal(codes, OptimState4bit.encode(v, True))
+        monkeypatch.undo()
+        assert not torch.equal(codes, OptimState4bit.encode(v, True)), "test setup: 4 dropped bits should round otherwise"
+    finally:
+        kernel_abi.load.cache_clear()
+
+
+# ---- the C/Python interface ----------------------------------------------------------------------
+
+
+def test_structures_come_from_the_c_table():
+    """Python's ctypes structures are built from the table the library exports (csrc/abi.h): every
+    C field is there, at the C's offset and size, and a name the C lacks cannot be set."""
+    kernel = kernel_op.kernel()
+    state, param = kernel.structs["state_t"], kernel.structs["param_t"]
+    assert {"kind", "block_size", "codebook", "near_code", "stochastic", "col", "col_sums"} <= dict(state._fields_).keys()
+    assert dict(param._fields_)["state"]._length_ == kernel.limits["max_states"]
+    assert kernel.kinds.keys() == {"none", "f32", "bf16", "codebook", "e4m3", "factored"} and kernel.kinds["none"] == 0
+    assert kernel.optimizers["adam"].states == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    with pytest.raises(AttributeError, match="'state_t' object has no attribute 'blocksize'"):
+        state(blocksize=256)
+
+
+def test_layout_mismatch_refuses_the_kernel(monkeypatch):
+    """Where ctypes would lay a field out otherwise than the C (here: a type code read as another
+    size), the library is refused at load with a message naming the field."""
+    monkeypatch.setitem(kernel_abi._SCALARS, "f32", ctypes.c_double)
+    kernel_abi.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"structures do not match \(field state_t.scale_max \(f32\) lies at offset 16 with 4 bytes in C, at 16 with 8"):
+            assert fused_cpu.library() is None
+        with pytest.raises(RuntimeError, match="do not match"):
+            run(True, state_format="8bit", shapes=[(64, 96)])
+    finally:
+        kernel_abi.load.cache_clear()
+
+
+def test_build_key_covers_every_source_and_constant(monkeypatch, tmp_path):
+    """The cached library's name hashes every file of csrc/ (an edited header builds anew) and the
+    constants the C takes from quant.py."""
+    assert {p.name for p in kernel_build.sources()} == {p.name for p in kernel_build.SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")}
+    assert {"fused_step.c", "abi.h", "codecs.h", "update_adam.h", "scheduler.h"} <= {p.name for p in kernel_build.sources()}
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for source in kernel_build.sources():
+        (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", copy)
+    before = kernel_build.library_path("cc")
+    (copy / "convert.h").write_text((copy / "convert.h").read_text() + "\n/* edited */\n")
+    assert kernel_build.library_path("cc") != before
+    edited = kernel_build.library_path("cc")
+    monkeypatch.setattr(quant, "MIN_BLOCK_SCALE", 1e-10)
+    assert kernel_build.library_path("cc") != edited
+
+
+def test_package_ships_every_source():
+    """pyproject's package data covers every file the build reads (an installed package builds too)."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["lowbit_optim"]
+    package = kernel_build.SOURCE_DIR.parent
+    for source in kernel_build.sources():
+        relative = source.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(relative, g) for g in globs), f"{relative} is not in the package data {globs}"
+
+
+def test_hyper_parameters_are_checked_by_name():
+    """The kernel's hyper-parameters are filled by the C struct's field names: a missing or unknown
+    one is an error naming it, not a silently zero field."""
+    fields = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, one_minus_beta1=0.1, one_minus_beta2=1e-3, decoupled_weight_decay=1, maximize=0)
+    assert len(kernel_op.hyper_values("adam", fields)) == len(fields)
+    with pytest.raises(ValueError, match=r"missing \['eps'\], unknown \['epsilon'\]"):
+        kernel_op.hyper_values("adam", {**{k: v for k, v in fields.items() if k != "eps"}, "epsilon": 1e-8})
+    with pytest.raises(ValueError, match="maximize of the kernel is an integer flag"):
+        kernel_op.hyper_values("adam", {**fields, "maximize": 0.5})
+
+
+# ---- the torch op ----------------------------------------------------------------------------------
+
+
+def op_arguments(state_format="8bit", amsgrad=False, seed=0):
+    """fused_step_cpu's arguments for two Adam parameters (one quantized, one with fp32 states), as
+    fused_cpu.step makes them, after one step through the optimizer (so states exist)."""
+    params, opt = run(True, shapes=[(71, 64), (200,)], state_format=state_format, amsgrad=amsgrad)
+    items = [(p.detach(), p.grad, *(opt.state[p].get(k) for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))) for p in params]
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], one_minus_beta1=1 - beta1,
+                 one_minus_beta2=1 - beta2, decoupled_weight_decay=True, maximize=False)  # fmt: skip
+    tensors, keys = [], []
+    for *_, m, v, vmax in items:
+        for state in (m, v, vmax):
+            keys.append(kernel_op.format_key(state))
+            if state is not None:
+                tensors.extend(state._inner().values() if isinstance(state, StateTensor) else [state])
+    return ("adam", kernel_op.hyper_values("adam", hyper), [i[0] for i in items], [i[1] for i in items], [i[2] for i in items], tensors, keys)
+
+
+def cloned(arguments):
+    return tuple([t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a for a in arguments)
+
+
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", {"exp_avg": "fp8", "exp_avg_sq": "factored"}], ids=["8bit", "4bit", "factored"])
+def test_op_under_compile_gives_the_direct_calls_bits(state_format):
+    """lowbit_optim::fused_step_cpu is opaque to dynamo: under torch.compile(fullgraph=True) it is
+    one node, and the step it runs writes the same bits as a direct call."""
+    arguments = op_arguments(state_format, amsgrad=True)
+    direct, compiled = cloned(arguments), cloned(arguments)
+    torch.ops.lowbit_optim.fused_step_cpu(*direct)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    torch.compile(lambda *a: torch.ops.lowbit_optim.fused_step_cpu(*a), fullgraph=True)(*compiled)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    for a, b in zip(direct[2:6], compiled[2:6]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert not torch.equal(direct[2][0], arguments[2][0]), "test setup: the step should move the parameter"
+
+
+def test_op_passes_opcheck():
+    """torch.library.opcheck: the schema declares what the op mutates, the fake implementation fits,
+    and it works under AOT dispatch."""
+    torch.library.opcheck(torch.ops.lowbit_optim.fused_step_cpu.default, op_arguments("4bit"))
+
+
+def test_op_refuses_bad_arguments():
+    """The op checks what the C would read before it reads anything: counts, format keys, tensors."""
+    arguments = list(op_arguments("8bit"))
+    params_before = [p.clone() for p in arguments[2]]
+
+    def refused(match, **changes):
+        names = ["optimizer", "hyper", "params", "grads", "steps", "state_tensors", "state_formats"]
+        changed = [changes.get(name, value) for name, value in zip(names, arguments)]
+        with pytest.raises(ValueError, match=match):
+            torch.ops.lowbit_optim.fused_step_cpu(*changed)
+
+    refused("has no optimizer 'lion'", optimizer="lion")
+    refused("takes 9 hyper-parameters", hyper=arguments[1][:-1])
+    refused("takes 9 hyper-parameters .* 5 format keys", state_formats=arguments[6][:-1])
+    refused("more tensors than state_formats describe", state_tensors=[*arguments[5], torch.zeros(1)])
+    refused("fewer tensors than state_formats describe", state_tensors=arguments[5][:-1])
+    refused("format key 999 names no state format", state_formats=[999, *arguments[6][1:]])
+    refused(r"shape \(71, 64\): its exp_avg state is missing", state_formats=[kernel_op.ABSENT, *arguments[6][1:]], state_tensors=arguments[5][2:])
+    refused(r"shape \(71, 64\): its exp_avg state: .* is inconsistent", state_tensors=[arguments[5][0][:-1], *arguments[5][1:]])
+    refused(r"shape \(200,\): its gradient is", grads=[arguments[3][0], arguments[3][1][:-1]])
+    refused(r"shape \(71, 64\): its step counter is", steps=[torch.zeros(0), arguments[4][1]])
+    for before, after in zip(params_before, arguments[2]):
+        assert torch.equal(before, after), "a refused call must step nothing"
+    # what would overflow the C's chunk buffers: rows of 8191 elements beside blocks of 128
+    wide = (torch.zeros(3 * 8191), torch.zeros(3 * 8191), torch.zeros(()), OptimState4bit.zeros((3, 8191)), FactoredState.zeros((3, 8191)), None)
+    hyper = dict(zip([name for name, _ in kernel_op.kernel().optimizers["adam"].hyper._fields_], arguments[1]))
+    with pytest.raises(ValueError, match=r"shape \(24573,\): a factored state's rows of 8191 elements and the other states' blocks meet only every 1048448"):
+        fused_cpu.step("adam", [wide], hyper)
 
 
 # ---- factored states ------------------------------------------------------------------------------

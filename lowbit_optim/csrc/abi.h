@@ -1,0 +1,74 @@
+/* The structures Python fills and the kernel reads, declared once, and the table that tells Python
+ * their layout.
+ *
+ * Each structure is a list of fields in an X-macro (FIELDS(FIELD, ARRAY, S)). The same list declares
+ * the C struct (DECLARE_STRUCT) and the rows of the table the library exports (ABI_FIELD_ROWS:
+ * structure, field, type code, offsetof, sizeof), from which kernel_abi.py builds its ctypes
+ * structures when the library loads, checking every offset and size. Python keeps no copy of a
+ * layout, so the two sides cannot drift apart: a field added here is a field there.
+ *
+ * Type codes come from the C type (_Generic): i32, i64, u64, f32, f64, ptr (any pointer); an array of
+ * a structure declared here has that structure's name and a count.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+/* How a state, parameter or gradient is stored. The names are KernelLayout.kind's (state.py) and
+ * the tensors' dtypes'; Python reads the numbers from the table (lowbit_abi_constant). */
+#define KINDS(KIND) KIND(NONE, "none") KIND(F32, "f32") KIND(BF16, "bf16") KIND(CODEBOOK, "codebook") KIND(E4M3, "e4m3") KIND(FACTORED, "factored")
+#define DECLARE_KIND(id, name) KIND_##id,
+enum { KINDS(DECLARE_KIND) };
+
+#define MAX_STATES 3   /* states per parameter (Adam with amsgrad, AdEMAMix) */
+#define MAX_CHUNK 8192 /* elements per chunk: its fp32 buffers stay in L1 / L2 */
+
+#define DECLARE_FIELD(S, type, name) type name;
+#define DECLARE_ARRAY(S, type, name, count) type name[count];
+#define DECLARE_STRUCT(S, FIELDS) typedef struct { FIELDS(DECLARE_FIELD, DECLARE_ARRAY, S) } S;
+
+/* One state of a parameter. */
+#define STATE_FIELDS(FIELD, ARRAY, S)                                                                           \
+    FIELD(S, int32_t, kind)                 /* KIND_*: KIND_NONE where the optimizer has no such state */    \
+    FIELD(S, int32_t, bits)                 /* 8, or 4: two codes per byte, element 2i in the high nibble */ \
+    FIELD(S, int64_t, block_size)           /* quantized kinds: elements per scale */                         \
+    FIELD(S, float, scale_max)              /* a block's absmax maps to this code value */                    \
+    FIELD(S, void *, data)                  /* values (plain kinds), codes, or a factored state's row sums */ \
+    FIELD(S, float *, scale)                /* one per block (quantized kinds) */                             \
+    FIELD(S, const float *, codebook)       /* KIND_CODEBOOK: value of each code */                           \
+    FIELD(S, const int32_t *, base_code)    /* KIND_CODEBOOK: nearest-code tables by the top 16 bits */       \
+    FIELD(S, const float *, threshold)                                                                        \
+    FIELD(S, const float *, thresholds)     /* KIND_CODEBOOK: sorted decision thresholds, NaN-padded */       \
+    FIELD(S, int32_t, nan_code)             /* the code the tables give NaN and infinities */                 \
+    FIELD(S, const int32_t *, near_code)    /* KIND_CODEBOOK, 8 bits: both tables packed in one */            \
+    FIELD(S, const uint8_t *, value_bytes)  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256k+c] */ \
+    FIELD(S, int32_t, calibrated)           /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */        \
+    FIELD(S, int32_t, stochastic)           /* KIND_CODEBOOK: stochastic rounding (quant.encode_stochastic) */\
+    FIELD(S, float *, col)                  /* KIND_FACTORED: the column sums of the (numel/cols, cols) matrix */ \
+    FIELD(S, int64_t, cols)                                                                                   \
+    FIELD(S, float *, col_scaled)           /* the kernel's, for one step: col / total */                     \
+    FIELD(S, float, zero)                   /* the kernel's: total - total (0, or NaN if not finite) */       \
+    FIELD(S, double *, col_sums)            /* the kernel's: each task's sums of the new columns */
+DECLARE_STRUCT(state_t, STATE_FIELDS)
+
+/* One parameter: its values, gradient, step counter and states. */
+#define PARAM_FIELDS(FIELD, ARRAY, S)                                                              \
+    FIELD(S, int64_t, numel)                                                                       \
+    FIELD(S, int32_t, param_kind)       /* KIND_F32 or KIND_BF16 (rounded to nearest) */           \
+    FIELD(S, int32_t, grad_kind)                                                                   \
+    FIELD(S, void *, param)                                                                        \
+    FIELD(S, const void *, grad)                                                                   \
+    FIELD(S, float *, step)             /* the step counter, incremented first (NULL: none) */     \
+    ARRAY(S, state_t, state, MAX_STATES) /* in the optimizer's order */
+DECLARE_STRUCT(param_t, PARAM_FIELDS)
+
+/* ---- the table ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *structure, *field, *type;
+    int64_t offset, size, count;
+} abi_field_t;
+
+#define TYPE_CODE(x) _Generic((x), int32_t: "i32", int64_t: "i64", uint64_t: "u64", float: "f32", double: "f64", default: "ptr")
+#define FIELD_ROW(S, type, name) {#S, #name, TYPE_CODE(((S *)0)->name), offsetof(S, name), sizeof(((S *)0)->name), 1},
+#define ARRAY_ROW(S, type, name, count) {#S, #name, #type, offsetof(S, name), sizeof(((S *)0)->name), count},
+#define ABI_FIELD_ROWS(S, FIELDS) FIELDS(FIELD_ROW, ARRAY_ROW, S) {#S, "", "struct", 0, sizeof(S), 1},

@@ -1,0 +1,70 @@
+/* One chunk of a parameter, gradient or state as fp32 values, whatever its kind: loaded before the
+ * update (in place where it is fp32, converted or decoded into a buffer otherwise) and stored after
+ * it (converted or encoded back). */
+
+/* A parameter's, gradient's or plain state's n values as fp32: in place, or converted from bf16
+ * into buffer. */
+static float *load_values(int32_t kind, const void *src, int64_t start, int64_t n, float *buffer) {
+    if (kind == KIND_F32) return (float *)src + start;
+    const uint16_t *h = (const uint16_t *)src + start;
+    for (int64_t i = 0; i < n; i++) buffer[i] = bf16_to_f32(h[i]);
+    return buffer;
+}
+
+static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
+    if (kind == KIND_F32) return;  /* updated in place */
+    uint16_t *h = (uint16_t *)dst + start;
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+}
+
+/* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
+static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
+    if (s->kind == KIND_F32 || s->kind == KIND_BF16) return load_values(s->kind, s->data, start, n, buffer);
+    if (s->kind == KIND_FACTORED) {
+        load_factored(s, start, n, buffer);
+        return buffer;
+    }
+    int64_t bs = s->block_size;
+    const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
+    const uint8_t *value_bytes = s->kind == KIND_E4M3 ? e4m3_value_bytes : s->value_bytes;
+    for (int64_t b = 0; b * bs < n; b++) {
+        int64_t first = start + b * bs;
+        int64_t m = n - b * bs < bs ? n - b * bs : bs;
+        const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);
+        decode_block(c, s->bits, codebook, value_bytes, s->scale[first / bs], m, buffer + b * bs);
+    }
+    return buffer;
+}
+
+/* Writes back what load_state gave (nothing to do for fp32 states, updated in place). x holds the
+ * chunk's n values and room up to the next block boundary (zero-padded here, as the compiled step
+ * pads the last block); it is overwritten. col_sums: a factored state's running column sums of the
+ * chunk's task. */
+static void store_state(const state_t *s, int64_t start, int64_t n, float *x, double *col_sums) {
+    if (s->kind == KIND_F32 || s->kind == KIND_BF16) {
+        store_values(s->kind, s->data, start, n, x);
+        return;
+    }
+    if (s->kind == KIND_FACTORED) {
+        store_factored(s, start, n, x, col_sums);
+        return;
+    }
+    int64_t bs = s->block_size;
+    int64_t padded = (n + bs - 1) / bs * bs;
+    for (int64_t i = n; i < padded; i++) x[i] = 0.0f;
+    uint8_t codes[MAX_CHUNK];
+    double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
+    calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
+    /* every block's scale first: the encoding loops then never wait on a block's scalar work */
+    float scales[MAX_CHUNK];  /* blocks of 1 element are possible (8-bit codes) */
+    for (int64_t b = 0; b * bs < padded; b++) scales[b] = block_scale(x + b * bs, bs, s->scale_max);
+    uint8_t *dst = s->bits == 8 ? (uint8_t *)s->data + start : codes;
+    for (int64_t b = 0; b * bs < padded; b++) {
+        encode_block(s, x + b * bs, scales[b], bs, dst + b * bs, &cal);
+        s->scale[(start + b * bs) / bs] = cal.vv ? calibrated_scale(&cal, scales[b], bs) : scales[b];
+    }
+    if (s->bits == 4) {
+        uint8_t *packed = (uint8_t *)s->data + start / 2;
+        for (int64_t i = 0; i < padded / 2; i++) packed[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
+    }
+}

@@ -1,0 +1,315 @@
+/* Codecs: one block of codes <-> fp32 values.
+ *
+ * decode_block: codes -> codebook value * scale. block_scale: the block's absmax / scale_max.
+ * encode_block: values / scale -> the exact nearest code (a codebook's lookup tables, or e4m3
+ * rounding), then stochastic rounding where the format asks for it (stochastic.h), and for a
+ * calibrated format the products its scale is corrected from (calibrated_scale).
+ *
+ * With AVX-512 (the library is built with -march=native) the loops are intrinsics: compilers do not
+ * vectorize table gathers indexed by bytes. With AVX2 only, decoding and encoding are intrinsics too:
+ * the same loops with 8 lanes, dividing. The portable loops are the reference, the tails and
+ * everything elsewhere; all compute exactly the same values.
+ */
+#ifndef MIN_BLOCK_SCALE
+#error "build with -DMIN_BLOCK_SCALE=<quant.MIN_BLOCK_SCALE>, as kernel_build.py does"
+#endif
+
+#ifdef AVX2_ONLY
+/* table[idx] for a 16-entry table held in two registers (idx in 0..15) */
+static inline __m256 lookup16(__m256 low, __m256 high, __m256i idx) {
+    __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  /* bit 3 on top: blendv's selector */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, idx), _mm256_permutevar8x32_ps(high, idx), upper);
+}
+
+/* the low bytes of 8 int32 lanes, stored as 8 bytes */
+static inline void store_low_bytes(uint8_t *dst, __m256i x) {
+    __m256i bytes = _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+#endif
+
+/* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block; value_bytes
+ * (8-bit codes) holds the codebook's values byte by byte */
+static void decode_block(const uint8_t *c, int bits, const float *codebook, const uint8_t *value_bytes, float scale, int64_t m, float *out) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 s = _mm512_set1_ps(scale);
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    if (bits == 8) {
+        /* No gathers: byte k of 64 values at once is a 256-entry byte lookup (two vpermi2b and a
+         * blend on the code's top bit); interleaving the four bytes makes the floats. The codes are
+         * first transposed in 4-byte groups so that the interleave leaves the values in order. */
+        __m512i table[4][4];
+        for (int k = 0; k < 4; k++)
+            for (int q = 0; q < 4; q++) table[k][q] = _mm512_loadu_si512(value_bytes + 256 * k + 64 * q);
+        __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (; i + 64 <= m; i += 64) {
+            __m512i codes = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(c + i));
+            __mmask64 high = _mm512_movepi8_mask(codes);
+            __m512i b[4];
+            for (int k = 0; k < 4; k++)
+                b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(table[k][0], codes, table[k][1]),
+                                              _mm512_permutex2var_epi8(table[k][2], codes, table[k][3]));
+            __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+            __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), s));
+            _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), s));
+            _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), s));
+            _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), s));
+        }
+    }
+#endif
+    if (bits == 8) {
+        for (; i + 16 <= m; i += 16) {
+            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + i)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, codebook, 4), s));
+        }
+    } else {
+        __m512 table = _mm512_loadu_ps(codebook);  /* 16 values: one register, a permute decodes */
+        __m512i shifts = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        for (; i + 16 <= m; i += 16) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(c + i / 2));
+            __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  /* b0 b0 b1 b1 ... */
+            __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(twice, shifts), _mm512_set1_epi32(15));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s));
+        }
+    }
+#elif defined(AVX2_ONLY)
+    __m256 s = _mm256_set1_ps(scale);
+    if (bits == 8) {
+        for (; i + 8 <= m; i += 8) {
+            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(codebook, idx, 4), s));
+        }
+    } else {
+        __m256 low = _mm256_loadu_ps(codebook), high = _mm256_loadu_ps(codebook + 8);
+        __m256i shifts = _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24);  /* code 2k: byte k's high nibble */
+        for (; i + 8 <= m; i += 8) {
+            int32_t four;  /* 8 codes, in every lane */
+            memcpy(&four, c + i / 2, 4);
+            __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(four), shifts), _mm256_set1_epi32(15));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup16(low, high, idx), s));
+        }
+    }
+#endif
+    (void)value_bytes;
+    for (; i < m; i++) {
+        uint8_t code = bits == 8 ? c[i] : (i & 1 ? c[i / 2] & 15 : c[i / 2] >> 4);
+        out[i] = codebook[code] * scale;
+    }
+}
+
+/* the block's scale: absmax (at least MIN_BLOCK_SCALE; NaN if any value is NaN) / scale_max */
+static float block_scale(const float *restrict x, int64_t bs, float scale_max) {
+    /* magnitudes compared as integers: the order of floats, with NaN above infinity (compilers
+     * vectorize this as well as the AVX-512 intrinsics it replaces) */
+    uint32_t top = 0;
+    #pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < bs; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    return (top > 0x7F800000u ? NAN : fmaxf(float_of(top), MIN_BLOCK_SCALE)) / scale_max;
+}
+
+/* For a calibrated scale (quant.calibrated_scale): the products v * v and v * Q(v) of each normalized
+ * value v and its code's value, in double (exact), as encode_block finds them. */
+typedef struct {
+    double *vv, *vq;  /* NULL: the format is not calibrated */
+    const float *values;  /* the value of each code */
+} calibration_t;
+
+#ifdef __AVX512F__
+static inline void store_products(const calibration_t *cal, int64_t i, __m512 v, __m512 q) {
+    __m512d v_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), q_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(q));
+    __m512d v_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m512d q_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));
+    _mm512_storeu_pd(cal->vv + i, _mm512_mul_pd(v_lo, v_lo));
+    _mm512_storeu_pd(cal->vv + i + 8, _mm512_mul_pd(v_hi, v_hi));
+    _mm512_storeu_pd(cal->vq + i, _mm512_mul_pd(v_lo, q_lo));
+    _mm512_storeu_pd(cal->vq + i + 8, _mm512_mul_pd(v_hi, q_hi));
+}
+#endif
+
+#ifdef AVX2_ONLY
+static inline void store_products8(const calibration_t *cal, int64_t i, __m256 v, __m256 q) {
+    __m256d v_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    __m256d q_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(q)), q_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(q, 1));
+    _mm256_storeu_pd(cal->vv + i, _mm256_mul_pd(v_lo, v_lo));
+    _mm256_storeu_pd(cal->vv + i + 4, _mm256_mul_pd(v_hi, v_hi));
+    _mm256_storeu_pd(cal->vq + i, _mm256_mul_pd(v_lo, q_lo));
+    _mm256_storeu_pd(cal->vq + i + 4, _mm256_mul_pd(v_hi, q_hi));
+}
+#endif
+
+static inline void store_product(const calibration_t *cal, int64_t i, float v, uint8_t code) {
+    cal->vv[i] = (double)v * (double)v;
+    cal->vq[i] = (double)v * (double)cal->values[code];
+}
+
+/* codes (one byte each) of the values x / scale: the exact nearest codebook value, or e4m3 rounding;
+ * for a codebook, where normalized is given, also the values x / scale themselves (stochastic
+ * rounding starts from them: dividing once saves a division per element). Inlined into each caller,
+ * so that the nearest-only copy has no test for it in its loops. */
+static inline __attribute__((always_inline)) void encode_nearest(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes,
+                                                                 const calibration_t *cal, float *restrict normalized) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t d = exact_divisor(scale);
+    if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
+        __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
+        for (; i + 16 <= bs; i += 16) {
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+            __m512i u = _mm512_castps_si512(v), a = _mm512_and_si512(u, magnitude);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+            __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, odd), _mm512_set1_epi32(0x7FFFF - (120 << 23))), 20);
+            __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(two14))), two14);
+            __m512i code = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x3C800000)), subnormal);
+            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x43F00000)), _mm512_set1_epi32(0x7F));
+            code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, e4m3_values, 4));
+        }
+    } else if (s->bits == 4) {
+        __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
+        __m512 values = _mm512_loadu_ps(s->codebook);
+        /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
+         * search with permutes (the tables' answer, without their two gathers) */
+        __m512 thresholds = _mm512_loadu_ps(s->thresholds);
+        for (; i + 16 <= bs; i += 16) {
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+            if (normalized) _mm512_storeu_ps(normalized + i, v);
+            __m512i code = _mm512_setzero_si512();
+            for (int step = 8; step >= 1; step /= 2) {
+                __m512i probe = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
+                __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
+                code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(step));
+            }
+            __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), low15);
+            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
+        }
+    } else {
+        /* one gather from the packed table (kernel_op._near_code_table) by the value's top 16 bits,
+         * then base + 1 where its low 16 bits (complemented if negative), on top, exceed the entry */
+        for (; i + 16 <= bs; i += 16) {
+            __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+            if (normalized) _mm512_storeu_ps(normalized + i, v);
+            __m512i bits = _mm512_castps_si512(v);
+            __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), s->near_code, 4);
+            __m512i low = _mm512_slli_epi32(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), 16);
+            __m512i code = _mm512_mask_sub_epi32(entry, _mm512_cmpgt_epu32_mask(low, entry), entry, _mm512_set1_epi32(-1));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));  /* the low bytes */
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(_mm512_and_si512(code, _mm512_set1_epi32(0xFF)), s->codebook, 4));
+        }
+    }
+#elif defined(AVX2_ONLY)
+    __m256 divisor = _mm256_set1_ps(scale);
+    if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 8 at a time (compilers vectorize it, with many more packs) */
+        __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+        __m256 two14 = _mm256_set1_ps(16384.0f);
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256i u = _mm256_castps_si256(v), a = _mm256_and_si256(u, magnitude);
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+            __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, odd), _mm256_set1_epi32(0x7FFFF - (120 << 23))), 20);
+            normal = _mm256_min_epu32(normal, _mm256_set1_epi32(0x7F));
+            __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), two14)), _mm256_castps_si256(two14));
+            __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a));
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+            store_low_bytes(codes + i, code);
+            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(e4m3_values, code, 4));
+        }
+    } else if (s->kind == KIND_CODEBOOK && s->bits == 4) {
+        /* the AVX-512 loop's binary search for how many thresholds are <= v: step k probes one of
+         * 2**k thresholds (t[7]; t[3] or t[11]; t[1, 5, 9, 13]; the even ones), a permute away */
+        const float *t = s->thresholds;
+        __m256 t7 = _mm256_set1_ps(t[7]), t3 = _mm256_set1_ps(t[3]), t11 = _mm256_set1_ps(t[11]);
+        __m256 odd = _mm256_setr_ps(t[1], t[5], t[9], t[13], 0, 0, 0, 0);
+        __m256 even = _mm256_setr_ps(t[0], t[2], t[4], t[6], t[8], t[10], t[12], t[14]);
+        __m256 q_low = _mm256_loadu_ps(s->codebook), q_high = _mm256_loadu_ps(s->codebook + 8);
+        __m256i nan_code = _mm256_set1_epi32(s->nan_code), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            if (normalized) _mm256_storeu_ps(normalized + i, v);
+            __m256 up8 = _mm256_cmp_ps(v, t7, _CMP_GE_OQ);
+            __m256 up4 = _mm256_cmp_ps(v, _mm256_blendv_ps(t3, t11, up8), _CMP_GE_OQ);
+            __m256i code = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(up8), _mm256_set1_epi32(8)),
+                                           _mm256_and_si256(_mm256_castps_si256(up4), _mm256_set1_epi32(4)));
+            __m256 up2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(odd, _mm256_srli_epi32(code, 2)), _CMP_GE_OQ);
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up2), _mm256_set1_epi32(2)));
+            __m256 up1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(even, _mm256_srli_epi32(code, 1)), _CMP_GE_OQ);
+            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up1), _mm256_set1_epi32(1)));
+            __m256i non_finite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), _mm256_set1_epi32(0x7F7FFFFF));
+            code = _mm256_blendv_epi8(code, nan_code, non_finite);
+            store_low_bytes(codes + i, code);
+            if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, code));
+        }
+    } else if (s->kind == KIND_CODEBOOK) {
+        __m256i sign = _mm256_set1_epi32(INT32_MIN);  /* flipped: an unsigned comparison as a signed one */
+        for (; i + 8 <= bs; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            if (normalized) _mm256_storeu_ps(normalized + i, v);
+            __m256i bits = _mm256_castps_si256(v);
+            __m256i entry = _mm256_i32gather_epi32((const int *)s->near_code, _mm256_srli_epi32(bits, 16), 4);
+            __m256i low = _mm256_slli_epi32(_mm256_xor_si256(bits, _mm256_srai_epi32(bits, 31)), 16);
+            __m256i up = _mm256_cmpgt_epi32(_mm256_xor_si256(low, sign), _mm256_xor_si256(entry, sign));
+            __m256i code = _mm256_sub_epi32(entry, up);  /* entry + 1 where low > entry */
+            store_low_bytes(codes + i, code);  /* the low bytes */
+            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(s->codebook, _mm256_and_si256(code, _mm256_set1_epi32(0xFF)), 4));
+        }
+    }
+#endif
+    /* the rest (all of it without AVX-512 or AVX2): fp8 rounding, which compilers vectorize, or the
+     * nearest-code tables (scalar, unless the target has gathers: faster than a vectorized count of
+     * thresholds with 4 lanes) */
+    int64_t first = i;
+    if (s->kind == KIND_E4M3) {
+        #pragma omp simd
+        for (int64_t j = first; j < bs; j++) codes[j] = f32_to_e4m3(x[j] / scale);
+    } else {  /* the nearest-code tables: base_code, plus one where v reaches the bucket's threshold */
+        for (int64_t j = first; j < bs; j++) {
+            float v = x[j] / scale;
+            uint32_t bucket = bits_of(v) >> 16;
+            codes[j] = (uint8_t)(s->base_code[bucket] + (v >= s->threshold[bucket]));
+            if (normalized) normalized[j] = v;
+        }
+    }
+    if (cal->vv)
+        for (int64_t j = first; j < bs; j++) store_product(cal, j, x[j] / scale, codes[j]);
+}
+
+#include "stochastic.h"
+
+/* codes of the values x / scale (one byte each), and for a calibrated format the products of each
+ * value with its final code's value */
+static void encode_block(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
+    if (!s->stochastic || s->kind != KIND_CODEBOOK) {  /* (fused_cpu gives stochastic codebooks only) */
+        encode_nearest(s, x, scale, bs, codes, cal, NULL);
+        return;
+    }
+    float normalized[bs];
+    calibration_t none = {NULL, NULL, NULL};  /* the products wait for the final codes */
+    encode_nearest(s, x, scale, bs, codes, &none, normalized);
+    round_stochastically(s, normalized, bs, codes);
+    if (cal->vv)
+        for (int64_t j = 0; j < bs; j++) store_product(cal, j, normalized[j], codes[j]);
+}
+
+/* quant.calibrated_scale: scale * sum(v * v) / sum(v * Q(v)) over the block, the sums taken by
+ * halves in quant.pairwise_sum's order (consumes the products), so that the result is the compiled
+ * step's, bit for bit. */
+static float calibrated_scale(const calibration_t *cal, float scale, int64_t bs) {
+    double *vv = cal->vv, *vq = cal->vq;
+    for (int64_t half = bs / 2; half >= 1; half /= 2)
+        for (int64_t i = 0; i < half; i++) {
+            vv[i] = vv[i] + vv[i + half];
+            vq[i] = vq[i] + vq[i + half];
+        }
+    double c = vv[0] / vq[0];
+    if (!(isfinite(c) && c > 0)) c = 1.0;
+    return (float)((double)scale * c);
+}

@@ -1,0 +1,67 @@
+/* Factored states (factored.py): a second moment kept as the row and column sums of its
+ * (numel / cols, cols) matrix. A chunk is whole rows; a value reads as row * (col / total) + zero.
+ *
+ * Rows and columns are summed in double, in an order that does not depend on the threads or the
+ * vector width: a parameter's chunks are split into at most MAX_TASKS tasks (scheduler.h), each
+ * with its own running column sums, added in task order at the end of the step. */
+#include <float.h>
+#include <stdlib.h>
+
+/* The sum of n values in double, in an order that does not depend on how the loop is vectorized:
+ * eight running sums (element i goes to i % 8), added pairwise at the end. */
+static double sum_of(const float *x, int64_t n) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)  /* written so that it vectorizes */
+        for (int j = 0; j < 8; j++) lane[j] += (double)x[i + j];
+    for (int j = 0; i < n; i++, j++) lane[j] += (double)x[i];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+/* The values of the rows starting at element start (n elements, whole rows) into buffer. */
+static void load_factored(const state_t *s, int64_t start, int64_t n, float *buffer) {
+    const float *row = (const float *)s->data + start / s->cols;
+    for (int64_t r = 0; r * s->cols < n; r++)
+        for (int64_t c = 0; c < s->cols; c++) buffer[r * s->cols + c] = row[r] * s->col_scaled[c] + s->zero;
+}
+
+/* The new values x of those rows: their row sums, and their columns added to col_sums (the running
+ * column sums of the chunk's task). */
+static void store_factored(const state_t *s, int64_t start, int64_t n, const float *x, double *col_sums) {
+    float *row = (float *)s->data + start / s->cols;
+    for (int64_t r = 0; r * s->cols < n; r++) {
+        const float *values = x + r * s->cols;
+        row[r] = (float)sum_of(values, s->cols);
+        for (int64_t c = 0; c < s->cols; c++) col_sums[c] += (double)values[c];
+    }
+}
+
+/* A factored state's fields for one step: col / total (total = the column sums' sum, at least
+ * FLT_MIN, as factored.py reads it) and zeroed column sums for each task. Returns 0, or 1 if out of
+ * memory. */
+static int begin_factored(state_t *s, int64_t tasks) {
+    s->col_scaled = NULL;
+    s->col_sums = NULL;
+    if (s->kind != KIND_FACTORED) return 0;
+    s->col_scaled = malloc((s->cols > 0 ? s->cols : 1) * sizeof(float));
+    s->col_sums = calloc(tasks * s->cols > 0 ? tasks * s->cols : 1, sizeof(double));
+    if (!s->col_scaled || !s->col_sums) return 1;
+    float total = (float)sum_of(s->col, s->cols);
+    if (total < FLT_MIN) total = FLT_MIN;  /* clamp(min=tiny); NaN stays NaN */
+    for (int64_t c = 0; c < s->cols; c++) s->col_scaled[c] = s->col[c] / total;
+    s->zero = total - total;
+    return 0;
+}
+
+/* After the step: the new column sums, the tasks' sums added in task order (ok: the step ran). */
+static void end_factored(state_t *s, int64_t tasks, int ok) {
+    if (s->kind != KIND_FACTORED) return;
+    if (ok)
+        for (int64_t c = 0; c < s->cols; c++) {
+            double sum = 0;
+            for (int64_t i = 0; i < tasks; i++) sum += s->col_sums[i * s->cols + c];
+            s->col[c] = (float)sum;
+        }
+    free(s->col_scaled);
+    free(s->col_sums);
+}

@@ -1,0 +1,112 @@
+/* The step driver: every parameter's chunks, shared among the threads.
+ *
+ * A chunk is a few blocks (about 1024 elements, MAX_CHUNK at most): a thread decodes its states into
+ * fp32 buffers that stay in L1 (chunk_io.h), calls the optimizer's update (update.h) and encodes them
+ * back, so every byte of state is read once and written once. A parameter's chunks are split into
+ * tasks, each stepped by one thread in order: a task per chunk, except for a parameter with a
+ * factored state, which has at most MAX_TASKS (factored.h: its column sums then do not depend on
+ * the threads). The tasks of all parameters go to one OpenMP loop: one parallel region per step. */
+#include <stdlib.h>
+
+#define MAX_TASKS 32
+
+/* Whether the optimizer gets this parameter's states as bf16, in place: it takes them so, and all
+ * of them are bf16. */
+static int bf16_in_place(const optimizer_t *o, const param_t *t) {
+    int any = 0;
+    for (int i = 0; i < MAX_STATES; i++) {
+        if (t->state[i].kind == KIND_NONE) continue;
+        if (t->state[i].kind != KIND_BF16) return 0;
+        any = 1;
+    }
+    return o->bf16_in_place && any;
+}
+
+static void step_chunk(const optimizer_t *o, const param_t *t, const void *hyper, const void *scalars, int64_t start, int64_t n, int64_t task) {
+    float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], buffers[MAX_STATES][MAX_CHUNK];
+    chunk_t c = {n, load_values(t->param_kind, t->param, start, n, p_buffer), load_values(t->grad_kind, t->grad, start, n, g_buffer), {NULL}, bf16_in_place(o, t)};
+    for (int i = 0; i < MAX_STATES; i++) {
+        const state_t *s = &t->state[i];
+        if (s->kind != KIND_NONE) c.state[i] = c.bf16_states ? (void *)((uint16_t *)s->data + start) : load_state(s, start, n, buffers[i]);
+    }
+    o->update(hyper, scalars, &c);
+    if (!c.bf16_states)
+        for (int i = 0; i < MAX_STATES; i++) {
+            const state_t *s = &t->state[i];
+            if (s->kind != KIND_NONE) store_state(s, start, n, c.state[i], s->kind == KIND_FACTORED ? s->col_sums + task * s->cols : NULL);
+        }
+    store_values(t->param_kind, t->param, start, n, c.param);
+}
+
+static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
+
+/* Elements per chunk: a whole number of blocks of every quantized state and of rows of every
+ * factored one (fused_cpu.chunk_unit); about 1024, which keeps the buffers in L1. */
+static int64_t chunk_size(const param_t *t) {
+    int64_t unit = 1;
+    for (int i = 0; i < MAX_STATES; i++) {
+        const state_t *s = &t->state[i];
+        int64_t size = s->kind == KIND_FACTORED ? s->cols : s->kind == KIND_CODEBOOK || s->kind == KIND_E4M3 ? s->block_size : 1;
+        if (size > 0) unit = unit / gcd(unit, size) * size;
+    }
+    return unit * (unit < 1024 ? 1024 / unit : 1);
+}
+
+static int has_factored(const param_t *t) {
+    for (int i = 0; i < MAX_STATES; i++)
+        if (t->state[i].kind == KIND_FACTORED) return 1;
+    return 0;
+}
+
+/* Steps every parameter once with optimizer o; returns 0 (1: out of memory, nothing stepped). */
+static int step_params(const optimizer_t *o, param_t *params, int64_t count, const void *hyper, int threads) {
+    size_t stride = (o->scalars_size + 15) / 16 * 16;  /* each parameter's scalars, aligned for any member */
+    int64_t *first_task = malloc((count + 1) * sizeof(int64_t));
+    char *scalars = malloc(count ? count * stride : 1);
+    int failed = !first_task || !scalars;
+    int64_t prepared = 0;  /* parameters whose factored states got their fields (or tried to) */
+    if (first_task) first_task[0] = 0;
+    while (!failed && prepared < count) {
+        param_t *t = &params[prepared];
+        int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+        int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
+        first_task[prepared + 1] = first_task[prepared] + tasks;
+        for (int i = 0; i < MAX_STATES; i++) failed |= begin_factored(&t->state[i], tasks);
+        prepared++;
+    }
+    if (!failed) {
+        for (int64_t j = 0; j < count; j++) {
+            const param_t *t = &params[j];
+            float step = 0.0f;
+            if (t->step) {
+                step = *t->step + 1.0f;
+                *t->step = step;
+            }
+            o->prepare(hyper, step, scalars + j * stride);
+        }
+        int64_t total = first_task[count];
+        #pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
+        for (int64_t c = 0; c < total; c++) {
+            int64_t lo = 0, hi = count - 1;  /* the parameter this task belongs to */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first_task[mid] <= c) lo = mid; else hi = mid - 1;
+            }
+            const param_t *t = &params[lo];
+            int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+            int64_t task = c - first_task[lo], tasks = first_task[lo + 1] - first_task[lo];
+            for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
+                int64_t start = chunk * size;
+                step_chunk(o, t, hyper, scalars + lo * stride, start, t->numel - start < size ? t->numel - start : size, task);
+            }
+        }
+    }
+    for (int64_t j = 0; j < prepared; j++) {
+        param_t *t = &params[j];
+        int64_t tasks = first_task[j + 1] - first_task[j];
+        for (int i = 0; i < MAX_STATES; i++) end_factored(&t->state[i], tasks, !failed);
+    }
+    free(first_task);
+    free(scalars);
+    return failed;
+}

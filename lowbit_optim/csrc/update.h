@@ -1,0 +1,72 @@
+/* The update stage: an optimizer's arithmetic on one chunk of fp32 values, apart from how the
+ * values are stored.
+ *
+ * The driver (scheduler.h) decodes a chunk and calls the optimizer's update with n elements of the
+ * parameter, the gradient and each state as fp32 arrays (bf16 parameters and gradients converted,
+ * quantized and factored states decoded, fp32 tensors where they lie); the update overwrites the
+ * parameter and state arrays with the new values, and the driver converts and encodes them back.
+ * An optimizer that declares bf16_in_place gets bf16 states as they lie instead (uint16_t arrays,
+ * chunk.bf16_states) when all its states are bf16: converting inside its loop is faster than
+ * converting through buffers.
+ *
+ * Adding an elementwise optimizer (update_adam.h is the example):
+ * 1. its hyper-parameters: a FIELDS X-macro and DECLARE_STRUCT (abi.h). Python fills the struct by
+ *    field name from the table the library exports (kernel_abi.py): no Python copy of it;
+ * 2. its per-step scalars (a struct) and prepare(hyper, step, scalars): once per parameter and step,
+ *    after the driver has incremented the step counter (step: its new value, 0 without a counter);
+ * 3. update(hyper, scalars, chunk): its functional.py step, the same operations in the same order,
+ *    so that it gives the compiled step's bits (the file is built with -ffp-contract=off);
+ * 4. a line in OPTIMIZERS (fused_step.c).
+ */
+
+typedef struct {
+    int64_t n;
+    float *param;            /* read and written */
+    const float *grad;
+    void *state[MAX_STATES]; /* float arrays, or uint16_t (bf16) where bf16_states; NULL: absent
+                              * (an optional state, e.g. amsgrad's, not given) */
+    int bf16_states;
+} chunk_t;
+
+typedef struct {
+    const char *name;
+    const char *hyper_struct;  /* the name of its hyper-parameter struct in the ABI table */
+    const char *state_names;   /* its states in param_t.state's order, comma-separated (for messages) */
+    int required;              /* the first `required` of them must be given; the others are optional */
+    int bf16_in_place;
+    size_t scalars_size;
+    void (*prepare)(const void *hyper, float step, void *scalars);
+    void (*update)(const void *hyper, const void *scalars, const chunk_t *chunk);
+} optimizer_t;
+
+/* ---- helpers for update functions --------------------------------------------------------------- */
+
+/* torch.lerp as torch.compile lowers it: start + w * (end - start) for |w| < 0.5, else
+ * end - (1 - w) * (end - start); the multiplication by 1.0 it leaves in is exact and dropped.
+ * A lerp_weight_t holds coeff = w, or -(1 - w) where high. */
+typedef struct {
+    float coeff;
+    int high;
+} lerp_weight_t;
+
+static inline lerp_weight_t lerp_weight(float w) {
+    lerp_weight_t l = {w, fabsf(w) >= 0.5f};
+    if (l.high) l.coeff = -(1.0f - w);
+    return l;
+}
+
+static inline float lerp(float start, float end, float coeff, int high) {
+    return (high ? end : start) + coeff * (end - start);
+}
+
+/* an operand of the update: fp32 values, or bf16 values (bf16 states, read and written in place) */
+static inline float read_value(const void *x, int64_t j, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+
+static inline void write_value(void *x, int64_t j, float value, int bf16) {
+    if (bf16)
+        ((uint16_t *)x)[j] = f32_to_bf16(value);
+    else
+        ((float *)x)[j] = value;
+}

@@ -1,0 +1,124 @@
+/* Adam and AdamW (functional.adam_step): states exp_avg, exp_avg_sq and, with amsgrad,
+ * max_exp_avg_sq (state 2: present exactly when amsgrad is on). */
+
+#define ADAM_HYPER_FIELDS(FIELD, ARRAY, S)                                                       \
+    FIELD(S, float, lr)                                                                          \
+    FIELD(S, float, beta1)                                                                       \
+    FIELD(S, float, beta2)                                                                       \
+    FIELD(S, float, weight_decay)                                                                \
+    FIELD(S, float, eps)                                                                         \
+    FIELD(S, float, one_minus_beta1)  /* computed in float64 and rounded once, as torch.optim */ \
+    FIELD(S, float, one_minus_beta2)                                                             \
+    FIELD(S, int32_t, decoupled_weight_decay)                                                    \
+    FIELD(S, int32_t, maximize)
+DECLARE_STRUCT(adam_hyper_t, ADAM_HYPER_FIELDS)
+
+typedef struct {
+    float lr_times_wd, bias_correction1, sqrt_bias_correction2;
+    lerp_weight_t w1, w2;  /* the moments' lerp weights */
+} adam_scalars_t;
+
+static void adam_prepare(const void *hyper, float step, void *scalars) {
+    const adam_hyper_t *h = hyper;
+    adam_scalars_t *k = scalars;
+    k->lr_times_wd = h->lr * h->weight_decay;
+    k->bias_correction1 = 1.0f - powf(h->beta1, step);
+    k->sqrt_bias_correction2 = sqrtf(1.0f - powf(h->beta2, step));
+    k->w1 = lerp_weight(h->one_minus_beta1);
+    k->w2 = lerp_weight(h->one_minus_beta2);
+}
+
+/* functional.adam_step on elements i..n-1: the reference, the AVX-512 loop's tail and the whole
+ * update elsewhere, written so that compilers vectorize it. decoupled, amsgrad and bf16 (the states
+ * are bf16) are constants in each inlined copy (a branch around arithmetic would keep the loop
+ * scalar); maximize is a sign flip. */
+static inline __attribute__((always_inline)) void adam_elements(const adam_hyper_t *h, const adam_scalars_t *k, int decoupled, int amsgrad, int bf16,
+                                                                int64_t i, int64_t n, float *restrict p, const float *restrict g,
+                                                                void *restrict m, void *restrict v, void *restrict vmax) {
+    /* in locals: stores to the arrays cannot change them */
+    float lr = h->lr, lr_wd = k->lr_times_wd, wd = h->weight_decay, eps = h->eps;
+    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff;
+    int high1 = k->w1.high, high2 = k->w2.high;
+    uint32_t flip = h->maximize ? 0x80000000u : 0;
+    #pragma omp simd
+    for (int64_t j = i; j < n; j++) {
+        float P = p[j], G = float_of(bits_of(g[j]) ^ flip);
+        if (decoupled)
+            P = P - lr_wd * P;
+        else
+            G = G + wd * P;
+        float M = lerp(read_value(m, j, bf16), G, c1, high1), V = lerp(read_value(v, j, bf16), G * G, c2, high2);
+        write_value(m, j, M, bf16);
+        write_value(v, j, V, bf16);
+        if (amsgrad) {  /* torch.maximum: NaN propagates, else std::max(vmax, v) */
+            float old = read_value(vmax, j, bf16);
+            V = (old != old || V != V) ? NAN : (old < V ? V : old);
+            write_value(vmax, j, V, bf16);
+        }
+        float denom = sqrtf(V) / sbc2 + eps;
+        p[j] = P - lr * (M / bc1) / denom;
+    }
+}
+
+static void adam_rest(const adam_hyper_t *h, const adam_scalars_t *k, int amsgrad, int bf16, int64_t i, const chunk_t *c) {
+    int64_t n = c->n;
+    float *p = c->param;
+    const float *g = c->grad;
+    void *m = c->state[0], *v = c->state[1], *vmax = c->state[2];
+    switch (h->decoupled_weight_decay << 2 | amsgrad << 1 | bf16) {  /* a copy of the loop for each */
+        case 0: adam_elements(h, k, 0, 0, 0, i, n, p, g, m, v, vmax); break;
+        case 1: adam_elements(h, k, 0, 0, 1, i, n, p, g, m, v, vmax); break;
+        case 2: adam_elements(h, k, 0, 1, 0, i, n, p, g, m, v, vmax); break;
+        case 3: adam_elements(h, k, 0, 1, 1, i, n, p, g, m, v, vmax); break;
+        case 4: adam_elements(h, k, 1, 0, 0, i, n, p, g, m, v, vmax); break;
+        case 5: adam_elements(h, k, 1, 0, 1, i, n, p, g, m, v, vmax); break;
+        case 6: adam_elements(h, k, 1, 1, 0, i, n, p, g, m, v, vmax); break;
+        default: adam_elements(h, k, 1, 1, 1, i, n, p, g, m, v, vmax); break;
+    }
+}
+
+static void adam_update(const void *hyper, const void *scalars, const chunk_t *c) {
+    const adam_hyper_t *h = hyper;
+    const adam_scalars_t *k = scalars;
+    int amsgrad = c->state[2] != NULL;
+    int64_t i = 0;
+    if (c->bf16_states) {  /* the portable loop reads and writes them in place */
+        adam_rest(h, k, amsgrad, 1, 0, c);
+        return;
+    }
+#ifdef __AVX512F__
+    /* the same arithmetic 16 lanes at a time, dividing by the bias corrections exactly (divide.h) */
+    float *p = c->param, *m = c->state[0], *v = c->state[1], *vmax = c->state[2];
+    const float *g = c->grad;
+    lerp_weight_t w1 = k->w1, w2 = k->w2;
+    int high1 = w1.high, high2 = w2.high;
+    divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
+    int root = root_ready(&sbc2);
+    __m512 lr = _mm512_set1_ps(h->lr), lr_wd = _mm512_set1_ps(k->lr_times_wd), wd = _mm512_set1_ps(h->weight_decay);
+    __m512 eps = _mm512_set1_ps(h->eps), w_1 = _mm512_set1_ps(w1.coeff), w_2 = _mm512_set1_ps(w2.coeff), nan = _mm512_set1_ps(NAN);
+    __m512i flip = _mm512_set1_epi32(h->maximize ? (int32_t)0x80000000u : 0);
+    for (; i + 16 <= c->n; i += 16) {
+        __m512 P = _mm512_loadu_ps(p + i);
+        __m512 G = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), flip));
+        if (h->decoupled_weight_decay)
+            P = _mm512_sub_ps(P, _mm512_mul_ps(lr_wd, P));
+        else
+            G = _mm512_add_ps(G, _mm512_mul_ps(wd, P));
+        __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i), G2 = _mm512_mul_ps(G, G);
+        M = _mm512_add_ps(high1 ? G : M, _mm512_mul_ps(w_1, _mm512_sub_ps(G, M)));
+        V = _mm512_add_ps(high2 ? G2 : V, _mm512_mul_ps(w_2, _mm512_sub_ps(G2, V)));
+        _mm512_storeu_ps(m + i, M);
+        _mm512_storeu_ps(v + i, V);
+        if (amsgrad) {
+            __m512 old = _mm512_loadu_ps(vmax + i);
+            __mmask16 either_nan = _mm512_cmp_ps_mask(old, V, _CMP_UNORD_Q);
+            V = _mm512_mask_mov_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, V, _CMP_LT_OQ), old, V), either_nan, nan);
+            _mm512_storeu_ps(vmax + i, V);
+        }
+        __m512 denom = _mm512_add_ps(divide_root(_mm512_sqrt_ps(V), &sbc2, root), eps);
+        P = _mm512_sub_ps(P, _mm512_div_ps(_mm512_mul_ps(lr, divide(M, &bc1)), denom));
+        _mm512_storeu_ps(p + i, P);
+    }
+#endif
+    adam_rest(h, k, amsgrad, 0, i, c);
+}

@@ -1,0 +1,90 @@
+"""Building the fused CPU kernel (csrc/) once per machine.
+
+It is compiled with the C compiler torch.compile uses, for this CPU (-march=native), and cached
+beside inductor's cache under a key of every source file, the compiler, the flags and the CPU's
+features: an edited header, another flag or another CPU sharing the cache directory builds anew.
+"""
+
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+from . import quant
+
+SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+MAIN_SOURCE = SOURCE_DIR / "fused_step.c"  # the one translation unit; it includes the others
+# -ffp-contract=off: no FMA contraction, so the kernel rounds as the compiled step does
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+
+
+class NoCompiler(OSError):
+    """No C compiler: the kernel is simply unavailable (not a failure worth a warning)."""
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cache_dir() -> pathlib.Path:
+    try:  # beside inductor's cache, so an empty TORCHINDUCTOR_CACHE_DIR means a cold start for both
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        return pathlib.Path(inductor_cache_dir()) / "lowbit_optim"
+    except Exception:  # noqa: BLE001 - a private helper; any failure just means our own directory
+        return pathlib.Path(tempfile.gettempdir()) / "lowbit_optim"
+
+
+def defines() -> list[str]:
+    """Constants the C takes from the Python that defines the numbers, so the two cannot drift apart
+    (being part of the build command, they are part of the cache key)."""
+    return [
+        f"-DDITHER_DROPPED_BITS={quant.DITHER_DROPPED_BITS}",
+        f"-DMIN_BLOCK_SCALE=((float){quant.MIN_BLOCK_SCALE!r})",  # rounded from double as torch's clamp rounds it
+    ]
+
+
+def sources() -> list[pathlib.Path]:
+    """Every file the build reads."""
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
+
+
+def _machine_key() -> str:
+    # -march=native: a library built on one CPU may not run on another sharing the cache directory
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+def library_path(cc: str) -> pathlib.Path:
+    """Where the library built by ``cc`` with FLAGS lies in the cache: its name is a hash of every
+    source file, the compiler, the flags and this CPU's features."""
+    digest = hashlib.sha256()
+    for source in sources():
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    digest.update(" ".join([cc, *FLAGS, *defines(), _machine_key()]).encode())
+    return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
+
+
+def build() -> pathlib.Path:
+    """The path of the compiled library, built unless cached. Raises OSError saying why it failed."""
+    cc = compiler()
+    if cc is None:
+        raise NoCompiler("no C compiler was found to build it (set CC)")
+    path = library_path(cc)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        command = [cc, "-x", "c", str(MAIN_SOURCE), *FLAGS, *defines(), "-o", str(partial), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
+    return path

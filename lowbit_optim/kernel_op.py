@@ -1,0 +1,382 @@
+"""``lowbit_optim::fused_step_cpu``: the fused CPU kernel as a torch op over plain tensors.
+
+The op is a torch.library op, so dynamo never traces into it (a graph that calls it holds one node);
+its schema declares what it mutates, and it bumps those tensors' version counters. It takes only
+plain tensors: each state arrives as its inner tensors (a plain fp32/bf16 state as itself) and a
+format key (``format_key``) naming its format and metadata. Before the C reads anything through raw
+pointers, the op rebuilds each state (or takes the very state fused_cpu.step passes, see
+``passing``), checks every tensor (``check_inputs``: the format's own ``check_layout``, dtypes,
+sizes, devices) and refuses bad input with a ValueError. It then describes each state as the C's
+``state_t`` from what its format declares (``StateTensor.kernel_layout``: the codec's name and
+tables) and calls ``lowbit_step``.
+
+Arguments: ``optimizer`` (the kernel's name of an update, e.g. "adam"), ``hyper`` (its
+hyper-parameters in its C struct's field order: ``hyper_values`` makes them from names), ``params``,
+``grads``, ``steps`` (one each per parameter; an empty step tensor for a parameter without states
+and counter), ``state_tensors`` (every given state's inner tensors, parameter by parameter, state by
+state) and ``state_formats`` (per parameter, one key per state the optimizer names: ABSENT, PLAIN or
+a format key).
+"""
+
+import contextlib
+import ctypes
+import functools
+import math
+import threading
+
+import torch
+from torch import Tensor
+
+from . import kernel_abi
+from .factored import FactoredState
+from .state import OptimState, StateTensor, describe_tensor
+
+ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf16 tensor
+_PLAIN_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtype -> the C's kind name
+
+_formats: list = [None, None]  # format key -> (state class, its __tensor_flatten__ metadata)
+_format_keys: dict = {}
+
+
+def format_key(state: Tensor | None) -> int:
+    """The op's key for how ``state`` is stored (registered on first sight)."""
+    if state is None:
+        return ABSENT
+    if not isinstance(state, StateTensor):
+        return PLAIN
+    entry = (type(state), state.__tensor_flatten__()[1])
+    key = _format_keys.get(entry)
+    if key is None:
+        key = _format_keys[entry] = len(_formats)
+        _formats.append(entry)
+    return key
+
+
+def kernel() -> kernel_abi.Kernel:
+    """The loaded kernel, or a RuntimeError saying why there is none."""
+    loaded, why = kernel_abi.load()
+    if loaded is None:
+        raise RuntimeError(f"the fused CPU kernel is unavailable: {why}")
+    return loaded
+
+
+def hyper_values(optimizer: str, hyper: dict) -> list[float]:
+    """``hyper`` (field name -> number) as the op takes it: in the C struct's field order, exactly
+    its fields (a ValueError names the missing and unknown ones)."""
+    struct = kernel().hyper(optimizer, hyper)
+    return [float(getattr(struct, name)) for name, _ in struct._fields_]
+
+
+# ---- what the kernel can take --------------------------------------------------------------------
+
+
+@functools.cache
+def layout(cls, signed: bool):
+    """The format's declared kernel layout (StateTensor.kernel_layout), cached: asked every step."""
+    return cls.kernel_layout(signed)
+
+
+def format_kind(cls, signed: bool) -> str | None:
+    """The kernel's kind (its codec's name) for a format, or None where it has no codec for it."""
+    declared = layout(cls, signed)
+    if declared is None or (declared.stochastic and declared.kind != "codebook"):  # stochastic rounding: codebooks only
+        return None
+    return declared.kind if declared.kind in kernel().kinds else None
+
+
+def kernel_kind(state: Tensor) -> str | None:
+    """The kernel's kind for how ``state`` is stored, or None if only the compiled step knows."""
+    if not isinstance(state, StateTensor):
+        return _PLAIN_KINDS.get(state.dtype) if state.is_contiguous() else None
+    for name in state.inner_names:
+        if not getattr(state, name).is_contiguous():
+            return None
+    return _stored_kind(state)
+
+
+def _stored_kind(state: StateTensor) -> str | None:
+    # kernel_kind of a state whose inner tensors are contiguous
+    if getattr(state, "part", False):  # a factored row slice reads its parent's columns: not here
+        return None
+    return format_kind(type(state), state.signed)
+
+
+# ---- checking what the C will read ------------------------------------------------------------------
+
+
+def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str | None:
+    """Why the kernel cannot hold ``state`` in its chunks (no codec for its format, blocks longer than
+    a chunk), or None. ``contiguous``: its inner tensors are known to be (check_layout)."""
+    if getattr(state, "part", False):
+        return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
+    if (_stored_kind(state) if contiguous else kernel_kind(state)) is None:
+        return f"the {name} state {type(state).__name__} (a format with its own encoding)"
+    if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
+        return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
+    return None
+
+
+def chunks_unsupported(states) -> str | None:
+    """Why a parameter's states cannot share the kernel's chunks (they would overflow its buffers),
+    or None."""
+    unit, max_chunk = chunk_unit(states), kernel().limits["max_chunk"]
+    if unit <= max_chunk:
+        return None
+    rows = max(s.col.numel() for s in states if isinstance(s, FactoredState))
+    return f"a factored state's rows of {rows} elements and the other states' blocks meet only every {unit} elements (the kernel's chunks hold at most {max_chunk})"
+
+
+def chunk_unit(states) -> int:
+    """The fewest elements that are whole blocks of every blockwise state and whole rows of every
+    factored one: the kernel's chunks are multiples of it (chunk_size in csrc/scheduler.h)."""
+    unit = 1
+    for state in states:
+        size = state.col.numel() if isinstance(state, FactoredState) else state.block_size if isinstance(state, OptimState) else 1
+        unit = math.lcm(unit, max(size, 1))
+    return unit
+
+
+def check_inputs(param: Tensor, grad: Tensor, step: Tensor, states: dict, required=()) -> None:
+    """Raise a ValueError unless every tensor has the size, dtype and layout the kernel assumes: it
+    reads and writes them through raw pointers, unchecked, so a corrupt state or a gradient of
+    another size would corrupt memory. ``states``: name -> state or None; ``required``: the names
+    that must be given."""
+    problem = _input_problem(param, grad, step, states, required)
+    if problem:
+        raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: {problem}")
+
+
+def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, required) -> str | None:
+    # attribute checks only: this runs for every parameter at every step
+    numel = param.numel()
+    if not _plain_fits(param, numel):
+        return f"its values are {describe_tensor(param)}, not contiguous float32 or bfloat16 values on the CPU"
+    if not _plain_fits(grad, numel):
+        return f"its gradient is {describe_tensor(grad)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
+    counted = any(s is not None for s in states.values())  # a parameter with states counts its steps
+    if step.dtype != torch.float32 or not step.is_cpu or step.numel() != (1 if counted else 0):
+        return f"its step counter is {describe_tensor(step)}, not {'one float32 value' if counted else 'empty (it has no states)'} on the CPU"
+    for name in required:
+        if states.get(name) is None:
+            return f"its {name} state is missing"
+    given = [s for s in states.values() if s is not None]
+    for name, state in states.items():
+        if state is None:
+            continue
+        if not isinstance(state, StateTensor):
+            if not _plain_fits(state, numel):
+                return f"its {name} state is {describe_tensor(state)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
+            continue
+        try:
+            state.check_layout()
+        except ValueError as error:
+            return f"its {name} state: {error}"
+        if not state.is_cpu or state.numel() != numel:
+            return f"its {name} state is {state!r}, not a state of {numel} elements on the CPU"
+        problem = state_unsupported(name, state, contiguous=True)
+        if problem:
+            return problem
+    return chunks_unsupported(given)
+
+
+def _plain_fits(t: Tensor, numel: int) -> bool:
+    return t.dtype in _PLAIN_KINDS and t.is_contiguous() and t.is_cpu and t.numel() == numel
+
+
+# ---- describing states as the C's state_t ----------------------------------------------------------
+
+
+def describe(k: kernel_abi.Kernel, state: Tensor | None):
+    """``state`` as the C's state_t (absent: kind none)."""
+    State = k.structs["state_t"]
+    if state is None:
+        return State()
+    if not isinstance(state, StateTensor):
+        return State(kind=k.kinds[_PLAIN_KINDS[state.dtype]], data=state.data_ptr())
+    described = State.from_buffer_copy(_format_description(k, type(state), state.signed))
+    if isinstance(state, OptimState):
+        described.block_size = state.block_size
+        described.data = state.codes.data_ptr()
+        described.scale = state.scale.data_ptr()
+    else:  # factored: row and column sums
+        described.data = state.row.data_ptr()
+        described.col = state.col.data_ptr()
+        described.cols = state.col.numel()
+    return described
+
+
+@functools.cache
+def _format_description(k: kernel_abi.Kernel, cls, signed: bool):
+    """What the kernel needs of a format (its kind, constants and tables), built once: a step only
+    adds each state's block size and pointers."""
+    kind = format_kind(cls, signed)
+    described = k.structs["state_t"](kind=k.kinds[kind])
+    if kind in ("codebook", "e4m3"):
+        described.bits, described.scale_max, described.calibrated = cls.bits, cls.scale_max, cls.calibrated(signed)
+    if kind == "codebook":
+        declared = layout(cls, signed)
+        described.stochastic = declared.stochastic
+        described.codebook = declared.tables["codebook"].data_ptr()
+        described.base_code = _int32_base_code(cls, signed).data_ptr()
+        described.threshold = declared.tables["threshold"].data_ptr()
+        thresholds, described.nan_code = _search_thresholds(cls, signed)
+        described.thresholds = thresholds.data_ptr()
+        if cls.bits == 8:
+            described.near_code = _near_code_table(cls, signed).data_ptr()
+            described.value_bytes = _value_bytes(cls, signed).data_ptr()
+    return described
+
+
+@functools.cache
+def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
+    """A codebook's sorted decision thresholds, NaN-padded to 2**bits (NaN is never <= a value),
+    and the code of NaN: what the kernel's binary search needs to give the lookup tables' codes."""
+    thresholds = layout(cls, signed).tables["decision_thresholds"]
+    padded = torch.full((2**cls.bits,), math.nan, dtype=torch.float32)
+    padded[: thresholds.numel()] = thresholds
+    nan_code = int(cls.encode(torch.tensor([math.nan], dtype=torch.float32), signed)[0])
+    return padded, nan_code
+
+
+@functools.cache
+def _near_code_table(cls, signed: bool) -> Tensor:
+    """The nearest-code tables (base_code, threshold) packed into one int32 per key (a value's top 16
+    bits, sign included), so that one gather and one comparison find a code.
+
+    Entry = base | (limit - 1) << 16: the code is base + 1 where the value's low 16 bits, complemented
+    for negative values (whose order they reverse), reach limit. The kernel compares them, shifted up
+    by 16, with the entry as a whole (unsigned) and takes the low byte of entry + 1 or entry. No
+    threshold in the bucket: limit = 2**16 (never reached); limit 0 (always reached) is stored as
+    base + 1 with limit 2**16. NaN and infinities get nan_code.
+    """
+    tables = layout(cls, signed).tables
+    base, threshold = tables["base_code"].to(torch.int64), tables["threshold"]
+    keys = torch.arange(2**16)
+    low = threshold.view(torch.int32).to(torch.int64) & 0xFFFF
+    low = torch.where(keys >= 2**15, 0xFFFF - low, low)  # negative values: a larger value has smaller low bits
+    limit = torch.where(threshold.isnan(), 2**16, low)
+    base, limit = torch.where(limit == 0, base + 1, base), torch.where(limit == 0, 2**16, limit)
+    non_finite = (keys & 0x7FFF) >= 0x7F80
+    base, limit = torch.where(non_finite, _search_thresholds(cls, signed)[1], base), torch.where(non_finite, 2**16, limit)
+    assert int(base.max()) <= 255
+    return (base | (limit - 1) << 16).to(torch.int32)  # wraps to int32: the kernel compares unsigned
+
+
+@functools.cache
+def _value_bytes(cls, signed: bool) -> Tensor:
+    """The codebook's values byte by byte ([k, code]: byte k of code's fp32 value), for the kernel's
+    gather-free decoding of 8-bit codes."""
+    return layout(cls, signed).tables["codebook"].view(torch.uint8).view(-1, 4).t().contiguous()
+
+
+@functools.cache
+def _int32_base_code(cls, signed: bool) -> Tensor:
+    # the scalar loops' table (the vector loops use _near_code_table)
+    return layout(cls, signed).tables["base_code"].to(torch.int32)
+
+
+# ---- the op -------------------------------------------------------------------------------------------
+
+
+# Defined with torch.library's low-level API, not custom_op: custom_op's Python autograd and
+# version-counting wrappers cost 0.2-0.4 ms per call over a few hundred tensors, several times the
+# rest of a small step's Python; the implementation bumps the version counters itself.
+_LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
+_LIBRARY.define(
+    "fused_step_cpu(str optimizer, float[] hyper, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
+    "Tensor(c!)[] state_tensors, int[] state_formats) -> ()"
+)
+
+
+def fused_step_cpu(
+    optimizer: str, hyper: list[float], params: list[Tensor], grads: list[Tensor], steps: list[Tensor], state_tensors: list[Tensor], state_formats: list[int]
+) -> None:
+    """One step of every parameter with the kernel's ``optimizer`` update (see the module's doc)."""
+    k = kernel()
+    if optimizer not in k.optimizers:
+        raise ValueError(f"the fused CPU kernel has no optimizer {optimizer!r} (it has {sorted(k.optimizers)})")
+    spec = k.optimizers[optimizer]
+    names = [name for name, _ in spec.hyper._fields_]
+    count = len(params)
+    if len(hyper) != len(names) or len(grads) != count or len(steps) != count or len(state_formats) != count * len(spec.states):
+        raise ValueError(
+            f"fused_step_cpu({optimizer!r}) takes {len(names)} hyper-parameters ({', '.join(names)}), a gradient and a step "
+            f"counter per parameter and {len(spec.states)} format keys per parameter ({', '.join(spec.states)}); got "
+            f"{len(hyper)} hyper-parameters, {count} parameters, {len(grads)} gradients, {len(steps)} steps, {len(state_formats)} format keys"
+        )
+    hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
+    Param, States = k.structs["param_t"], k.structs["state_t"] * k.limits["max_states"]
+    entries = []
+    tensors = iter(state_tensors)
+    required = spec.states[: spec.required]
+    for param, grad, step, keys in zip(params, grads, steps, _per_param(state_formats, len(spec.states))):
+        states = {name: _rebuild(key, tensors, param) for name, key in zip(spec.states, keys)}
+        check_inputs(param, grad, step, states, required)
+        entries.append(
+            Param(
+                numel=param.numel(),
+                param_kind=k.kinds[_PLAIN_KINDS[param.dtype]],
+                grad_kind=k.kinds[_PLAIN_KINDS[grad.dtype]],
+                param=param.data_ptr(),
+                grad=grad.data_ptr(),
+                step=step.data_ptr() if step.numel() else None,
+                state=States(*(describe(k, state) for state in states.values())),
+            )
+        )
+    if next(tensors, None) is not None:
+        raise ValueError("state_tensors holds more tensors than state_formats describe")
+    result = k.lib.lowbit_step(spec.index, (Param * count)(*entries), count, ctypes.byref(hyper_struct), torch.get_num_threads())
+    if result != 0:
+        raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
+    # what an in-place aten op does: autograd then refuses a backward through the old values
+    torch.autograd.graph.increment_version([*params, *steps, *state_tensors])
+
+
+_LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lowbit_optim::fused_step_cpu", lib=_LIBRARY)
+def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats) -> None:
+    return None
+
+
+def _per_param(keys: list[int], states: int):
+    return (keys[i : i + states] for i in range(0, len(keys), states))
+
+
+def _rebuild(key: int, tensors, param: Tensor) -> Tensor | None:
+    """The state that format key ``key`` and the next tensors stand for (None: absent)."""
+    if key == ABSENT:
+        return None
+    if not 0 <= key < len(_formats):
+        raise ValueError(f"format key {key} names no state format (format_key makes them)")
+    if key == PLAIN:
+        return _next_tensor(tensors)
+    cls, metadata = _formats[key]
+    inner = {name: _next_tensor(tensors) for name in cls.inner_names}
+    known, known_key = getattr(_passing, "states", {}).get(id(next(iter(inner.values()))), (None, None))
+    if known_key == key and type(known) is cls and all(getattr(known, n) is t for n, t in inner.items()):
+        return known  # the very state these tensors and metadata make (building it anew costs ~6 us)
+    return cls.__tensor_unflatten__(inner, metadata, param.shape, None)
+
+
+_passing = threading.local()
+
+
+@contextlib.contextmanager
+def passing(states: list[tuple[StateTensor, int]]):
+    """While in the block, the op reuses these (state, its format key) instead of rebuilding a state
+    from its inner tensors, where it is given exactly that state's tensors and key (fused_cpu.step's
+    states, whose keys it has just made)."""
+    _passing.states = {id(getattr(s, s.inner_names[0])): (s, key) for s, key in states}
+    try:
+        yield
+    finally:
+        _passing.states = {}
+
+
+def _next_tensor(tensors) -> Tensor:
+    t = next(tensors, None)
+    if t is None:
+        raise ValueError("state_tensors holds fewer tensors than state_formats describe")
+    return t
