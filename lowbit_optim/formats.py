@@ -4,6 +4,10 @@ A quantized format is a small OptimState subclass; a plain format (fp32, bf16) i
 tensor dtype behind the same interface, so the optimizer treats every format alike.
 """
 
+import functools
+import hashlib
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -135,29 +139,71 @@ class OptimState4bitPrecond(OptimState4bitTorchao):
 
 class OptimState4bitUncalibrated(OptimStateNF4, OptimState4bitPrecond):
     """The NF4 first moment of ``nf4`` with the second moment of ``4bit-precond``, block scales at
-    the absmax: ``4bit`` without its calibrated second-moment scale."""
+    the absmax: ``4bit-calibrated`` without its calibrated second-moment scale."""
 
     name = "4bit-uncalibrated"
 
 
-class OptimState4bit(OptimState4bitUncalibrated):
-    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``): NF4 first
-    moment; second moment on the sqrt-linear codebook, rounded in 1/sqrt(v), with a calibrated block
-    scale, absmax x <v, v> / <v, Q(v)> (quant.calibrated_scale), so rounding does not shift a block's
-    v up or down on average. Calibration changes only how scales are chosen, not what codes mean:
-    states saved before it read the same."""
+class OptimState4bitCalibrated(OptimState4bitUncalibrated):
+    """The 4-bit recipe of releases before stochastic rounding (``4bit`` with format_version 2): NF4
+    first moment; second moment on the sqrt-linear codebook, rounded to the nearest code in
+    1/sqrt(v), with a calibrated block scale, absmax x <v, v> / <v, Q(v)> (quant.calibrated_scale),
+    so rounding does not shift a block's v up or down on average. It tracks fp32 AdamW on the char
+    GPT but, like every nearest-rounding recipe, stalls when training is driven to a low loss
+    (benchmarks/results/convergence_mlp.md)."""
 
-    name = "4bit"
-    format_version = 2  # version 1 was torchao's codebooks, now "4bit-torchao"
-
-    @classmethod
-    def legacy_format(cls, version: int):
-        # a checkpoint written before the 4-bit recipe changed loads as the 4bit-torchao state it is
-        return OptimState4bitTorchao if version == 1 else None
+    name = "4bit-calibrated"
 
     @classmethod
     def calibrated(cls, signed: bool) -> bool:
         return not signed
+
+
+class OptimState4bit(OptimStateNF4):
+    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``), rounded
+    stochastically so that it stays unbiased: NF4 first moment, linear second
+    moment (1/16, 2/16, ..., 1, no zero), as ``nf4``, but each value becomes one of the two codes
+    around it, the upper one with probability (x - a) / (b - a), so that its expected value is x
+    (quant.encode_stochastic). Nearest rounding cannot follow a moving average whose step is smaller
+    than half the distance between two codes: with beta2 = 0.999 a second moment only moves by 0.1 %
+    of itself per step, so between codes 5-20 % apart it sticks (and only big gradients push it up),
+    and a first moment sticks at a code, 0 included, while gradients are small against its block's
+    absmax. That loses little in a short run (the char GPT), but much when training is driven to a
+    low loss (benchmarks/convergence.py --task mlp: +22 % training loss for ``4bit-calibrated``,
+    about 0 here).
+
+    The random numbers are a hash of each value's bits and place in its block (quant.dither): a
+    state rounds the same way on every run and after a checkpoint resume, and draws nothing from
+    torch's random stream. The eager and compiled steps agree but where an FMA moved a value by an
+    ulp and that changed its draw (about 1 in 1024 such values); the fused CPU kernel computes the
+    compiled step's codes bit for bit. Not calibrated (unbiased already)."""
+
+    name = "4bit"
+    format_version = 3  # 1: torchao's codebooks ("4bit-torchao"); 2: nearest rounding ("4bit-calibrated")
+    stochastic = True  # codes are not the nearest: tests check unbiased rounding between neighbours instead
+
+    @classmethod
+    def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        nearest = super().encode(normalized, signed)
+        codebook = cls.decode(torch.arange(2**cls.bits, dtype=torch.uint8, device=normalized.device), signed)
+        return quant.encode_stochastic(normalized, nearest, codebook, quant.dither(normalized))
+
+    @classmethod
+    def legacy_format(cls, version: int):
+        # checkpoints written before the 4-bit recipe changed load as the states they are
+        return {1: OptimState4bitTorchao, 2: OptimState4bitCalibrated}.get(version)
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        same = computes_as(cls, OptimState4bit, "encode", "decode", "quantize_", "dequantize")
+        return cls._codebook_layout(signed, stochastic=True) if same else None
+
+    @classmethod
+    @functools.cache
+    def _numerics_fingerprint(cls, signed: bool) -> str:
+        # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
+        text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(quant.DITHER_DROPPED_BITS)
+        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
 
 
 class OptimStateFp8(OptimState):
@@ -186,6 +232,7 @@ class OptimStateFp8(OptimState):
 
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
 
+
 __all__ = [
     "BF16",
     "FactoredState",
@@ -195,6 +242,7 @@ __all__ = [
     "OptimState4bitUncalibrated",
     "OptimState4bitPrecond",
     "OptimState4bitTorchao",
+    "OptimState4bitCalibrated",
     "OptimStateNF4",
     "OptimStateFp8",
     "PlainFormat",

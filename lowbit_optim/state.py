@@ -49,10 +49,13 @@ def implements(*ops):
 class KernelLayout:
     """How the fused CPU kernel (fused_cpu.py) steps a format: ``kind`` names the codec it runs
     ("codebook", "e4m3", "factored"); ``tables`` holds the format's numbers that codec reads (CPU
-    tensors, e.g. a codebook's values and its nearest-code tables)."""
+    tensors, e.g. a codebook's values and its nearest-code tables); ``stochastic``: codes are rounded
+    stochastically between the two codebook values around each value (quant.encode_stochastic with
+    quant.dither), not to the nearest one."""
 
     kind: str
     tables: dict = field(default_factory=dict)
+    stochastic: bool = False
 
 
 def computes_as(cls, base, *methods: str) -> bool:
@@ -412,8 +415,12 @@ class CodebookState(OptimState):
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         if not computes_as(cls, CodebookState, "encode", "decode", "quantize_", "dequantize"):
             return None
+        return cls._codebook_layout(signed)
+
+    @classmethod
+    def _codebook_layout(cls, signed: bool, stochastic: bool = False) -> KernelLayout:
         names = ("codebook", "base_code", "threshold", "decision_thresholds")
-        return KernelLayout("codebook", {name: _table(cls, signed, name, torch.device("cpu")) for name in names})
+        return KernelLayout("codebook", {name: _table(cls, signed, name, torch.device("cpu")) for name in names}, stochastic)
 
     @classmethod
     @functools.cache

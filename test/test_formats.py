@@ -139,6 +139,27 @@ def assert_encodes_to_nearest(info: FormatInfo, signed: bool, x: torch.Tensor) -
         raise AssertionError(f"{int(bad.sum())} of {x.numel()} inputs not encoded to a nearest code:\n" + "\n".join(rows))
 
 
+def assert_encodes_to_neighbour(info: FormatInfo, signed: bool, x: torch.Tensor) -> None:
+    """For a stochastic format: ``decode(encode(x))`` is one of the two code values around x (x itself
+    when it is a code value), and the nearest code outside the codebook's range."""
+    fmt = info.fmt
+    codes = fmt.encode(x, signed)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert int(codes.max()) < 2**fmt.bits, "a code does not fit in the format's bits"
+    points = encode_domain_codes(info, signed)
+    got, v = fmt.decode(codes, signed).double(), x.double()
+    index = torch.searchsorted(points, v, right=True)  # points[index - 1] <= v < points[index]
+    below = points[(index - 1).clamp(0, len(points) - 1)]
+    above = points[index.clamp(0, len(points) - 1)]
+    exact = (below == v) & (got == v)
+    between = (index > 0) & (index < len(points)) & ((got == below) | (got == above))
+    outside = ((index == 0) & (got == points[0])) | ((index == len(points)) & (got == points[-1]))
+    bad = ~(exact | between | outside)
+    if bad.any():
+        rows = [f"x={a:.9g}: got {b:.9g}" for a, b in zip(x[bad][:5].tolist(), got[bad][:5].tolist())]
+        raise AssertionError(f"{int(bad.sum())} of {x.numel()} inputs not encoded to a neighbouring code:\n" + "\n".join(rows))
+
+
 def nearest_code_values(info: FormatInfo, normalized: torch.Tensor, signed: bool) -> torch.Tensor:
     """Brute force (float64): the code value nearest to each normalized value in the rounding space."""
     points = encode_domain_codes(info, signed)
@@ -243,8 +264,32 @@ def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> 
 @blockwise_formats_by_signedness
 def test_encode_picks_nearest_code(info, signed):
     """The README promises the exact nearest code, not a near one: checked against brute force on
-    random inputs, all codes, all midpoints and their fp32 neighbours, zeros, denormals, range ends."""
-    assert_encodes_to_nearest(info, signed, encode_inputs(info, signed))
+    random inputs, all codes, all midpoints and their fp32 neighbours, zeros, denormals, range ends.
+    A stochastic format picks one of the two codes around each value instead."""
+    if info.stochastic:
+        assert_encodes_to_neighbour(info, signed, encode_inputs(info, signed))
+    else:
+        assert_encodes_to_nearest(info, signed, encode_inputs(info, signed))
+
+
+@by_signedness([i for i in BLOCKWISE_FORMATS if i.stochastic])
+def test_stochastic_rounding_is_unbiased_and_deterministic(info, signed):
+    """A stochastic format's codes average to the value they round: between every pair of
+    neighbouring codes, at 1/4, 1/2 and 3/4 of the gap, the mean decoded value of 4096 inputs spread
+    over 1 % of the gap around that point lies within 5 standard errors of their mean. Encoding the
+    same inputs twice gives the same codes."""
+    fmt = info.fmt
+    points = encode_domain_codes(info, signed)
+    low, high = points[:-1], points[1:]
+    spread = 0.01 * (torch.arange(4096, dtype=torch.float64) / 4095 - 0.5)
+    x = torch.cat([low[:, None] + (f + spread) * (high - low)[:, None] for f in (0.25, 0.5, 0.75)]).float()
+    decoded = fmt.decode(fmt.encode(x, signed), signed).double()
+    gap = torch.cat([high - low] * 3)
+    error = (decoded.mean(dim=1) - x.double().mean(dim=1)).abs()
+    tolerance = 5 * gap / 2 / math.sqrt(x.shape[1])  # the sd of one draw is at most gap / 2
+    bad = error > tolerance
+    assert not bad.any(), f"biased near {x[bad, 0][:5].tolist()}: mean error {error[bad][:5].tolist()}, tolerance {tolerance[bad][:5].tolist()}"
+    assert torch.equal(fmt.encode(x, signed), fmt.encode(x.clone(), signed))
 
 
 @by_signedness(
@@ -252,7 +297,7 @@ def test_encode_picks_nearest_code(info, signed):
         i
         for i in BLOCKWISE_FORMATS
         # the tie rule is CodebookState's (fp8 rounds ties to even); exact ties exist at midpoints in value
-        if issubclass(i.fmt, CodebookState) and i.fmt.rounding_space.__func__ is OptimState.rounding_space.__func__
+        if issubclass(i.fmt, CodebookState) and i.fmt.rounding_space.__func__ is OptimState.rounding_space.__func__ and not i.stochastic
     ]
 )
 def test_codebook_ties_go_to_larger_code(info, signed):
@@ -817,12 +862,18 @@ nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
 4bit-uncalibrated unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
   first: 0.00390625, 0.015625, 0.0351562, 0.0625
   last:  0.660156, 0.765625, 0.878906, 1
+4bit-calibrated signed: n=16 min=-1 max=1 smallest_positive=0.0795803
+  first: -1, -0.696193, -0.525073, -0.394917
+  last:  0.44071, 0.562617, 0.722957, 1
+4bit-calibrated unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.015625, 0.0351562, 0.0625
+  last:  0.660156, 0.765625, 0.878906, 1
 4bit signed: n=16 min=-1 max=1 smallest_positive=0.0795803
   first: -1, -0.696193, -0.525073, -0.394917
   last:  0.44071, 0.562617, 0.722957, 1
-4bit unsigned: n=16 min=0.00390625 max=1 smallest_positive=0.00390625
-  first: 0.00390625, 0.015625, 0.0351562, 0.0625
-  last:  0.660156, 0.765625, 0.878906, 1
+4bit unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
+  first: 0.0625, 0.125, 0.1875, 0.25
+  last:  0.8125, 0.875, 0.9375, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
@@ -846,8 +897,10 @@ nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0
 4bit-precond unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
 4bit-uncalibrated signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
 4bit-uncalibrated unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
+4bit-calibrated signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
+4bit-calibrated unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1
 4bit signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
-4bit unsigned: 0.00390625, 0.015625, 0.03515625, 0.0625, 0.09765625, 0.140625, 0.19140625, 0.25, 0.31640625, 0.390625, 0.47265625, 0.5625, 0.66015625, 0.765625, 0.87890625, 1""")
+4bit unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1""")
 
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
@@ -869,6 +922,7 @@ OptimState4bitTorchao(shape=(3, 100), signed=True, block_size=128, dtype=torch.f
 OptimStateNF4(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bitPrecond(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bitUncalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)""")
@@ -887,6 +941,7 @@ FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float3
 nf4: 0.53125
 4bit-precond: 0.53125
 4bit-uncalibrated: 0.53125
+4bit-calibrated: 0.53125
 4bit: 0.53125
 fp8: 1.015625
 factored: 0.03125""")

@@ -62,9 +62,17 @@ def checkpoint(spec) -> bytes:
     return save(opt.state_dict())
 
 
+def kernel_steps(spec) -> bool:
+    """Whether the fused kernel steps every format of ``spec`` (each declares a kernel layout); a
+    format without one (a custom encoding) takes the compiled step, and the kernel never gets it."""
+    names = spec.values() if isinstance(spec, dict) else [spec]
+    formats = [lowbit_optim.formats.get_format(name) for name in names]
+    return all(f.kernel_layout(signed) is not None for f in formats if isinstance(f, type) for signed in ((True, False) if f.holds_signed else (False,)))
+
+
 def fresh_optimizer(spec):
     params = make_params()
-    return params, lowbit_optim.AdamW(params, state_format=spec, fused=True, **OPTIONS)
+    return params, lowbit_optim.AdamW(params, state_format=spec, fused=True if kernel_steps(spec) else None, **OPTIONS)
 
 
 def non_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -220,6 +228,8 @@ def test_fuzzed_checkpoints_never_crash_or_load_silently(child_results, info):
 def test_fused_kernel_checks_every_tensor_it_is_given(child_results, info):
     """fused_cpu.adam_step called directly with a state corrupted in memory, a gradient, step or
     parameter the kernel would misread: a ValueError naming the parameter's shape, nothing stepped."""
+    if not kernel_steps(info.spec):
+        pytest.skip(f"{info.name} takes the compiled step: the fused kernel never gets its states")
     failures = [
         f"{r['case']}: {r['outcome']}: {r['detail']}"
         for r in _results(child_results, "kernel", info.name)
@@ -428,4 +438,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for info in QUANTIZED_FORMATS:
         fuzz_checkpoints(info)
-        fuzz_kernel_entry(info)
+        if kernel_steps(info.spec):
+            fuzz_kernel_entry(info)
