@@ -1,5 +1,12 @@
 """Optimizer step time and state memory on the GPT-2-small parameter set, every optimizer in one process.
 
+``--optimizer sgd|lion|ademamix`` times that optimizer instead of AdamW: lowbit_optim's version with
+fp32, 8bit and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
+``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
+which torch lacks, are timed against bitsandbytes' 32-bit version. Hyper-parameters: SGD lr 1e-3,
+momentum 0.9; Lion and AdEMAMix their defaults. A lowbit_optim optimizer the fused CPU kernel does
+not step says so in the note column ("compiled step").
+
 Compares torch.optim.AdamW (foreach, fused), torchao's AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes'
 AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format (on the CPU by default through
 the fused CPU kernel; ``lowbit-8bit-compiled`` and ``lowbit-4bit-compiled`` run the generic
@@ -24,6 +31,7 @@ Examples::
     python benchmarks/step_time.py                                    # GPT-2 small, fp32 params
     python benchmarks/step_time.py --layers 2 --vocab 5000 --steps 3  # quick check
     python benchmarks/step_time.py --only torch-fused,lowbit-8bit,torchao-8bit --json out.json
+    python benchmarks/step_time.py --optimizer lion                   # Lion: lowbit fp32/8bit/4bit, bitsandbytes 8/32-bit
 
 Cold and warm compile (the "first s" column). Within one process, later rows may reuse graphs an
 earlier row compiled (lowbit's fp32 graph serves every format's small parameters), so run the rows you
@@ -62,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--steps", type=int, default=10, help="timed steady-state steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first one")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd", "lion", "ademamix"), default="adamw", help="which optimizer's rows")
     parser.add_argument("--only", default=None, help="comma-separated optimizer labels to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
@@ -156,7 +165,43 @@ def _lowbit(state_format: str, fused: bool | None = None):
     return lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format, fused=fused)
 
 
-def optimizer_factories() -> list[tuple[str, Callable]]:
+# --optimizer: lowbit_optim's class and keywords, bitsandbytes' 8-bit and 32-bit classes (name, keywords)
+OTHER_OPTIMIZERS = {
+    "sgd": ("SGD", dict(lr=1e-3, momentum=0.9), ("SGD8bit", {}), ("SGD32bit", {})),
+    "lion": ("Lion", dict(lr=1e-4), ("Lion8bit", {}), ("Lion32bit", {})),
+    "ademamix": ("AdEMAMix", dict(lr=1e-3), ("AdEMAMix8bit", {}), ("AdEMAMix", dict(optim_bits=32))),
+}
+# each --optimizer's reference row (the "vs ref" column): torch's fused step where torch has the optimizer
+REFERENCES = {"adamw": REFERENCE, "sgd": "torch-sgd-fused", "lion": "bnb-32bit", "ademamix": "bnb-32bit"}
+
+
+def _bnb(name: str, kwargs: dict):
+    def make(params):
+        import bitsandbytes.optim
+
+        return getattr(bitsandbytes.optim, name)(params, **kwargs)
+
+    return make
+
+
+def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
+    """``--optimizer``'s rows: torch's (SGD), bitsandbytes' 32-bit and 8-bit versions, lowbit_optim's."""
+    name, kwargs, (bnb8, extra8), (bnb32, extra32) = OTHER_OPTIMIZERS[optimizer]
+    cls = getattr(lowbit_optim, name)
+    rows = []
+    if optimizer == "sgd":
+        rows += [
+            ("torch-sgd-foreach", lambda params: torch.optim.SGD(params, **kwargs, foreach=True)),
+            ("torch-sgd-fused", lambda params: torch.optim.SGD(params, **kwargs, fused=True)),
+        ]
+    rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
+    rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "4bit")]
+    return rows
+
+
+def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
+    if optimizer != "adamw":
+        return other_optimizer_factories(optimizer)
     return [
         ("torch-foreach", lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)),
         (REFERENCE, lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)),
@@ -201,7 +246,7 @@ def _storages_of(value, storages: dict) -> None:
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer, numel: int) -> float:
-    if isinstance(optimizer, lowbit_optim.Adam):
+    if isinstance(optimizer, lowbit_optim.LowBitOptimizer):
         return lowbit_optim.bytes_per_param(optimizer)
     storages: dict = {}
     for state in optimizer.state.values():
@@ -313,6 +358,8 @@ def measure(label: str, make: Callable, params, args, device: torch.device) -> R
     result.floor_bytes_per_param = floor_bytes_per_param(params[0].element_size(), result.state_bytes_per_param)
     result.floor_gb_per_s = result.floor_bytes_per_param * numel / result.median_step_s / 1e9
     result.peak_mem_delta_bytes = memory.peak_delta()
+    if isinstance(optimizer, lowbit_optim.LowBitOptimizer) and optimizer._fused_step is None and device.type == "cpu":
+        result.note = "compiled step (the fused CPU kernel does not step it)"
     return result
 
 
@@ -346,15 +393,20 @@ def progress_line(cells: list[str]) -> str:
     return f"{cells[0]:<14}" + "".join(f"{c:>11}" for c in cells[1:-1]) + (f"  {cells[-1]}" if cells[-1] else "")
 
 
-def markdown_table(results: list[Result]) -> str:
+def columns(optimizer: str) -> list[str]:
+    """COLUMNS, with "vs ref" for "vs fused" where the reference is not torch's fused AdamW."""
+    return COLUMNS if optimizer == "adamw" else [("vs ref" if c == "vs fused" else c) for c in COLUMNS]
+
+
+def markdown_table(results: list[Result], optimizer: str = "adamw") -> str:
     align = ["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]  # numbers right-aligned
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(align) + "|"]
+    lines = ["| " + " | ".join(columns(optimizer)) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row_cells(r)) + " |" for r in results]
     return "\n".join(lines)
 
 
-def add_ratios(results: list[Result]) -> None:
-    reference = next((r.median_step_s for r in results if r.label == REFERENCE), None)
+def add_ratios(results: list[Result], reference_label: str = REFERENCE) -> None:
+    reference = next((r.median_step_s for r in results if r.label == reference_label), None)
     for r in results:
         if reference and r.median_step_s is not None:
             r.ratio_to_fused = r.median_step_s / reference
@@ -382,7 +434,7 @@ def main(args: argparse.Namespace) -> list[Result]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
-    factories = select(optimizer_factories(), args.only)
+    factories = select(optimizer_factories(args.optimizer), args.only)
 
     shapes = gpt2_shapes(args.layers, args.d, args.vocab, args.ctx)
     params = build_params(shapes, DTYPES[args.dtype], device, args.seed)
@@ -391,20 +443,20 @@ def main(args: argparse.Namespace) -> list[Result]:
     print(
         f"{numel:,} parameters in {len(shapes)} tensors ({args.dtype}) on {env['device']}; "
         f"torch {torch.__version__}, {env['torch_threads']} threads; "
-        f"{args.warmup} warmup + {args.steps} timed steps"
+        f"{args.warmup} warmup + {args.steps} timed steps; {args.optimizer}, ratios to {REFERENCES[args.optimizer]}"
     )
-    print(progress_line(COLUMNS))
+    print(progress_line(columns(args.optimizer)))
 
     results = []
     for label, make in factories:
         result = measure(label, make, params, args, device)
         results.append(result)
         _release_freed_memory()  # the optimizer is gone with measure()'s frame; drop its state now
-        add_ratios(results)
+        add_ratios(results, REFERENCES[args.optimizer])
         print(progress_line(row_cells(result)), flush=True)
 
     print()
-    print(markdown_table(results))
+    print(markdown_table(results, args.optimizer))
     if args.json:
         Path(args.json).write_text(json.dumps({**env, "results": [dataclasses.asdict(r) for r in results]}, indent=2))
     return results

@@ -1,10 +1,12 @@
-"""lowbit_optim: Adam/AdamW with 8-bit, 4-bit, FP8, bf16 or fp32 optimizer state, one compiled step."""
+"""lowbit_optim: Adam/AdamW, SGD, Lion and AdEMAMix with 8-bit, 4-bit, FP8, bf16 or fp32 optimizer state,
+one compiled step."""
 
 from .formats import (
     BF16,
     FP32,
     FactoredState,
     OptimState4bit,
+    OptimState4bitCalibrated,
     OptimState4bitUncalibrated,
     OptimState4bitPrecond,
     OptimState4bitTorchao,
@@ -16,25 +18,27 @@ from .formats import (
     register_format,
     registered_formats,
 )
-from .functional import adam_step
+from .functional import adam_step, ademamix_step, lion_step, sgd_step
 from .precision import PARAM_UPDATES
-from .optim import (
-    Adam,
+from .base import LowBitOptimizer, State
+from .optim import AdEMAMix, Adam, AdamW, Lion, SGD, bytes_per_param, dequantize_state_dict, param_groups_by_module
+from .aliases import (
+    AdEMAMix8bit,
     Adam4bit,
     Adam8bit,
     AdamFp8,
-    AdamW,
     AdamW4bit,
     AdamW8bit,
     AdamWFp8,
     AnyPrecisionAdamW,
-    bytes_per_param,
-    dequantize_state_dict,
-    param_groups_by_module,
+    Lion8bit,
+    SGD8bit,
 )
 from .state import CodebookState, OptimState, StateTensor
 
 __all__ = [
+    "AdEMAMix",
+    "AdEMAMix8bit",
     "Adam",
     "Adam4bit",
     "Adam8bit",
@@ -48,8 +52,12 @@ __all__ = [
     "CodebookState",
     "FP32",
     "FactoredState",
+    "Lion",
+    "Lion8bit",
+    "LowBitOptimizer",
     "OptimState",
     "OptimState4bit",
+    "OptimState4bitCalibrated",
     "OptimState4bitUncalibrated",
     "OptimState4bitPrecond",
     "OptimState4bitTorchao",
@@ -58,12 +66,18 @@ __all__ = [
     "OptimStateNF4",
     "PARAM_UPDATES",
     "PlainFormat",
+    "SGD",
+    "SGD8bit",
+    "State",
     "StateTensor",
     "adam_step",
+    "ademamix_step",
     "bytes_per_param",
     "dequantize_state_dict",
     "get_format",
+    "lion_step",
     "param_groups_by_module",
     "register_format",
     "registered_formats",
+    "sgd_step",
 ]

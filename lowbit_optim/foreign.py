@@ -1,10 +1,13 @@
-"""State tensors of other libraries in checkpoints, read as lowbit_optim states so that their runs
-resume here: torchao's OptimState8bit, OptimState4bit and OptimStateFp8.
+"""Other libraries' optimizer states in checkpoints, read as lowbit_optim states so that their runs
+resume here: torchao's OptimState8bit, OptimState4bit and OptimStateFp8 (state tensor subclasses),
+and bitsandbytes' state dicts (plain tensors under its own key names: state1, absmax1, qmap1, ...).
 
-They are recognized by duck typing (class module and name, attribute names), without importing
-their library: the package depends on torch only. What they hold comes from a file, so it is
-validated before use.
+They are recognized by duck typing (class module and name, key names), without importing their
+library: the package depends on torch only. What they hold comes from a file, so it is validated
+before use.
 """
+
+import math
 
 import torch
 from torch import Tensor
@@ -69,3 +72,206 @@ def _valid_block_size(block_size: int, bits: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# bitsandbytes: optimizer state dicts (its states are plain tensors under its own key names)
+# ------------------------------------------------------------------------------------------------
+
+# bitsandbytes >= 0.49.2 moves a parameter's state tensors under this key in state_dict() (to hide
+# them from FSDP's gathering); older releases keep them beside "step"
+BITSANDBYTES_WRAPPER = "__bnb_optimizer_quant_state__"
+# blockwise 8-bit states: blocks of 256 since bitsandbytes 0.44, of 2048 before (told apart by the
+# number of block scales; a state of one block is read with 256)
+_BNB_BLOCK_SIZES = (256, 2048)
+_BNB_KEYS = ("step", "state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2")
+_BNB_UNREADABLE = {
+    "max1": "non-blockwise 8-bit states (block_wise=False)",
+    "new_max1": "non-blockwise 8-bit states (block_wise=False)",
+    "unorm_vec": "the update norm of max_unorm clipping (LAMB, LARS)",
+    "gnorm_vec": "the gradient norms of percentile_clipping, which lowbit_optim does not do: clip with "
+    "torch.nn.utils.clip_grad_norm_ and delete 'gnorm_vec' from the states to load the rest",
+}
+# bitsandbytes' param-group keys that are hyper-parameters (the others, e.g. a scheduler's
+# "initial_lr", are kept as saved)
+_BNB_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3")
+
+
+def is_bitsandbytes_state_dict(state_dict: dict, own_states) -> bool:
+    """Whether ``state_dict`` (already known to have "state") was written by a bitsandbytes
+    optimizer: some parameter's state holds bitsandbytes' key names (``own_states``: the state names
+    of the optimizer loading it, which never count as bitsandbytes')."""
+    states = state_dict["state"].values() if isinstance(state_dict["state"], dict) else ()
+    keys = {"state1", BITSANDBYTES_WRAPPER} - set(own_states)
+    return any(isinstance(s, dict) and not keys.isdisjoint(s) for s in states)
+
+
+def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
+    """A bitsandbytes optimizer's ``state_dict()`` as the state dict of ``optimizer`` (a
+    LowBitOptimizer), for its ``load_state_dict`` to validate and convert to its formats.
+
+    - States: bitsandbytes' ``state1`` and ``state2`` (AdEMAMix: ``state1`` holds its two first
+      moments stacked, shape (2, *param.shape)) become the optimizer's declared states in order. A
+      blockwise 8-bit state (uint8 codes of the parameter's shape, ``absmax`` per block of 256, or
+      of 2048 before bitsandbytes 0.44, code table ``qmap``) whose table is our 8bit codebook becomes an 8bit state over the same
+      codes and scales (an 8bit optimizer keeps them: bit-exact); any other table, the values its
+      codes stand for. 32-bit states are taken as they are.
+    - Hyper-parameters bitsandbytes records (lr, betas, eps, weight_decay, AdEMAMix's alpha,
+      t_alpha, t_beta3; SGD's momentum and dampening, which it stores as betas) come from the
+      checkpoint, as torch.optim's do; everything else (state formats, nesterov, maximize, ...) stays
+      as the optimizer was built.
+
+    bitsandbytes' checkpoints do not name their optimizer: one with as many states as ``optimizer``
+    declares is taken as its own (a Lion checkpoint loads into SGD, whose momentum would then be
+    Lion's beta1). Every tensor is checked (type, dtype, shape, block count, table size) before use.
+    """
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
+        raise ValueError("this bitsandbytes checkpoint's param_groups is not a list of groups with 'params' lists")
+    saved_sizes = [len(g["params"]) for g in saved_groups]
+    if saved_sizes != sizes:
+        raise ValueError(
+            f"this bitsandbytes checkpoint has param groups of {saved_sizes} parameters, this optimizer of {sizes}: "
+            "build the optimizer over the same parameters, in the same groups"
+        )
+    states, new_groups = {}, []
+    index = 0
+    for group, saved in zip(groups, saved_groups):
+        translated = _bitsandbytes_group(saved, group, optimizer.defaults)
+        new_groups.append(translated)
+        declared = [(s.name, s.signed) for s in optimizer._declared(translated)]
+        for key, param in zip(saved["params"], group["params"]):
+            if key in state_dict["state"]:
+                states[key] = _bitsandbytes_param_state(state_dict["state"][key], param, declared, index, optimizer._family)
+            index += 1
+    return {**state_dict, "state": states, "param_groups": new_groups}
+
+
+def _bitsandbytes_group(saved: dict, group: dict, defaults: dict) -> dict:
+    """``group``'s options with the hyper-parameters of bitsandbytes' param group ``saved`` and its
+    keys of no optimizer's (``defaults``: this optimizer's), e.g. a scheduler's "initial_lr"."""
+    out = {k: v for k, v in group.items() if k != "params"}
+    out.update({k: v for k, v in saved.items() if k not in defaults and k not in _BNB_HYPERPARAMETERS and k != "params"})
+    for key in ("lr", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3"):
+        if key in saved and key in group:
+            value = saved[key]
+            out[key] = (value or None) if key.startswith("t_") else value  # bitsandbytes: 0 is no warm-up
+    betas = saved.get("betas")
+    if betas is not None:
+        if "betas" in group:
+            out["betas"] = tuple(betas) if isinstance(betas, (tuple, list)) else betas
+        elif "momentum" in group and isinstance(betas, (tuple, list)) and len(betas) == 2:
+            out["momentum"], out["dampening"] = betas  # bitsandbytes' SGD: betas=(momentum, dampening)
+    out["params"] = list(saved["params"])
+    return out
+
+
+def _bitsandbytes_param_state(state, param: Tensor, declared: list, index: int, family: str) -> dict:
+    shape = tuple(param.shape)
+    where = f"bitsandbytes state of parameter {index} (shape {shape})"
+    if not isinstance(state, dict):
+        raise ValueError(f"{where} is a {type(state).__name__}, not a dict")
+    state = dict(state)
+    wrapped = state.pop(BITSANDBYTES_WRAPPER, {})
+    if not isinstance(wrapped, dict):
+        raise ValueError(f"{where}: {BITSANDBYTES_WRAPPER!r} is a {type(wrapped).__name__}, not a dict")
+    state.update(wrapped)
+    unknown = sorted(set(state) - set(_BNB_KEYS))
+    if unknown:
+        why = "; ".join(sorted({_BNB_UNREADABLE[k] for k in unknown if k in _BNB_UNREADABLE}))
+        why = why or "keys of no bitsandbytes optimizer lowbit_optim reads"
+        raise ValueError(
+            f"{where} holds {unknown} ({why}): lowbit_optim reads bitsandbytes' blockwise 8-bit and 32-bit states "
+            "(step, state1, state2, absmax1, absmax2, qmap1, qmap2)"
+        )
+    pieces = []  # ((codes or fp32 values, absmax, qmap, block size: None for fp32), state key)
+    for i in (1, 2):
+        if f"state{i}" in state:
+            pieces += _bitsandbytes_pieces(state, i, shape, where)
+        elif i == 1 or f"absmax{i}" in state or f"qmap{i}" in state:
+            raise ValueError(f"{where} lacks 'state{i}' but holds {sorted(state)}: the checkpoint is truncated or edited")
+    if len(pieces) != len(declared):
+        names = [name for name, _ in declared]
+        raise ValueError(
+            f"{where} holds {_count(len(pieces), 'state tensor')} ({', '.join(key for _, key in pieces)}), and {family} keeps "
+            f"{len(declared)} ({', '.join(names) or 'none'} under this param group's options): it is a "
+            "checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into "
+            "the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)"
+        )
+    out = {name: _bitsandbytes_state(piece, signed, shape) for (name, signed), (piece, _) in zip(declared, pieces)}
+    if "step" in state:
+        out["step"] = state["step"]
+    return out
+
+
+def _bitsandbytes_pieces(state: dict, i: int, shape: tuple, where: str) -> list:
+    """bitsandbytes' ``state{i}`` (with its absmax and qmap if 8-bit), validated, as one piece per
+    optimizer state: two for AdEMAMix's stacked first moments."""
+    key = f"state{i}"
+    value = state[key]
+    if type(value) is not Tensor:  # not a subclass: bitsandbytes keeps plain tensors
+        raise ValueError(f"{where}: {key} is {_describe(value)}, not a plain tensor")
+    if tuple(value.shape) == shape:
+        stacked = 1
+    elif tuple(value.shape) == (2, *shape):
+        stacked = 2  # AdEMAMix: (fast, slow) first moments
+    else:
+        raise ValueError(
+            f"{where}: {key} has shape {tuple(value.shape)}, not the parameter's shape (or (2, *shape) for AdEMAMix's "
+            "first moments): the checkpoint belongs to another model"
+        )
+    halves = value.unbind(0) if stacked == 2 else [value]
+    label = [f"{key}[0]", f"{key}[1]"] if stacked == 2 else [key]
+    if value.dtype == torch.float32:  # 32-bit states (and 8-bit optimizers' states below min_8bit_size)
+        if f"absmax{i}" in state or f"qmap{i}" in state:
+            raise ValueError(f"{where}: {key} is float32 but absmax{i} / qmap{i} are present: the checkpoint is edited")
+        return [((h, None, None, None), name) for h, name in zip(halves, label)]
+    if value.dtype != torch.uint8:
+        raise ValueError(f"{where}: {key} has dtype {value.dtype}; bitsandbytes' states are float32 or uint8 (8-bit codes)")
+    absmax, qmap = state.get(f"absmax{i}"), state.get(f"qmap{i}")
+    numel = math.prod(shape)
+    # absmax's shape -> block size: one scale per block (per stacked first moment); where both block
+    # sizes give one block, 256 (the later key) wins
+    lead = (2,) if stacked == 2 else ()
+    block_sizes = {(*lead, -(-numel // b)): b for b in reversed(_BNB_BLOCK_SIZES)}
+    if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32 or tuple(absmax.shape) not in block_sizes:
+        wanted = (*lead, -(-numel // _BNB_BLOCK_SIZES[0]))
+        raise ValueError(
+            f"{where}: the 8-bit {key} needs absmax{i}, a float32 tensor of shape {wanted} (one scale per block of "
+            f"{_BNB_BLOCK_SIZES[0]}; of {_BNB_BLOCK_SIZES[1]} before bitsandbytes 0.44), got {_describe(absmax)}"
+        )
+    block_size = block_sizes[tuple(absmax.shape)]
+    absmax = absmax.reshape(stacked, -1)  # AdEMAMix: (2, blocks)
+    if not isinstance(qmap, Tensor) or qmap.dtype != torch.float32 or tuple(qmap.shape) != (256,):
+        raise ValueError(f"{where}: the 8-bit {key} needs qmap{i}, a float32 table of 256 code values, got {_describe(qmap)}")
+    return [((h, s, qmap, block_size), name) for h, s, name in zip(halves, absmax.unbind(0), label)]
+
+
+def _bitsandbytes_state(piece: tuple, signed: bool, shape: tuple) -> Tensor:
+    """One validated bitsandbytes state as ours: fp32 values, or an 8bit state over its codes."""
+    value, absmax, qmap, block_size = piece
+    if absmax is None:
+        return value.detach().clone()
+    fmt = get_format("8bit")
+    codes = value.detach().reshape(-1).to(torch.uint8, copy=True)
+    scale = absmax.detach().clone()
+    padding = scale.numel() * block_size - codes.numel()
+    if torch.equal(qmap, fmt.decode(torch.arange(256, dtype=torch.uint8, device=qmap.device), signed)):
+        # ours pads the last block with zero's code (bitsandbytes' last block is short)
+        codes = torch.cat([codes, fmt.encode(torch.zeros(padding, device=codes.device), signed)])
+        return fmt(codes, scale, torch.Size(shape), block_size, signed)
+    values = quant.decode_codebook(codes, qmap)  # uint8 codes index the 256-entry table: always in range
+    values = torch.nn.functional.pad(values, (0, padding)).view(-1, block_size) * scale[:, None]
+    return values.view(-1)[: codes.numel()].view(shape)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        kind = "tensor" if type(value) is Tensor else type(value).__name__
+        return f"a {value.dtype} {kind} of shape {tuple(value.shape)}"
+    return "missing" if value is None else f"a {type(value).__name__}"

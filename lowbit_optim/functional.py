@@ -1,10 +1,11 @@
-"""Plain step functions, written as if every state were an fp32 tensor.
+"""Plain step functions (Adam, SGD, Lion, AdEMAMix), written as if every state were an fp32 tensor.
 
 torch.compile traces them through the state subclasses' dispatch (reading dequantizes, ``copy_``
 quantizes), so the same function serves fp32, bf16 and every quantized format. Hyper-parameters
 arrive as 0-d tensors so that changing them never recompiles.
 """
 
+import torch
 from torch import Tensor
 
 from . import precision
@@ -62,4 +63,130 @@ def adam_step(
     denom = v.sqrt() / bias_correction2.sqrt() + eps
     p = p - lr * (m / bias_correction1) / denom
 
+    precision.write_param(param, param_extra, start, p, param_update)
+
+
+def sgd_step(
+    param: Tensor,
+    grad: Tensor,
+    step: Tensor | None,
+    momentum_buffer: Tensor | None,
+    param_extra: Tensor | None,
+    lr: Tensor,
+    momentum: Tensor,
+    weight_decay: Tensor,
+    one_minus_dampening: Tensor,
+    *,
+    nesterov: bool,
+    maximize: bool,
+    param_update: str,
+) -> None:
+    """One step of torch.optim.SGD (L2 weight decay, momentum with dampening, Nesterov).
+
+    Without momentum there is no buffer (and no step counter). With it, the first step stores the
+    gradient itself in the buffer, as torch.optim does, and later ones ``momentum * buf + (1 -
+    dampening) * g``.
+    """
+    start = precision.read_param(param, param_extra, param_update)
+    g = grad.float()
+    if maximize:
+        g = -g
+    g = g + weight_decay * start
+    if momentum_buffer is not None:
+        step.add_(1)
+        buf = torch.where(step == 1, g, momentum_buffer.float() * momentum + one_minus_dampening * g)
+        momentum_buffer.copy_(buf)
+        g = g + momentum * buf if nesterov else buf
+    precision.write_param(param, param_extra, start, start - lr * g, param_update)
+
+
+def lion_step(
+    param: Tensor,
+    grad: Tensor,
+    step: Tensor,
+    exp_avg: Tensor,
+    param_extra: Tensor | None,
+    lr: Tensor,
+    weight_decay: Tensor,
+    one_minus_beta1: Tensor,
+    one_minus_beta2: Tensor,
+    *,
+    maximize: bool,
+    param_update: str,
+) -> None:
+    """One Lion step (Chen et al. 2023): the sign of an interpolation between the momentum and the
+    gradient (beta1), then the momentum moves towards the gradient (beta2); decoupled weight decay."""
+    step.add_(1)
+    start = precision.read_param(param, param_extra, param_update)
+    g = grad.float()
+    if maximize:
+        g = -g
+    p = start - lr * weight_decay * start
+    m = exp_avg.float()
+    p = p - lr * m.lerp(g, one_minus_beta1).sign()
+    exp_avg.copy_(m.lerp(g, one_minus_beta2))
+    precision.write_param(param, param_extra, start, p, param_update)
+
+
+def ademamix_step(
+    param: Tensor,
+    grad: Tensor,
+    step: Tensor,
+    exp_avg: Tensor,
+    exp_avg_slow: Tensor,
+    exp_avg_sq: Tensor,
+    param_extra: Tensor | None,
+    lr: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    weight_decay: Tensor,
+    eps: Tensor,
+    one_minus_beta1: Tensor,
+    one_minus_beta2: Tensor,
+    alpha: Tensor,
+    t_alpha: Tensor,
+    beta3: Tensor,
+    t_beta3: Tensor,
+    *,
+    maximize: bool,
+    schedule_alpha: bool,
+    schedule_beta3: bool,
+    param_update: str,
+) -> None:
+    """One AdEMAMix step (Pagliardini et al. 2024) as bitsandbytes computes it: Adam's fast first
+    moment and second moment, plus a slow first moment (beta3) weighted by ``alpha``; decoupled
+    weight decay.
+
+    ``alpha``, ``beta3`` and their warm-up lengths arrive in float64: with ``schedule_alpha`` alpha
+    rises linearly to its value over ``t_alpha`` steps; with ``schedule_beta3`` beta3 rises from
+    beta1 over ``t_beta3`` steps along bitsandbytes' schedule (linear in 1 / log(beta)). Both are
+    computed in float64 and rounded once, so that ``1 - beta3`` (about 1e-4) keeps its precision.
+    """
+    step.add_(1)
+    start = precision.read_param(param, param_extra, param_update)
+    g = grad.float()
+    if maximize:
+        g = -g
+    p = start - lr * weight_decay * start
+
+    n = step.double()
+    if schedule_alpha:
+        alpha = torch.minimum(n * alpha / t_alpha, alpha)
+    if schedule_beta3:
+        log_beta1, log_beta3 = beta1.double().log(), beta3.log()
+        fraction = n / t_beta3
+        beta3 = torch.minimum(torch.exp(log_beta1 * log_beta3 / ((1 - fraction) * log_beta3 + fraction * log_beta1)), beta3)
+    alpha, one_minus_beta3 = alpha.float(), (1 - beta3).float()
+
+    m = exp_avg.float().lerp(g, one_minus_beta1)
+    m_slow = exp_avg_slow.float().lerp(g, one_minus_beta3)
+    v = exp_avg_sq.float().lerp(g.square(), one_minus_beta2)
+    exp_avg.copy_(m)
+    exp_avg_slow.copy_(m_slow)
+    exp_avg_sq.copy_(v)
+
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = v.sqrt() / bias_correction2.sqrt() + eps
+    p = p - lr * (m / bias_correction1 + alpha * m_slow) / denom
     precision.write_param(param, param_extra, start, p, param_update)

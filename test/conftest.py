@@ -32,6 +32,8 @@ def import_script(path: str):
 
 
 CUSTOM_FORMAT_EXAMPLE = import_script("examples/custom_format") if (ROOT / "examples" / "custom_format.py").exists() else None
+# the example optimizer: test/optimizer_info.py finds it among LowBitOptimizer's subclasses
+CUSTOM_OPTIMIZER_EXAMPLE = import_script("examples/custom_optimizer") if (ROOT / "examples" / "custom_optimizer.py").exists() else None
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ class FormatInfo:
         values = self.fmt.decode(codes, signed).double()
         return torch.unique(values[torch.isfinite(values)]) / self.fmt.scale_max
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether ``encode`` rounds stochastically between the two code values around a value
+        (unbiased, e.g. 4bit) instead of to the nearest one."""
+        return bool(getattr(self.fmt, "stochastic", False))
+
     def rounding_space(self, values: torch.Tensor, signed: bool) -> torch.Tensor:
         """The space (float64, normalized values) in which ``encode`` picks the nearest code."""
         return self.fmt.rounding_space(values * self.fmt.scale_max, signed)
@@ -95,10 +103,13 @@ class FormatInfo:
 
     def max_rounding_error(self, signed: bool) -> float:
         """Largest distance from a normalized value in [-1, 1] ([0, 1] unsigned) to the code it
-        rounds to (half the largest gap when rounding is nearest in value)."""
+        rounds to (half the largest gap when rounding is nearest in value, the largest gap when it
+        is stochastic)."""
         values = self.code_values(signed)
         low = -1.0 if signed else 0.0
         inside = values[(values >= low) & (values <= 1.0)]
+        if self.stochastic:  # either code around a value: up to a whole gap between neighbours
+            return max(float((inside[1:] - inside[:-1]).max()), float(inside.min() - low), float(1.0 - inside.max()))
         boundaries = self.boundaries(signed)
         up, down = boundaries - values[:-1], values[1:] - boundaries  # worst case on either side of each boundary
         return max(float(up.max()), float(down.max()), float(inside.min() - low), float(1.0 - inside.max()))
@@ -110,7 +121,7 @@ class FormatInfo:
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
 BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit", "fp8", "factored"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "fp8", "factored"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])
@@ -135,6 +146,7 @@ def format_info(name: str) -> FormatInfo:
 __all__ = [
     "BLOCKWISE_FORMATS",
     "CUSTOM_FORMAT_EXAMPLE",
+    "CUSTOM_OPTIMIZER_EXAMPLE",
     "FORMATS",
     "QUANTIZED_FORMATS",
     "FormatInfo",

@@ -34,6 +34,25 @@ def test_convergence_smoke(convergence, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_convergence_mlp_smoke(convergence, tmp_path):
+    """--task mlp: losses on the whole training and validation sets, paired gaps for both; the weight
+    matrices (4,096 elements and more at width 128) hold quantized states."""
+    md, png = tmp_path / "convergence_mlp.md", tmp_path / "convergence_mlp.png"
+    out = convergence.main(
+        ["--task", "mlp", "--steps", "20", "--seeds", "0,1", "--eval-every", "10", "--mlp-train", "256", "--mlp-val", "64",
+         "--mlp-width", "128", "--smooth", "3", "--only", "lowbit fp32,lowbit 8bit", "--out-md", str(md), "--out-png", str(png)]
+    )  # fmt: skip
+    rows = {r["label"]: r for r in out["rows"]}
+    assert set(rows) == {"lowbit fp32", "lowbit 8bit"}
+    for r in rows.values():
+        assert r["seeds"] == 2 and all(math.isfinite(r[k]) for k in ("train_mean", "val_mean", "train_gap_mean", "gap_mean"))
+    assert rows["lowbit fp32"]["train_gap_mean"] == 0.0 and rows["lowbit fp32"]["gap_mean"] == 0.0
+    assert rows["lowbit 8bit"]["bytes_per_param"] < 3  # quantized weights; only the biases keep fp32 states
+    text = md.read_text()
+    assert "| lowbit 8bit |" in text and "train gap" in text and "Partial" not in text
+    assert png.stat().st_size > 1000
+
+
 def test_convergence_sweep_smoke(convergence, tmp_path):
     md = tmp_path / "stability.md"
     # 16 runs: an even smaller model than TINY keeps them cheap
@@ -66,3 +85,49 @@ def test_compute_bound_smoke():
     assert all(math.isfinite(ns) for ns in out["adamw_ns"].values()) and out["copy_gb_s"] > 0
     assert set(out["kernel_ns"]) == {"8bit", "4bit"} and all(math.isfinite(ns) for sizes in out["kernel_ns"].values() for ns in sizes.values())
     assert out["divider_s"] is None or (set(out["divider_s"]) == {0, 1} and all(s > 0 for s in out["divider_s"].values()))
+
+
+@pytest.fixture
+def eager_lowbit_step(monkeypatch):
+    """lowbit_optim's optimizers step eagerly: a smoke test of a benchmark needs no compiled graphs
+    (test_optimizers.py holds the compiled step to the eager one)."""
+    import lowbit_optim
+
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: step_function)
+
+
+def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
+    """--task mlp --optimizer: that optimizer's rows (lowbit_optim's formats, bitsandbytes' versions),
+    paired gaps against its own fp32 state."""
+    pytest.importorskip("bitsandbytes")
+    md, png = tmp_path / "convergence_mlp_sgd.md", tmp_path / "convergence_mlp_sgd.png"
+    out = convergence.main(
+        ["--task", "mlp", "--optimizer", "sgd", "--steps", "6", "--seeds", "0", "--eval-every", "3", "--mlp-train", "256",
+         "--mlp-val", "64", "--mlp-width", "128", "--smooth", "3", "--only", "lowbit fp32,lowbit 8bit,bitsandbytes 8bit,bitsandbytes 32bit",
+         "--out-md", str(md), "--out-png", str(png)]
+    )  # fmt: skip
+    rows = {r["label"]: r for r in out["rows"]}
+    assert set(rows) == {"lowbit fp32", "lowbit 8bit", "bitsandbytes 8bit", "bitsandbytes 32bit"}
+    assert all(math.isfinite(r["train_gap_mean"]) for r in rows.values())
+    assert abs(rows["bitsandbytes 32bit"]["train_gap_mean"]) < 0.01  # the same SGD, to fp32 round-off
+    assert rows["lowbit 8bit"]["bytes_per_param"] < 1.5 and rows["bitsandbytes 8bit"]["bytes_per_param"] < 1.5  # one 8-bit buffer
+    assert "train gap vs fp32 SGD" in md.read_text()
+
+
+def test_step_time_optimizer_smoke(eager_lowbit_step):
+    """benchmarks/step_time.py --optimizer sgd on a tiny parameter set: ratios to torch.optim.SGD(fused=True);
+    lowbit_optim's rows say which step they took."""
+    pytest.importorskip("bitsandbytes")
+    step_time = import_script("benchmarks/step_time")
+    args = step_time.parse_args(["--optimizer", "sgd", "--layers", "1", "--d", "64", "--vocab", "256", "--ctx", "32", "--steps", "1",
+                                 "--warmup", "0", "--only", "torch-sgd-fused,bnb-8bit,lowbit-fp32"])  # fmt: skip
+    results = {r.label: r for r in step_time.main(args)}
+    assert set(results) == {"torch-sgd-fused", "bnb-8bit", "lowbit-fp32"} and results["torch-sgd-fused"].ratio_to_fused == 1.0
+    assert all(r.median_step_s > 0 and r.state_bytes_per_param > 0 for r in results.values())
+    assert ("compiled step" in results["lowbit-fp32"].note) == (lowbit_optim_sgd_fused_step() is None)
+
+
+def lowbit_optim_sgd_fused_step():
+    import lowbit_optim
+
+    return lowbit_optim.SGD._fused_step

@@ -150,7 +150,7 @@ def unique_graphs() -> int:
 def eager_step(monkeypatch):
     """Optimizers built in this test run the step eagerly even where they cannot take
     ``compile=False`` (the torchao-style aliases): structure tests need no compiled graph."""
-    monkeypatch.setattr(lowbit_optim.optim, "_compiled_adam_step", lowbit_optim.adam_step)
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: step_function)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,6 +333,7 @@ class TestStateBytes(expecttest.TestCase):
   nf4: 1.0625
 4bit-precond: 1.0625
 4bit-uncalibrated: 1.0625
+4bit-calibrated: 1.0625
  4bit: 1.0625
   fp8: 2.0313
 4bit+factored: 0.5508""",
@@ -652,7 +653,8 @@ def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):
     detached views, so dynamo has no base tensor of another rank to guard on. Counted with dynamo's
     eager backend on an isolated copy of the step (the guards are dynamo's; no inductor cost)."""
     counter = CompileCounter()
-    monkeypatch.setattr(lowbit_optim.optim, "_compiled_adam_step", isolated_compile(lowbit_optim.adam_step, counter))
+    isolated = isolated_compile(lowbit_optim.adam_step, counter)
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: isolated)
 
     def step_all(params):
         opt = lowbit_optim.AdamW(params, state_format="fp32", fused=False)
@@ -929,7 +931,7 @@ class TestBadInput(expecttest.TestCase):
             "\n".join(rows),
             """\
 sparse gradient: RuntimeError: AdamW does not support sparse gradients; use torch.optim.SparseAdam
-complex parameter: TypeError: lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead, or use torch.optim.Adam
+complex parameter: TypeError: lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead, or use torch.optim.AdamW
 integer parameter: TypeError: parameters must be floating point, got torch.int64
 lr=-1: ValueError: invalid learning rate -1: lr must be a number >= 0
 betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0, 1)

@@ -1,0 +1,161 @@
+"""Migration aliases: other libraries' class names and arguments on lowbit_optim's optimizers, so that
+switching is an import change: torchao's (Adam8bit ... AdamWFp8), torchdistx's AnyPrecisionAdamW and
+bitsandbytes' (SGD8bit, Lion8bit, AdEMAMix8bit). Arguments that mean something lowbit_optim does not
+do are accepted at their neutral value and refused, with the reason, otherwise.
+"""
+
+import torch
+
+from . import formats
+from .optim import Adam, AdamW, AdEMAMix, Lion, SGD
+
+# ------------------------------------------------------------------------------------------------
+# torchdistx
+# ------------------------------------------------------------------------------------------------
+
+
+class AnyPrecisionAdamW(AdamW):
+    """torchdistx's AnyPrecisionAdamW arguments on lowbit_optim's AdamW, so migrating is an import change.
+
+    ``momentum_dtype`` / ``variance_dtype`` / ``compensation_buffer_dtype`` take torch dtypes
+    (float32, bfloat16) or any registered state format name ("8bit", "4bit", ...).
+    ``use_kahan_summation`` applies to bf16 parameters (fp32 ones need no compensation).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        use_kahan_summation: bool = False,
+        momentum_dtype=torch.float32,
+        variance_dtype=torch.float32,
+        compensation_buffer_dtype=torch.bfloat16,
+        **kwargs,
+    ):
+        super().__init__(
+            params, lr, betas, eps, weight_decay,
+            state_format={"exp_avg": _dtype_format(momentum_dtype), "exp_avg_sq": _dtype_format(variance_dtype)},
+            param_update="kahan" if use_kahan_summation else "nearest",
+            compensation_format=_dtype_format(compensation_buffer_dtype),
+            **kwargs,
+        )  # fmt: skip
+
+
+def _dtype_format(dtype) -> str:
+    plain = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if isinstance(dtype, torch.dtype):
+        if dtype not in plain:
+            raise ValueError(f"unsupported state dtype {dtype}; use torch.float32, torch.bfloat16 or a format name such as '8bit'")
+        return plain[dtype]
+    return formats.get_format(dtype).name
+
+
+# ------------------------------------------------------------------------------------------------
+# torchao: class names and signatures
+# ------------------------------------------------------------------------------------------------
+
+
+def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=base.default_weight_decay,
+        amsgrad=False,
+        *,
+        block_size=None,
+        bf16_stochastic_round=False,
+    ):
+        base.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad,
+            state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
+        )  # fmt: skip
+
+    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+
+
+Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")
+AdamW8bit = _fixed_format_alias(AdamW, "8bit", "AdamW8bit")
+# the 4-bit aliases take lowbit_optim's 4-bit recipe; state_format="4bit-torchao" is torchao's numerics
+Adam4bit = _fixed_format_alias(Adam, "4bit", "Adam4bit")
+AdamW4bit = _fixed_format_alias(AdamW, "4bit", "AdamW4bit")
+AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8")
+AdamWFp8 = _fixed_format_alias(AdamW, "fp8", "AdamWFp8")
+
+
+# ------------------------------------------------------------------------------------------------
+# bitsandbytes: class names and signatures (0.50; older releases' keywords accepted where neutral)
+# ------------------------------------------------------------------------------------------------
+
+
+def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, percentile_clipping, block_wise, max_unorm) -> dict:
+    """lowbit_optim's options for bitsandbytes' 8-bit arguments: 8-bit blockwise states (blocks of
+    256, bitsandbytes' dynamic codebook), fp32 states below ``min_8bit_size`` elements."""
+    refused = {
+        "args": (args is not None, "bitsandbytes' configuration object; pass its fields as keywords"),
+        "is_paged": (is_paged, "bitsandbytes' paged (CUDA unified memory) states; lowbit_optim's states are ordinary tensors"),
+        "percentile_clipping": (percentile_clipping != 100, "bitsandbytes' adaptive gradient clipping; clip with torch.nn.utils.clip_grad_norm_"),
+        "block_wise": (not block_wise, "lowbit_optim's 8-bit states are always blockwise"),
+        "max_unorm": (max_unorm != 0.0, "bitsandbytes' update-norm clipping"),
+    }
+    values = dict(args=args, is_paged=is_paged, percentile_clipping=percentile_clipping, block_wise=block_wise, max_unorm=max_unorm)
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"{name}({key}={values[key]!r}) is not supported: {why}. Leave {key} at its default")
+    return dict(state_format="8bit", min_quantize_numel=min_8bit_size)
+
+
+class SGD8bit(SGD):
+    """SGD with 8-bit momentum; bitsandbytes.optim.SGD8bit's arguments. Its numbers are
+    torch.optim.SGD's: dampening and nesterov apply (bitsandbytes ignores both; at their defaults the
+    two agree), and momentum=0 is allowed (no state)."""
+
+    def __init__(
+        self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False, args=None, min_8bit_size=4096,
+        *, percentile_clipping=100, block_wise=True, max_unorm=0.0,
+    ):  # fmt: skip
+        options = _bitsandbytes_options("SGD8bit", args, min_8bit_size, False, percentile_clipping, block_wise, max_unorm)
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, **options)
+
+
+class Lion8bit(Lion):
+    """Lion with 8-bit momentum; bitsandbytes.optim.Lion8bit's arguments."""
+
+    def __init__(
+        self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None, min_8bit_size=4096, is_paged=False,
+        *, percentile_clipping=100, block_wise=True, max_unorm=0.0,
+    ):  # fmt: skip
+        options = _bitsandbytes_options("Lion8bit", args, min_8bit_size, is_paged, percentile_clipping, block_wise, max_unorm)
+        super().__init__(params, lr, betas, weight_decay, **options)
+
+
+class AdEMAMix8bit(AdEMAMix):
+    """AdEMAMix with 8-bit states; bitsandbytes.optim.AdEMAMix8bit's arguments."""
+
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
+        weight_decay=1e-2, min_8bit_size=4096, is_paged=False,
+    ):  # fmt: skip
+        options = _bitsandbytes_options("AdEMAMix8bit", None, min_8bit_size, is_paged, 100, True, 0.0)
+        # bitsandbytes takes 0 (any false value) as no warm-up
+        super().__init__(params, lr, betas, alpha, t_alpha or None, t_beta3 or None, eps, weight_decay, **options)
+
+
+__all__ = [
+    "AdEMAMix8bit",
+    "Adam4bit",
+    "Adam8bit",
+    "AdamFp8",
+    "AdamW4bit",
+    "AdamW8bit",
+    "AdamWFp8",
+    "AnyPrecisionAdamW",
+    "Lion8bit",
+    "SGD8bit",
+]

@@ -1,0 +1,621 @@
+"""LowBitOptimizer: what every optimizer of the package inherits.
+
+An optimizer is its plain step function (functional.py, written as if states were fp32 tensors) and
+a declaration: its states (``State``: name, signed or not, initial value, when it exists), its
+hyper-parameters (the constructor's keywords, validated by ``_check_group``) and how they reach the
+step function (``_step_arguments``: numbers, sent as 0-d tensors so that changing them never
+recompiles, and flags, which pick a graph). Everything else lives here, once: param groups, state
+formats per group and per state, ``min_quantize_numel``, ``param_update`` modes for bf16 weights,
+creating states (DTensor ones under FSDP2), the compiled and eager steps, the fused CPU kernel where
+an optimizer has one, ``opt.step()`` inside the user's torch.compile (step_op.py), checkpoints that
+convert between formats, copies, and the errors for bad input.
+
+See optim.py for the optimizers declared this way and examples/custom_optimizer.py for a new one.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import foreign, formats, fused_cpu, precision, step_op
+from .distributed import is_dtensor, like_param, local, map_local, shard_like
+from .state import StateTensor, check_block_size, describe_tensor
+
+# Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
+# of 8 per function is normal here and must not silently fall back to eager.
+_RECOMPILE_LIMIT = 256
+
+# group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
+_STRUCTURAL_KEYS = (
+    "state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format",
+    "foreach", "capturable", "differentiable", "fused",
+)  # fmt: skip
+
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+@functools.cache
+def compiled_step(step_function):
+    """``step_function`` under torch.compile, one compiled function per step function, shared by
+    every optimizer instance and format. Shapes are dynamic, so the number of graphs depends on the
+    formats and flags in use, never on the number of distinct parameter shapes."""
+    return torch.compile(step_function, fullgraph=True, dynamic=True)
+
+
+@dataclass(frozen=True)
+class State:
+    """A tensor an optimizer keeps per parameter, as its step function sees it (an fp32 tensor).
+
+    - ``signed``: whether its values can be negative (picks the signed or unsigned codebook; a
+      format holding only nonnegative values, such as ``factored``, refuses a signed state);
+    - ``initial``: the value it starts from;
+    - ``when``: a param-group key; the state exists only where that option is true or nonzero
+      (amsgrad's running maximum, SGD's momentum buffer). The step function gets None otherwise;
+    - ``follows``: another state whose format it takes (amsgrad's maximum follows exp_avg_sq); a
+      per-state ``state_format`` dict names only the states that follow none.
+    """
+
+    name: str
+    signed: bool
+    initial: float = 0.0
+    when: str | None = None
+    follows: str | None = None
+
+
+class LowBitOptimizer(torch.optim.Optimizer):
+    """An optimizer with its states in any registered format, settable per param group (and per
+    state with a dict ``{state name: format}``). Subclasses declare ``step_function``, ``states``,
+    ``_check_group`` and ``_step_arguments`` and pass their hyper-parameters to ``__init__``.
+
+    Options every optimizer takes (keyword-only):
+
+    - ``state_format``: "fp32" (default), "bf16", "8bit", "4bit", "fp8", ... or a dict per state.
+      Parameters with fewer than ``min_quantize_numel`` elements keep fp32 state; every larger one
+      is quantized, padded to whole blocks (``block_size``: the format's default unless given).
+    - ``param_update``: how updates land in bf16 parameters: "nearest", "stochastic", "kahan"
+      (compensation buffer in ``compensation_format``) or "int8-correction" (precision.py).
+      ``bf16_stochastic_round=True`` is torchao's spelling of ``param_update="stochastic"``.
+    - ``compile=False`` runs the same step function eagerly (slow; for debugging).
+    - ``fused`` (as in torch.optim): for optimizers with a fused CPU kernel (Adam, AdamW), None
+      steps every CPU parameter it can take in the kernel, True requires it, False never uses it;
+      the others always take the compiled step (None or False; True is an error).
+    - ``foreach`` is accepted and ignored (it picks torch's implementation, never its numbers);
+      ``capturable`` and ``differentiable`` must stay False.
+    """
+
+    step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
+    states: tuple[State, ...] = ()
+    family: str | None = None  # how messages name the optimizer (default: the class name)
+    torch_name: str | None = None  # the torch.optim class computing the same step, if any (named in errors)
+
+    def __init__(
+        self,
+        params,
+        hyperparameters: dict,
+        *,
+        state_format="fp32",
+        block_size: int | None = None,
+        min_quantize_numel: int = 4096,
+        param_update: str = "nearest",
+        compensation_format="bf16",
+        bf16_stochastic_round: bool = False,
+        compile: bool = True,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ):
+        if bf16_stochastic_round:
+            if param_update not in ("nearest", "stochastic"):
+                raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
+            param_update = "stochastic"
+        _check_torch_keywords(fused, foreach, capturable, differentiable)
+        if fused and not compile:
+            raise ValueError("fused=True contradicts compile=False (the eager reference step); pass one of them")
+        defaults = dict(
+            **hyperparameters,
+            state_format=state_format,
+            block_size=block_size,
+            min_quantize_numel=min_quantize_numel,
+            param_update=param_update,
+            compensation_format=compensation_format,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused if compile else False,
+        )
+        self._compile = compile
+        self._step_op_key = step_op.register(self)
+        super().__init__(params, defaults)
+
+    # ---- what an optimizer declares ---------------------------------------------------------------
+
+    def _check_group(self, group: dict) -> None:
+        """Raise a ValueError naming a bad hyper-parameter of ``group`` (lr is checked already)."""
+
+    def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
+        """The step function's numbers (after the states and ``param_extra``: floats become fp32
+        0-d tensors, tensors keep their dtype) and its flags (keywords that pick a graph)."""
+        raise NotImplementedError
+
+    _fused_step = None  # a method (items, group) -> None where the fused CPU kernel steps this optimizer
+
+    # ---- copies ---------------------------------------------------------------------------------
+
+    @property
+    def _groups(self) -> list[dict]:
+        return self.__dict__["param_groups"]
+
+    @property
+    def _step_fn(self):
+        cls = type(self)
+        return compiled_step(cls.step_function) if self._compile else cls.step_function
+
+    @property
+    def _family(self) -> str:
+        return self.family or type(self).__name__
+
+    def __getstate__(self) -> dict:
+        # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
+        return {**super().__getstate__(), "_compile": self._compile}
+
+    def __setstate__(self, state):
+        state.setdefault("_compile", self.__dict__.get("_compile", True))
+        super().__setstate__(state)
+        if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
+            self._step_op_key = step_op.register(self)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    # ---- param groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        # a group that names its own formats inherits the constructor's block_size without using it
+        block_size_given = "block_size" in param_group or "state_format" not in param_group
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_lr(group["lr"])
+        self._check_group(group)
+        if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
+            raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
+        if group["fused"] and self._fused_step is None:
+            raise ValueError(
+                f"fused=True, but the fused CPU kernel steps Adam and AdamW only; {self._family} takes the compiled "
+                "step. Pass fused=None (the default) or False"
+            )
+        if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
+            group["param_update"] = "stochastic"
+        precision.check_param_update(group["param_update"])
+        # names keep state_dict() loadable with torch.load(weights_only=True)
+        group["state_format"] = self._format_names(group["state_format"])
+        group["compensation_format"] = formats.get_format(group["compensation_format"]).name
+        used = self._state_format_names(group)
+        for state in self.states:
+            self._check_signed(state, formats.get_format(used[state.name]))
+        if group["param_update"] == "kahan":
+            compensation = formats.get_format(group["compensation_format"])
+            if formats.is_quantized(compensation):
+                compensation.check_signed(True)
+        else:
+            del used["compensation"]
+        for name in used.values():
+            fmt = formats.get_format(name)
+            if group["block_size"] is not None and formats.is_blockwise(fmt):
+                check_block_size(group["block_size"], fmt.bits)
+        if block_size_given and group["block_size"] is not None and not any(formats.is_blockwise(formats.get_format(n)) for n in used.values()):
+            raise ValueError(
+                f"block_size={group['block_size']} applies to blockwise state formats (8bit, 4bit, fp8, ...), but "
+                f"state_format {group['state_format']!r} has no blocks: drop block_size or pick a blockwise format"
+            )
+        for p in group["params"]:
+            _check_param(p, self.torch_name)
+
+    def _format_keys(self) -> list[str]:
+        """The states a per-state ``state_format`` dict names: those that follow no other."""
+        return [s.name for s in self.states if s.follows is None]
+
+    def _format_names(self, spec):
+        """A format spec as registry names: one name, or {state name: name} for every format key."""
+        if not isinstance(spec, dict):
+            return formats.get_format(spec).name
+        keys = self._format_keys()
+        if set(spec) != set(keys):
+            raise ValueError(f"a per-state state_format for {self._family} needs exactly the keys {keys}, got {sorted(spec)}")
+        return {k: formats.get_format(spec[k]).name for k in keys}
+
+    def _state_format_names(self, group: dict) -> dict:
+        """State name -> format name under ``group``'s options, for every declared state and the
+        Kahan "compensation" buffer."""
+        spec = group["state_format"]
+        names = {s.name: spec[s.follows or s.name] if isinstance(spec, dict) else spec for s in self.states}
+        return {**names, "compensation": group["compensation_format"]}
+
+    def _check_signed(self, state: State, fmt) -> None:
+        if not state.signed or fmt.holds_signed:
+            return
+        unsigned = [s for s in self._format_keys() if not self._state(s).signed]
+        if not unsigned:
+            raise ValueError(
+                f"the {fmt.name!r} state format holds nonnegative states only, and {self._family}'s "
+                f"{' and '.join(self._format_keys())} can be negative: pick another format"
+            )
+        example = {k: (fmt.name if k in unsigned else "4bit") for k in self._format_keys()}
+        raise ValueError(
+            f"the {fmt.name!r} state format holds nonnegative states only: use it for {', '.join(unsigned)}, "
+            f"e.g. state_format={example}"
+        )
+
+    def _state(self, name: str) -> State:
+        return next(s for s in self.states if s.name == name)
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def state_format_of(self, param: Tensor, group: dict, state_name: str | None = None):
+        """The format this optimizer stores ``param``'s state ``state_name`` in (fp32 for small
+        tensors): a declared state (default: the first), or "compensation" for the Kahan buffer."""
+        fmt = formats.get_format(self._state_format_names(group)[state_name or self.states[0].name])
+        if formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]:
+            return formats.FP32
+        return fmt
+
+    def _block_size(self, fmt, group: dict) -> int | None:
+        if not formats.is_blockwise(fmt):
+            return None
+        return group["block_size"] or fmt.default_block_size
+
+    def _declared(self, group: dict) -> list[State]:
+        """The declared states that exist under ``group``'s options."""
+        return [s for s in self.states if s.when is None or group[s.when]]
+
+    def _state_names(self, param: Tensor, group: dict) -> list[str]:
+        """The tensor states ``param`` has under ``group``'s options (besides "step", which exists
+        where a declared state does)."""
+        extra = precision.extra_state_name(_param_update(param, group))
+        return [s.name for s in self._declared(group)] + ([extra] if extra else [])
+
+    def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
+        if self._declared(group):
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # never the default dtype: bf16 stops counting at 256
+        for name in self._state_names(param, group):
+            state[name] = self._new_state(param, group, name)
+
+    def _signed(self, name: str) -> bool:
+        return name == "compensation" or self._state(name).signed
+
+    def _new_state(self, param: Tensor, group: dict, name: str) -> Tensor:
+        # a DTensor (FSDP2) parameter gets a DTensor state holding the state of its local shard
+        shard = local(param)
+        if name == "param_correction":
+            return like_param(torch.zeros(shard.shape, dtype=torch.int8, device=shard.device), param)
+        fmt = self.state_format_of(param, group, name)  # decided by the global shape
+        state = fmt.zeros(shard.shape, self._signed(name), self._block_size(fmt, group), device=shard.device, dtype=param.dtype)
+        initial = 0.0 if name == "compensation" else self._state(name).initial
+        if initial:
+            state.copy_(torch.full(shard.shape, initial, dtype=torch.float32, device=shard.device))
+        return like_param(state, param)
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
+            # the groups' lists read through another name: dynamo guards on every value of
+            # self.param_groups (a new graph for each lr), not on what is read through an alias
+            params = [p for group in self._groups for p in group["params"]]
+            if closure is None and not any(is_dtensor(p) for p in params):
+                return step_op.step(self._step_op_key, params)
+            return _step_outside_graph(self, closure)  # a closure runs backward: a graph break either way
+        return self._step_eagerly(closure)
+
+    def _step_eagerly(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
+        return loss
+
+    def _step_params(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """Step ``params`` (every parameter that has a gradient, in param-group order, or the
+        tensors the step op was given for them) with ``grads``."""
+        stepped = [[p for p in group["params"] if p.grad is not None] for group in self.param_groups]
+        if [p.shape for ps in stepped for p in ps] != [p.shape for p in params]:
+            raise RuntimeError(
+                "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
+                "was compiled; add parameters with add_param_group(), not by editing param_groups"
+            )
+        given = iter(zip(params, grads))
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            for group, ps in zip(self.param_groups, stepped):
+                self._step_group(group, [(p, *next(given)) for p in ps])
+
+    def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """Step each (parameter, its tensor to update, gradient) of ``group``."""
+        arguments = None
+        declared = [s.name for s in self._declared(group)]
+        fused = []  # what the fused CPU kernel steps, all in one call at the end
+        for p, tensor, grad in items:
+            _check_grad_shape(p, grad)
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+            names = self._state_names(p, group)
+            state = self.state[p] if names or p in self.state else {}  # no state at all: none is kept (SGD)
+            if names and not state:
+                self._init_state(p, group, state)
+            step = state.get("step")
+            param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
+            if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
+                if step is not None:
+                    step.add_(1)
+                continue
+            mode = _param_update(p, group)
+            values = [local(state[s.name]) if s.name in declared else None for s in self.states]
+            present = {s.name: v for s, v in zip(self.states, values) if v is not None}
+            if self._use_fused(p, group["fused"], param, local(grad), step, present, mode):
+                fused.append((param, local(grad), step, *values))
+                continue
+            if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
+                arguments = self._tensor_arguments(group, p.device)
+            numbers, flags = arguments
+            flat = _flat(param)
+            extra = precision.extra_state_name(mode)
+            self._step_fn(
+                flat,
+                _flat(grad),
+                step,
+                *(_flat(v) if v is not None else None for v in values),
+                _flat(state[extra]) if extra else None,
+                *numbers,
+                **flags,
+                param_update=mode,
+            )
+            if not param.is_contiguous():
+                param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
+        if fused:
+            self._fused_step(fused, group)
+
+    def _tensor_arguments(self, group: dict, device) -> tuple[list[Tensor], dict]:
+        numbers, flags = self._step_arguments(group)
+        tensors = [v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 else torch.as_tensor(v, dtype=torch.float32).to(device) for v in numbers]
+        return tensors, flags
+
+    def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, states: dict, mode: str) -> bool:
+        if self._fused_step is None or fused is False or (fused is None and param.device.type != "cpu"):
+            return False
+        reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, states, mode)
+        if reason is not None and fused:
+            raise RuntimeError(
+                f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "
+                "Pass fused=None to step such parameters with the compiled step."
+            )
+        return reason is None
+
+    def _kernel_verdict(self, p: Tensor, param: Tensor, step: Tensor, states: dict, mode: str) -> str | None:
+        """fused_cpu.param_unsupported_reason, decided once per parameter and its states: a format's
+        layout, the parameter's dtype and its param_update mode do not change from step to step. New
+        state tensors (a load, a conversion, a new format) or another mode or dtype decide anew."""
+        verdicts = self.__dict__.setdefault("_kernel_verdicts", WeakIdKeyDictionary())  # by parameter; not pickled
+        inputs = (step, *states.values())
+        cached = verdicts.get(p)
+        if cached is not None:
+            seen, facts, reason = cached
+            if facts == (mode, param.dtype, param.device, param.is_contiguous()) and len(seen) == len(inputs) and all(a is b for a, b in zip(seen, inputs)):
+                return reason
+        reason = fused_cpu.param_unsupported_reason(param, step, states, mode)
+        verdicts[p] = (inputs, (mode, param.dtype, param.device, param.is_contiguous()), reason)
+        return reason
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint of this or any other format (or of the torch.optim optimizer this one
+        reproduces, or of bitsandbytes' version of it, see ``foreign.from_bitsandbytes``): states
+        are converted to this optimizer's formats; a checkpoint of the same format resumes
+        bit-exactly."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
+                "Pass what optimizer.state_dict() returned (not model.state_dict())"
+            )
+        if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
+            state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
+            for i, group in enumerate(state_dict["param_groups"]):
+                try:
+                    _check_lr(group["lr"])
+                    self._check_group(group)
+                except ValueError as error:
+                    raise ValueError(f"param group {i} of this bitsandbytes checkpoint: {error}") from None
+        structural = [{k: g[k] for k in _STRUCTURAL_KEYS + self._structural_keys if k in g} for g in self.param_groups]
+        saved = {}
+
+        def keep_saved_tensors(optimizer, loaded: dict) -> None:
+            # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
+            # bf16 parameter would come back rounded): remember them as saved, after the user's hooks
+            ids = (i for g in loaded["param_groups"] for i in g["params"])
+            params = (p for g in self.param_groups for p in g["params"])
+            saved.update({p: loaded["state"][i] for i, p in zip(ids, params) if i in loaded["state"]})
+
+        def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
+            for group, keep in zip(self.param_groups, structural):
+                group.update(keep)
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                for i, p in enumerate(group["params"]):
+                    if p in self.state:
+                        self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
+                        self._convert_loaded_state(p, group, self.state[p], i)
+
+        hooks = [self.register_load_state_dict_pre_hook(keep_saved_tensors), self.register_load_state_dict_post_hook(convert, prepend=True)]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    _structural_keys: tuple[str, ...] = ()  # an optimizer's own group keys that a checkpoint must not change
+
+    # a checkpoint without step counters (torch.optim.SGD keeps none): the count they stand for
+    _step_when_missing: float | None = None
+
+    def _convert_loaded_state(self, param: Tensor, group: dict, state: dict, index: int) -> None:
+        declared = self._declared(group)
+        expected = {s.name for s in declared} | ({"step"} if declared and self._step_when_missing is None else set())
+        missing = expected - state.keys()
+        if missing:
+            options = [f"{s.when}={group[s.when]!r}" for s in declared if s.when is not None]
+            raise ValueError(
+                f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
+                f"not a checkpoint of {self._family}{' with ' + ', '.join(options) if options else ''}"
+            )
+        foreign = sorted(set(state) - {"step", "compensation", "param_correction", *(s.name for s in self.states)})
+        if foreign:
+            raise ValueError(
+                f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) holds {foreign}, which "
+                f"{self._family} does not keep: it is a checkpoint of another optimizer"
+            )
+        names = self._state_names(param, group)
+        for name in list(state):
+            if name != "step" and name not in names:
+                del state[name]  # e.g. a Kahan buffer or amsgrad maximum this optimizer's options do not use
+        for name in names:
+            value = state.get(name)
+            if value is None:  # a precision buffer the checkpoint did not have: start from zero error
+                state[name] = self._new_state(param, group, name)
+                continue
+            _check_loaded_state(name, value, param, index)
+            value = shard_like(value, param)  # a full (unsharded) checkpoint value for a DTensor parameter
+            if name != "param_correction":
+                fmt = self.state_format_of(param, group, name)
+                block_size = self._block_size(fmt, group)
+                signed = self._signed(name)
+                value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
+            state[name] = value.to(param.device)
+        if not declared:
+            state.pop("step", None)
+            return
+        step = state.setdefault("step", self._step_when_missing)
+        if isinstance(step, bool) or not (isinstance(step, (int, float)) or isinstance(step, Tensor) and step.numel() == 1):
+            raise ValueError(
+                f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {describe_tensor(step)}: "
+                "it must be a number or a one-element tensor"
+            )
+        state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def _step_outside_graph(optimizer: LowBitOptimizer, closure):
+    return optimizer._step_eagerly(closure)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks shared by the optimizers
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool) -> None:
+    """torch.optim's keywords at the values that mean something here (see the class docstring)."""
+    for name, value in (("fused", fused), ("foreach", foreach)):
+        if value not in (None, True, False):
+            raise ValueError(f"{name} must be None, True or False, got {value!r}")
+    if capturable:
+        raise ValueError(
+            "capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step "
+            "counter on the CPU. Pass capturable=False"
+        )
+    if differentiable:
+        raise ValueError(
+            "differentiable=True is not supported: quantized states cannot carry gradients through the step. "
+            "Pass differentiable=False, or use torch.optim for a differentiable optimizer"
+        )
+
+
+def _check_lr(lr) -> None:
+    lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
+    if not isinstance(lr_value, (int, float)) or not lr_value >= 0:
+        raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
+
+
+def check_betas(betas, who: str, example: tuple) -> None:
+    """Raise a ValueError unless ``betas`` holds as many numbers in [0, 1) as ``example``."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != len(example):
+        names = ", ".join(f"beta{i + 1}" for i in range(len(example)))
+        raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}")
+    if not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"invalid betas {betas!r}: each beta must be in [0, 1)")
+
+
+def check_nonnegative(group: dict, *keys: str) -> None:
+    """Raise a ValueError naming the first of ``keys`` whose value is not a number >= 0."""
+    for key in keys:
+        try:
+            valid = bool(group[key] >= 0.0)
+        except (TypeError, RuntimeError):
+            valid = False
+        if not valid:
+            raise ValueError(f"invalid {key} {group[key]!r}: {key} must be >= 0")
+
+
+def _check_param(p: Tensor, torch_name: str | None) -> None:
+    """``torch_name``: the torch.optim class that computes the same step, if torch has one."""
+    alternative = f", or use torch.optim.{torch_name}" if torch_name else ""
+    if p.is_complex():
+        raise TypeError(
+            f"lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead{alternative}"
+        )
+    if not p.is_floating_point():
+        raise TypeError(f"parameters must be floating point, got {p.dtype}")
+    if p.dtype == torch.float64:
+        raise TypeError(
+            "float64 parameters are not supported: lowbit_optim computes the step in float32 and would "
+            f"round them. Convert the model to float32 (model.float()){alternative.replace(', or', ' or')}{' for float64' if torch_name else ''}"
+        )
+
+
+def _param_update(param: Tensor, group: dict) -> str:
+    # the rounding modes exist for bf16 weights; an fp32 weight takes the fp32 result as it is
+    return group["param_update"] if param.dtype == torch.bfloat16 else "nearest"
+
+
+def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
+    # autograd checks p.grad's shape, but not a tensor assigned to p.grad.data; the steps read grad as param's
+    if grad.shape != param.shape:
+        raise RuntimeError(
+            f"the gradient of a parameter of shape {tuple(param.shape)} has shape {tuple(grad.shape)}; it was "
+            "probably set through .data. Assign p.grad a tensor of the parameter's shape"
+        )
+
+
+def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
+    """Raise a ValueError naming the parameter if checkpoint state ``name`` cannot be ``param``'s: a
+    corrupt quantized state would make the fused kernel read and write past its buffers."""
+    where = f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where} is {describe_tensor(value)}, not a tensor")
+    if value.shape != param.shape:
+        raise ValueError(
+            f"checkpoint state {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
+            f"parameter has shape {tuple(param.shape)}: the checkpoint belongs to another model"
+        )
+    floating = name != "param_correction"  # int8-correction's rounding errors are int8
+    if value.is_floating_point() != floating:
+        raise ValueError(f"{where} has dtype {value.dtype}, not a {'floating-point' if floating else 'integer'} dtype")
+    if isinstance(local(value), StateTensor):
+        try:
+            local(value).check_layout()
+        except ValueError as error:
+            raise ValueError(f"{where} is corrupt: {error}") from None
+
+
+def _flat(t: Tensor) -> Tensor:
+    t = local(t)
+    if isinstance(t, StateTensor):
+        # a new wrapper over the same inner tensors, not an aten.view: dynamo cannot trace a subclass view
+        return t._like(shape=(t.numel(),))
+    # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)
+    return t.view(-1).detach() if t.is_contiguous() else t.reshape(-1)

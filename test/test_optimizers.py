@@ -1,0 +1,479 @@
+"""Every optimizer declared on LowBitOptimizer (SGD, Lion, AdEMAMix, the example RMSprop, ...) with every
+registered format, parametrized over the registries (test/optimizer_info.py, test/conftest.py), so that
+a new optimizer or format inherits these tests.
+
+1. fp32 state computes the optimizer's numbers: torch.optim's class of the same name (SGD, AdamW,
+   RMSprop) or a float64 reference (Lion, AdEMAMix), for every option set its info lists, and
+   bitsandbytes' 32-bit version where it has one;
+2. the matrix (optimizer x format): it trains, keeps each state in its format, resumes bit-exactly
+   from a checkpoint, state_dict round-trips, copies step like the original, the compiled step
+   matches the eager one and hyper-parameter changes never recompile;
+3. per optimizer: ``opt.step()`` inside the user's torch.compile, bf16 weights with every
+   ``param_update`` mode, ``fused``;
+4. SGD without momentum keeps no state; torch.optim.SGD checkpoints load; the constructors take
+   torch.optim's arguments; bitsandbytes' aliases; bad input;
+5. declaring an optimizer: the example is picked up, a State's initial value.
+
+Cost: the compiled tests share graphs (one test per matrix cell compiles, checks against eager and
+then changes hyper-parameters); everything structural runs the step eagerly (``compile=False``).
+"""
+
+import copy
+import functools
+import inspect
+
+import expecttest
+import pytest
+import torch
+from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info
+from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, compiled_matrix, matrix, matrix_optimizers
+from test_optim import (
+    COMPILED_PARAM_ATOL,
+    MAX_CODE_FLIP_FRACTION,
+    PARITY_PARAM_TOL,
+    PARITY_STATE_TOL,
+    assert_same_bits,
+    eager_step,  # noqa: F401 - a fixture
+    make_mlp,
+    mismatch_fraction,
+    save_and_load,
+    stored_as,
+    train,
+    unique_graphs,
+)
+from torch import nn
+
+import lowbit_optim
+
+FP32 = format_info("fp32")
+STEPS = 10
+SHAPES = [(64, 96), (71,)]  # one parameter above min_quantize_numel, one below
+
+
+def gradients(steps: int = STEPS) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [[torch.randn(shape, generator=g) for shape in SHAPES] for _ in range(steps)]
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(shape, generator=g) for shape in SHAPES]
+
+
+def run(make, grads: list[list[torch.Tensor]]) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """``make(params)``'s optimizer stepped with the given gradients."""
+    params = [nn.Parameter(p.clone()) for p in initial_params()]
+    opt = make(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+def states_of(opt, params) -> dict:
+    return {(i, k): v for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items() if k != "step"}
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. fp32 state computes the optimizer's numbers
+# ------------------------------------------------------------------------------------------------
+
+# Lion and AdEMAMix against float64: observed after 10 steps params within 1.2e-7 and states within
+# 6e-8 (fp32 round-off); a Lion update whose sign input rounds across zero would differ by 2 lr.
+REFERENCE_PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
+REFERENCE_STATE_TOL = dict(rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("opt_info, option", OPTION_CASES)
+def test_fp32_state_matches_reference(opt_info, option):
+    """state_format="fp32" (the compiled step) computes the optimizer's numbers: torch.optim's class
+    of the same name, stepped with the same gradients, or a float64 reference."""
+    kwargs = dict(lr=opt_info.lr, **opt_info.options[option])
+    grads = gradients()
+    params, opt = run(lambda ps: opt_info.cls(ps, state_format="fp32", **kwargs), grads)
+    ours = states_of(opt, params)
+    if opt_info.reference is None:
+        ref_params, ref_opt = run(lambda ps: opt_info.torch_cls(ps, **kwargs), grads)
+        expected, param_tol, state_tol = states_of(ref_opt, ref_params), PARITY_PARAM_TOL, PARITY_STATE_TOL
+    else:
+        ref_params, expected = [p.double() for p in initial_params()], {}
+        for i, p in enumerate(ref_params):
+            state = {}
+            for step, step_grads in enumerate(grads, start=1):
+                opt_info.reference(p, step_grads[i].double(), state, step, **kwargs)
+            expected.update({(i, k): v for k, v in state.items()})
+        param_tol, state_tol = REFERENCE_PARAM_TOL, REFERENCE_STATE_TOL
+    for i, (p, ref) in enumerate(zip(params, ref_params)):
+        torch.testing.assert_close(p.detach().double(), ref.detach().double(), **param_tol, msg=lambda m, i=i: f"param {i}: {m}")
+    assert ours.keys() == expected.keys()
+    for key, state in ours.items():
+        assert stored_as(state) == "fp32", key
+        # atol scaled to the state: an SGD momentum buffer grows to ~1 / (1 - momentum) gradients
+        atol = state_tol["atol"] * max(1.0, float(expected[key].abs().max()))
+        torch.testing.assert_close(state.double(), expected[key].double(), rtol=state_tol["rtol"], atol=atol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+BITSANDBYTES_CASES = [pytest.param(o, option, id=f"{o.name}-{option}") for o in OPTIMIZERS if o.bitsandbytes for option in o.bitsandbytes[2]]
+
+
+@pytest.mark.parametrize("opt_info, option", BITSANDBYTES_CASES)
+def test_fp32_state_matches_bitsandbytes(opt_info, option):
+    """Within float tolerance of bitsandbytes' 32-bit version (its CPU step): observed after 10 steps
+    params within 2.4e-7 (its updates multiply where ours interpolate)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    name, extra, _ = opt_info.bitsandbytes
+    kwargs = dict(lr=opt_info.lr, **opt_info.options[option])
+    grads = gradients()
+    params, _ = run(lambda ps: opt_info.cls(ps, state_format="fp32", **kwargs), grads)
+    bnb_params, _ = run(lambda ps: getattr(bnb.optim, name)(ps, **kwargs, **extra), grads)
+    for i, (p, ref) in enumerate(zip(params, bnb_params)):
+        torch.testing.assert_close(p, ref, rtol=1e-5, atol=2e-6, msg=lambda m, i=i: f"param {i}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The matrix: every optimizer x every format
+# ------------------------------------------------------------------------------------------------
+
+TRAIN_STEPS = 8
+
+
+def trained(opt_info, info, steps: int = TRAIN_STEPS, **kwargs):
+    model = make_mlp()
+    opt = opt_info.make(model.parameters(), state_format=opt_info.spec(info), **kwargs)
+    return model, opt, train(model, opt, steps)
+
+
+@functools.cache
+def fp32_losses(opt_info) -> list[float]:
+    return trained(opt_info, FP32, compile=False)[2]
+
+
+@matrix
+def test_trains_with_states_in_their_format(opt_info, info):
+    """A few steps reduce the loss about as much as the same optimizer with fp32 states; each
+    declared state of a large parameter is stored in its format, a small one's in fp32."""
+    model, opt, losses = trained(opt_info, info, compile=False)
+    reference = fp32_losses(opt_info)
+    assert losses[-1] < 0.8 * losses[0], losses
+    coarse = getattr(info.fmt, "bits", 4) < 8
+    assert losses[-1] <= (1.3 if coarse else 1.05) * reference[-1], (losses[-1], reference[-1])
+    group = opt.param_groups[0]
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        assert set(state) == {"step", *(s.name for s in opt_info.cls.states if s.when is None or group[s.when])}, name
+        for key, value in state.items():
+            if key != "step":
+                expected = opt_info.format_of(info, key) if p.numel() >= group["min_quantize_numel"] or not info.quantized else "fp32"
+                assert stored_as(value) == expected and value.shape == p.shape, (name, key)
+
+
+@matrix
+def test_checkpoint_and_deepcopy_step_like_the_original(opt_info, info):
+    """After 3 steps: state_dict -> torch.save -> torch.load(weights_only=True) -> a fresh optimizer,
+    and a deepcopy of (model, optimizer); 2 more steps in all three: identical params and states.
+    load_state_dict(state_dict()) gives back the same param groups."""
+    model, opt, _ = trained(opt_info, info, steps=3, compile=False)
+    resumed_model = copy.deepcopy(model)
+    resumed = opt_info.make(resumed_model.parameters(), state_format=opt_info.spec(info), compile=False)
+    saved = opt.state_dict()
+    resumed.load_state_dict(save_and_load(saved))
+    assert resumed.state_dict()["param_groups"] == saved["param_groups"]
+    model_copy, opt_copy = copy.deepcopy((model, opt))
+    for m, o in ((model, opt), (resumed_model, resumed), (model_copy, opt_copy)):
+        train(m, o, 2)
+    assert_same_training(model, opt, resumed_model, resumed)
+    assert_same_training(model, opt, model_copy, opt_copy)
+
+
+def assert_same_training(model_a, opt_a, model_b, opt_b) -> None:
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(a, b)
+    expected = states_of(opt_a, list(model_a.parameters()))
+    got = states_of(opt_b, list(model_b.parameters()))
+    assert got.keys() == expected.keys()
+    for key, state in got.items():
+        assert type(state) is type(expected[key]) and state.dtype == expected[key].dtype, key
+        assert_same_bits(state, expected[key], key)
+    steps = [float(s["step"]) for s in opt_b.state.values()]
+    assert steps == [float(s["step"]) for s in opt_a.state.values()]
+
+
+@compiled_matrix
+def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_info, info):
+    """The compiled step computes the eager step's numbers (up to codes flipped by fp32 round-off at
+    a rounding boundary, as for AdamW in test_optim.py); then changing each hyper-parameter, by
+    hand or with a scheduler, compiles nothing new, and lr=0 leaves the parameters unchanged."""
+    models = [make_mlp(), make_mlp()]
+    opts = [opt_info.make(m.parameters(), state_format=opt_info.spec(info), compile=c) for m, c in zip(models, (True, False))]
+    for model, opt in zip(models, opts):
+        train(model, opt, 3)
+    # each quantized state can flip codes of its own, and a flip moves the parameter, hence the next
+    # gradients: AdEMAMix's three states flip about 3x as much as one (observed with 4bit after 3
+    # steps: 8 of 6144 weight elements, 7 of 6144 exp_avg codes)
+    flips = MAX_CODE_FLIP_FRACTION * len(opt_info.cls.states)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert float(((a - b).abs() > COMPILED_PARAM_ATOL).float().mean()) < flips, name
+    compiled_states, eager_states = (states_of(o, list(m.parameters())) for o, m in zip(opts, models))
+    assert compiled_states.keys() == eager_states.keys()
+    for key, state in compiled_states.items():
+        assert stored_as(state) == stored_as(eager_states[key]), key
+        assert mismatch_fraction(state, eager_states[key]) < flips, key
+
+    model, opt = models[0], opts[0]
+    graphs = unique_graphs()
+    group = opt.param_groups[0]
+    for change, values in opt_info.hyperparameter_changes.items():
+        group.update(values)
+        train(model, opt, 1)
+        assert unique_graphs() == graphs, f"changing {change} recompiled"
+    group.update(lr=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "lr=0 changed a parameter"
+    group.update(lr=opt_info.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        train(model, opt, 1)
+        scheduler.step()
+    assert unique_graphs() == graphs, "an lr scheduler recompiled"
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Per optimizer
+# ------------------------------------------------------------------------------------------------
+
+
+@matrix_optimizers
+def test_step_inside_torch_compile(opt_info):
+    """``@torch.compile def fn(): opt.step()``: one opaque op (step_op.py), no graph break, the same
+    bits as calling opt.step() eagerly, and no recompilation when lr changes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    (model, opt), (reference_model, reference) = ((m, opt_info.make(m.parameters(), state_format="8bit")) for m in (make_mlp(), make_mlp()))
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+    compiles = CompileCounterWithBackend("inductor")
+
+    @torch.compile(fullgraph=True, backend=compiles)
+    def compiled_step():
+        opt.step()
+
+    counters.clear()
+    for step in range(3):
+        for m, step_fn in ((model, compiled_step), (reference_model, reference.step)):
+            m(x).square().mean().backward()
+            step_fn()
+            m.zero_grad()
+        for o in (opt, reference):
+            o.param_groups[0]["lr"] = opt_info.lr / (step + 2)
+    assert sum(counters["graph_break"].values()) == 0
+    assert compiles.frame_count == 1
+    assert_same_training(reference_model, reference, model, opt)
+
+
+@pytest.mark.parametrize("param_update", ["nearest", "stochastic", "kahan", "int8-correction"])
+@matrix_optimizers
+def test_bf16_params_train(opt_info, param_update):
+    """bf16 weights train with 8-bit states under every param_update mode, which keeps its buffer."""
+    model = make_mlp(bias=False, dtype=torch.bfloat16)
+    opt = opt_info.make(model.parameters(), state_format="8bit", param_update=param_update, compile=False)
+    losses = train(model, opt, TRAIN_STEPS)
+    assert losses[-1] < 0.8 * losses[0], losses
+    extra = lowbit_optim.precision.extra_state_name(param_update)
+    for p in model.parameters():
+        assert p.dtype == torch.bfloat16 and bool(p.isfinite().all())
+        assert (extra in opt.state[p]) == (extra is not None)
+
+
+@matrix_optimizers
+def test_fused(opt_info):
+    """Only Adam/AdamW have the fused CPU kernel: fused=True is refused with the reason, fused=None
+    (the default) takes the compiled step, the same bits as fused=False."""
+    with pytest.raises(ValueError, match="the fused CPU kernel steps Adam and AdamW only"):
+        opt_info.make(make_mlp().parameters(), fused=True)
+    runs = [trained(opt_info, FP32, steps=2, fused=fused)[:2] for fused in (None, False)]
+    assert_same_training(*runs[0], *runs[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. SGD specifics, torch checkpoints, bitsandbytes aliases, bad input
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+def test_sgd_without_momentum_keeps_no_state(state_format):
+    """momentum=0: no state at all (as torch.optim.SGD), whatever the format; momentum set later
+    creates the buffer, whose first step takes the gradient."""
+    model = make_mlp()
+    opt = lowbit_optim.SGD(model.parameters(), lr=0.1, state_format=state_format, compile=False)
+    train(model, opt, 2)
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {} and lowbit_optim.bytes_per_param(opt) == 0
+    opt.param_groups[0]["momentum"] = 0.9
+    train(model, opt, 1)
+    assert all(set(s) == {"step", "momentum_buffer"} and float(s["step"]) == 1 for s in opt.state.values())
+
+
+def test_torch_sgd_checkpoint_loads():
+    """A torch.optim.SGD checkpoint (momentum buffers, no step counters) resumes in fp32 as torch
+    goes on, and loads quantized into 8bit."""
+    model = make_mlp()
+    torch_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    train(model, torch_opt, 3)
+    checkpoint = save_and_load(torch_opt.state_dict())
+    ours_model = copy.deepcopy(model)
+    ours = lowbit_optim.SGD(ours_model.parameters(), lr=0.05, momentum=0.9, nesterov=True, compile=False)
+    ours.load_state_dict(checkpoint)
+    train(model, torch_opt, 3)
+    train(ours_model, ours, 3)
+    for a, b in zip(ours_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, **PARITY_PARAM_TOL)
+    quantized = lowbit_optim.SGD(make_mlp().parameters(), lr=0.05, momentum=0.9, state_format="8bit", compile=False)
+    quantized.load_state_dict(checkpoint)
+    assert {stored_as(s["momentum_buffer"]) for s in quantized.state.values()} == {"8bit", "fp32"}
+
+
+@pytest.mark.parametrize("opt_info", [o for o in BUILTIN_OPTIMIZERS if o.torch_cls], ids=str)
+def test_constructor_and_groups_like_torch(opt_info):
+    """Where torch.optim has the optimizer, the constructor takes its arguments (positional ones in
+    its order) with its defaults, and state_dict's param groups hold its keys."""
+    options = {n: p for n, p in inspect.signature(lowbit_optim.LowBitOptimizer).parameters.items() if p.kind == p.KEYWORD_ONLY}
+    ours = {**inspect.signature(opt_info.cls).parameters, **options}  # the keywords **options passes on
+    theirs = inspect.signature(opt_info.torch_cls).parameters
+    for name, param in theirs.items():
+        assert name in ours, name
+        assert param.kind == ours[name].kind or param.kind == param.POSITIONAL_OR_KEYWORD and ours[name].kind == param.KEYWORD_ONLY, name
+        assert param.default == ours[name].default or name == "weight_decay", name  # Adam's default is decided by the class
+    positional = [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD][: len(positional)] == positional
+    model = make_mlp()
+    keys = opt_info.torch_cls(model.parameters()).state_dict()["param_groups"][0].keys()
+    assert keys <= opt_info.make(model.parameters()).state_dict()["param_groups"][0].keys()
+
+
+BITSANDBYTES_ALIASES = {
+    "SGD8bit": (lowbit_optim.SGD, dict(lr=0.05, momentum=0.9)),
+    "Lion8bit": (lowbit_optim.Lion, {}),
+    "AdEMAMix8bit": (lowbit_optim.AdEMAMix, dict(t_alpha=100)),
+}
+
+
+def signature_of(cls) -> list[tuple[str, str]]:
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(cls.__init__).parameters.values()]
+
+
+@pytest.mark.parametrize("alias", BITSANDBYTES_ALIASES)
+def test_bitsandbytes_aliases(alias, eager_step):
+    """SGD8bit, Lion8bit and AdEMAMix8bit take bitsandbytes' arguments (names, order, defaults), keep
+    8-bit states from min_8bit_size elements on, and step like the optimizer with state_format="8bit"."""
+    cls = getattr(lowbit_optim, alias)
+    base, kwargs = BITSANDBYTES_ALIASES[alias]
+    ours = [(n, k, d) for n, k, d in signature_of(cls) if k != "KEYWORD_ONLY"]
+    try:
+        import bitsandbytes
+    except ImportError:
+        pass
+    else:
+        assert ours == signature_of(getattr(bitsandbytes.optim, alias))
+    assert issubclass(cls, base)
+    model, reference_model = make_mlp(), make_mlp()
+    opt = cls(model.parameters(), **kwargs, min_8bit_size=5000)
+    reference = base(reference_model.parameters(), **kwargs, state_format="8bit", min_quantize_numel=5000)
+    train(model, opt, 2)
+    train(reference_model, reference, 2)
+    assert_same_training(reference_model, reference, model, opt)
+    assert {stored_as(v) for k, v in opt.state[model[0].weight].items() if k != "step"} == {"8bit"}  # 6144 elements
+    assert {stored_as(v) for k, v in opt.state[model[2].weight].items() if k != "step"} == {"fp32"}  # 4544 < 5000
+
+
+def one_param(cls, **kwargs):
+    return lambda: cls([nn.Parameter(torch.randn(64, 64))], **kwargs)
+
+
+BAD_INPUT = {
+    "SGD(fused=True)": one_param(lowbit_optim.SGD, fused=True),
+    "SGD(nesterov=True)": one_param(lowbit_optim.SGD, nesterov=True),
+    "SGD(momentum=-1)": one_param(lowbit_optim.SGD, momentum=-1),
+    'SGD(state_format="factored")': one_param(lowbit_optim.SGD, momentum=0.9, state_format="factored"),
+    'Lion(state_format={"exp_avg_sq": "8bit"})': one_param(lowbit_optim.Lion, state_format={"exp_avg_sq": "8bit"}),
+    "Lion(betas=(0.9, 0.99, 0.999))": one_param(lowbit_optim.Lion, betas=(0.9, 0.99, 0.999)),
+    "Lion(lr=-1)": one_param(lowbit_optim.Lion, lr=-1),
+    'AdEMAMix(state_format="factored")': one_param(lowbit_optim.AdEMAMix, state_format="factored"),
+    "AdEMAMix(betas=(0.9, 0.999))": one_param(lowbit_optim.AdEMAMix, betas=(0.9, 0.999)),
+    "AdEMAMix(t_alpha=0)": one_param(lowbit_optim.AdEMAMix, t_alpha=0),
+    "AdEMAMix(alpha=-1)": one_param(lowbit_optim.AdEMAMix, alpha=-1),
+    "AdEMAMix(betas=(0, 0.999, 0.9999), t_beta3=10)": one_param(lowbit_optim.AdEMAMix, betas=(0, 0.999, 0.9999), t_beta3=10),
+    "Lion(float64 parameter)": lambda: lowbit_optim.Lion([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
+    "Lion8bit(percentile_clipping=5)": one_param(lowbit_optim.Lion8bit, percentile_clipping=5),
+    "Lion8bit(is_paged=True)": one_param(lowbit_optim.Lion8bit, is_paged=True),
+    "SGD8bit(block_wise=False)": lambda: lowbit_optim.SGD8bit([nn.Parameter(torch.randn(4))], lr=0.1, block_wise=False),
+    "SGD8bit(args={...})": lambda: lowbit_optim.SGD8bit([nn.Parameter(torch.randn(4))], 0.1, args={"optim_bits": 8}),
+    "AdamW checkpoint into Lion": lambda: _load_into(lowbit_optim.Lion, lowbit_optim.AdamW),
+    "Lion checkpoint into SGD": lambda: _load_into(lowbit_optim.SGD, lowbit_optim.Lion, momentum=0.9),
+}
+
+
+def _load_into(cls, saved_cls, **kwargs):
+    model = make_mlp()
+    saved = saved_cls(model.parameters(), compile=False)
+    train(model, saved, 1)
+    cls(model.parameters(), compile=False, **kwargs).load_state_dict(saved.state_dict())
+
+
+class TestBadInput(expecttest.TestCase):
+    def test_messages(self):
+        rows = []
+        for name, make in BAD_INPUT.items():
+            with self.assertRaises((ValueError, TypeError, RuntimeError)) as caught:
+                make()
+            rows.append(f"{name}: {type(caught.exception).__name__}: {caught.exception}")
+        self.assertExpectedInline("\n".join(rows), """\
+SGD(fused=True): ValueError: fused=True, but the fused CPU kernel steps Adam and AdamW only; SGD takes the compiled step. Pass fused=None (the default) or False
+SGD(nesterov=True): ValueError: nesterov=True needs momentum > 0 and dampening=0, got momentum=0.0 and dampening=0.0
+SGD(momentum=-1): ValueError: invalid momentum -1: momentum must be >= 0
+SGD(state_format="factored"): ValueError: the 'factored' state format holds nonnegative states only, and SGD's momentum_buffer can be negative: pick another format
+Lion(state_format={"exp_avg_sq": "8bit"}): ValueError: a per-state state_format for Lion needs exactly the keys ['exp_avg'], got ['exp_avg_sq']
+Lion(betas=(0.9, 0.99, 0.999)): ValueError: invalid betas (0.9, 0.99, 0.999): Lion takes two, (beta1, beta2), e.g. (0.9, 0.99)
+Lion(lr=-1): ValueError: invalid learning rate -1: lr must be a number >= 0
+AdEMAMix(state_format="factored"): ValueError: the 'factored' state format holds nonnegative states only: use it for exp_avg_sq, e.g. state_format={'exp_avg': '4bit', 'exp_avg_slow': '4bit', 'exp_avg_sq': 'factored'}
+AdEMAMix(betas=(0.9, 0.999)): ValueError: invalid betas (0.9, 0.999): AdEMAMix takes three, (beta1, beta2, beta3), e.g. (0.9, 0.999, 0.9999)
+AdEMAMix(t_alpha=0): ValueError: invalid t_alpha 0: pass None (no warm-up) or a number of steps > 0
+AdEMAMix(alpha=-1): ValueError: invalid alpha -1: alpha must be >= 0
+AdEMAMix(betas=(0, 0.999, 0.9999), t_beta3=10): ValueError: t_beta3 warms beta3 up from beta1 in log space: beta1 and beta3 must be > 0, got betas (0, 0.999, 0.9999)
+Lion(float64 parameter): TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float())
+Lion8bit(percentile_clipping=5): ValueError: Lion8bit(percentile_clipping=5) is not supported: bitsandbytes' adaptive gradient clipping; clip with torch.nn.utils.clip_grad_norm_. Leave percentile_clipping at its default
+Lion8bit(is_paged=True): ValueError: Lion8bit(is_paged=True) is not supported: bitsandbytes' paged (CUDA unified memory) states; lowbit_optim's states are ordinary tensors. Leave is_paged at its default
+SGD8bit(block_wise=False): ValueError: SGD8bit(block_wise=False) is not supported: lowbit_optim's 8-bit states are always blockwise. Leave block_wise at its default
+SGD8bit(args={...}): ValueError: SGD8bit(args={'optim_bits': 8}) is not supported: bitsandbytes' configuration object; pass its fields as keywords. Leave args at its default
+AdamW checkpoint into Lion: ValueError: checkpoint state of parameter 0 (shape (64, 96)) holds ['exp_avg_sq'], which Lion does not keep: it is a checkpoint of another optimizer
+Lion checkpoint into SGD: ValueError: checkpoint state of parameter 0 (shape (64, 96)) lacks ['momentum_buffer']: it is not a checkpoint of SGD with momentum=0.9""")
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Declaring an optimizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_custom_optimizer_example_is_picked_up():
+    """examples/custom_optimizer.py's RMSprop, imported by conftest, is in the registry and so in
+    every test above, with every format (factored too: its only state is nonnegative)."""
+    assert CUSTOM_OPTIMIZER_EXAMPLE is not None, "examples/custom_optimizer.py is missing"
+    infos = [o for o in OPTIMIZERS if o.cls is CUSTOM_OPTIMIZER_EXAMPLE.RMSprop]
+    assert len(infos) == 1 and infos[0].torch_cls is torch.optim.RMSprop
+    assert {f.name for f in FORMATS} == {case.values[1].name for case in MATRIX if case.values[0] is infos[0]}
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+def test_declared_initial_value(state_format):
+    """A State's ``initial`` is the value it starts from (stored in its format): an RMSprop whose
+    square average starts at 0.5 and never moves (alpha=1) keeps 0.5."""
+
+    class HalfStart(CUSTOM_OPTIMIZER_EXAMPLE.RMSprop):
+        states = (lowbit_optim.State("square_avg", signed=False, initial=0.5),)
+
+    p = nn.Parameter(torch.randn(64, 96))
+    opt = HalfStart([p], alpha=1.0, state_format=state_format, compile=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert stored_as(opt.state[p]["square_avg"]) == state_format
+    assert torch.equal(opt.state[p]["square_avg"].float(), torch.full((64, 96), 0.5))
