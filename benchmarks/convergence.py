@@ -63,8 +63,8 @@ bitsandbytes' 8-bit and 32-bit versions (``bitsandbytes 8bit`` / ``32bit``, when
 number of steps (warm-ups as long as the run, as in the paper), peak lr 2e-3; AdamW as above. No weight
 decay, the same warmup and cosine schedule. Written to benchmarks/results/convergence_mlp_<optimizer>.md
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``, an experiment defined here (not a format of
-the package): the 8bit codebook rounded stochastically, as ``4bit`` is. SGD, Lion and AdEMAMix take
-the compiled step (the fused CPU kernel steps Adam/AdamW only): 2-12 ms per step on one thread (the
+the package): the 8bit codebook rounded stochastically, as ``4bit`` is. SGD, Lion and AdEMAMix took
+the compiled step when these were measured (the fused CPU kernel now steps them too): 2-12 ms per step on one thread (the
 stochastic 4bit the slowest); one --optimizer comparison took 2-8 minutes on a shared 2-core
 machine, the four 21 minutes.
 

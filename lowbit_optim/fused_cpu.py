@@ -16,7 +16,8 @@ This module says what the kernel takes and turns an optimizer's states into the 
 The core package still needs nothing but torch (the library is called through ctypes).
 
 An optimizer with an update in the kernel (csrc/update.h) calls ``step(name, items, hyper)`` with
-its hyper-parameters by the C struct's field names; ``adam_step`` is Adam's.
+its hyper-parameters by the C struct's field names; ``adam_step``, ``sgd_step``, ``lion_step`` and
+``ademamix_step`` are Adam's, SGD's, Lion's and AdEMAMix's.
 """
 
 import torch
@@ -116,3 +117,49 @@ def adam_step(items: list[tuple], group: dict) -> None:
         maximize=group["maximize"],
     )
     step("adam", [(*item[:5], item[5] if amsgrad else None) for item in items], hyper)
+
+
+def sgd_step(items: list[tuple], group: dict) -> None:
+    """Step every (param, grad, step or None, momentum_buffer or None) of ``group`` with SGD
+    (functional.sgd_step's numbers; without momentum there is neither buffer nor counter)."""
+    hyper = dict(
+        lr=float(group["lr"]),
+        momentum=group["momentum"],
+        weight_decay=group["weight_decay"],
+        one_minus_dampening=1 - group["dampening"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+    )
+    step("sgd", items, hyper)
+
+
+def lion_step(items: list[tuple], group: dict) -> None:
+    """Step every (param, grad, step, exp_avg) of ``group`` with Lion (functional.lion_step's numbers)."""
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], one_minus_beta1=1 - beta1, one_minus_beta2=1 - beta2, maximize=group["maximize"])
+    step("lion", items, hyper)
+
+
+def ademamix_step(items: list[tuple], group: dict) -> None:
+    """Step every (param, grad, step, exp_avg, exp_avg_slow, exp_avg_sq) of ``group`` with AdEMAMix
+    (functional.ademamix_step's numbers: the warm-ups of alpha and beta3 in float64, in the kernel's
+    prepare)."""
+    beta1, beta2, beta3 = group["betas"]
+    t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]
+    hyper = dict(
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        one_minus_beta1=1 - beta1,
+        one_minus_beta2=1 - beta2,
+        alpha=float(group["alpha"]),
+        t_alpha=float(t_alpha or 1),
+        beta3=float(beta3),
+        t_beta3=float(t_beta3 or 1),
+        schedule_alpha=t_alpha is not None,
+        schedule_beta3=t_beta3 is not None,
+        maximize=group["maximize"],
+    )
+    step("ademamix", items, hyper)

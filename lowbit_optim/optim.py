@@ -119,6 +119,9 @@ class SGD(LowBitOptimizer):
         numbers = (group["lr"], group["momentum"], group["weight_decay"], 1 - group["dampening"])
         return numbers, dict(nesterov=group["nesterov"], maximize=group["maximize"])
 
+    def _fused_step(self, items: list[tuple], group: dict) -> None:
+        fused_cpu.sgd_step(items, group)
+
 
 class Lion(LowBitOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with its momentum in
@@ -147,6 +150,9 @@ class Lion(LowBitOptimizer):
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         beta1, beta2 = group["betas"]
         return (group["lr"], group["weight_decay"], 1 - beta1, 1 - beta2), dict(maximize=group["maximize"])
+
+    def _fused_step(self, items: list[tuple], group: dict) -> None:
+        fused_cpu.lion_step(items, group)
 
 
 class AdEMAMix(LowBitOptimizer):
@@ -194,6 +200,9 @@ class AdEMAMix(LowBitOptimizer):
         exact = [torch.tensor(float(v), dtype=torch.float64) for v in (group["alpha"], t_alpha or 1, beta3, t_beta3 or 1)]
         numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2, *exact)
         return numbers, dict(maximize=group["maximize"], schedule_alpha=t_alpha is not None, schedule_beta3=t_beta3 is not None)
+
+    def _fused_step(self, items: list[tuple], group: dict) -> None:
+        fused_cpu.ademamix_step(items, group)
 
 
 # ------------------------------------------------------------------------------------------------

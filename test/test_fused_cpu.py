@@ -121,6 +121,56 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
+SGD, LION, ADEMAMIX = lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix
+BF16 = torch.bfloat16
+
+# SGD, Lion and AdEMAMix, each an update of its own in the kernel (csrc/update_*.h): every option,
+# the formats' kinds (codebook 8/4-bit stochastic, fp8, bf16 in place; the 200-element shape keeps
+# fp32 states) and bf16 params, few enough graphs to stay cheap (each case compiles its own)
+OTHER_OPTIMIZER_CASES = {
+    "SGD 8bit": dict(cls=SGD, momentum=0.9, state_format="8bit"),
+    "SGD 4bit, nesterov, maximize": dict(cls=SGD, momentum=0.9, nesterov=True, maximize=True, state_format="4bit"),
+    "SGD fp8, dampening, bf16 params": dict(cls=SGD, momentum=0.9, dampening=0.3, state_format="fp8", dtype=BF16),
+    "SGD bf16 states, no decay": dict(cls=SGD, momentum=0.5, state_format="bf16", weight_decay=0.0),
+    "SGD without momentum (no state), bf16 params": dict(cls=SGD, dtype=[BF16, torch.float32, BF16, torch.float32]),
+    "Lion 8bit": dict(cls=LION, state_format="8bit"),
+    "Lion 4bit, maximize, bf16 params": dict(cls=LION, state_format="4bit", maximize=True, dtype=BF16),
+    "Lion fp8, betas <= 0.5": dict(cls=LION, state_format="fp8", betas=(0.3, 0.5)),  # lerp's other branch
+    "Lion bf16 states, lr tensor": dict(cls=LION, state_format="bf16", lr=torch.tensor(3e-3)),
+    "AdEMAMix 8bit": dict(cls=ADEMAMIX, state_format="8bit"),
+    "AdEMAMix 4bit, warm-ups, maximize": dict(cls=ADEMAMIX, state_format="4bit", t_alpha=5, t_beta3=7, maximize=True),
+    "AdEMAMix fp8, bf16 params, betas <= 0.5": dict(cls=ADEMAMIX, state_format="fp8", dtype=BF16, betas=(0.3, 0.5, 0.9)),
+    "AdEMAMix bf16 states, warm-up of beta3": dict(cls=ADEMAMIX, state_format="bf16", t_beta3=4),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_OPTIMIZER_CASES, ids=list(OTHER_OPTIMIZER_CASES))
+def test_other_optimizers_match_compiled(case):
+    """SGD, Lion and AdEMAMix in the kernel (fused=True) give their compiled step's bits (AdEMAMix's
+    warm-ups of alpha and beta3 computed in float64 in the kernel's prepare, as in the graph)."""
+    kwargs = OTHER_OPTIMIZER_CASES[case]
+    assert_identical(run(True, **kwargs), run(False, **kwargs))
+
+
+@pytest.mark.parametrize("cls, kwargs", [(SGD, dict(momentum=0.9, nesterov=True)), (LION, {}), (ADEMAMIX, dict(t_alpha=3, t_beta3=3))], ids=["SGD", "Lion", "AdEMAMix"])
+def test_other_optimizers_non_finite_gradients(cls, kwargs):
+    """A NaN and an inf in the gradient (Lion: the sign of NaN and of inf) give the compiled step's
+    values, with fp32 states."""
+
+    def poisoned(fused):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(300))
+        opt = cls([param], lr=1e-2, fused=fused, state_format="fp32", **kwargs)
+        for _ in range(2):
+            param.grad = torch.randn_like(param)
+            param.grad[3], param.grad[40] = float("nan"), float("inf")
+            opt.step()
+        return [param.detach(), *(v for k, v in opt.state[param].items())]
+
+    for a, b in zip(poisoned(True), poisoned(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 # The kernel's code paths on x86, each a build with one more flag: AVX-512 intrinsics (native here),
 # AVX2 intrinsics for the table lookups and compiler-vectorized loops for the rest, and the portable
 # loops alone (x86-64: SSE2, as on a CPU the file has no intrinsics for).
@@ -162,6 +212,10 @@ OTHER_BUILD_CASES = [
     dict(cls=lowbit_optim.Adam, state_format="4bit", amsgrad=True),
     dict(state_format="4bit", amsgrad=True),  # stochastic rounding: each build's own vector loop
     dict(state_format="8bit", dtype=torch.bfloat16),
+    dict(cls=lowbit_optim.SGD, momentum=0.9, nesterov=True, state_format={"momentum_buffer": "4bit"}),
+    dict(cls=lowbit_optim.Lion, state_format="8bit", dtype=torch.bfloat16),
+    dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "fp8", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit"}, t_alpha=5, t_beta3=7),
+    dict(cls=lowbit_optim.AdEMAMix, state_format="bf16", maximize=True),
 ]
 
 
@@ -680,7 +734,8 @@ def test_op_refuses_bad_arguments():
         with pytest.raises(ValueError, match=match):
             torch.ops.lowbit_optim.fused_step_cpu(*changed)
 
-    refused("has no optimizer 'lion'", optimizer="lion")
+    refused("has no optimizer 'rmsprop'", optimizer="rmsprop")
+    refused("takes 5 hyper-parameters", optimizer="lion")  # another optimizer's arguments
     refused("takes 9 hyper-parameters", hyper=arguments[1][:-1])
     refused("takes 9 hyper-parameters .* 5 format keys", state_formats=arguments[6][:-1])
     refused("more tensors than state_formats describe", state_tensors=[*arguments[5], torch.zeros(1)])

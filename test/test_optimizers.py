@@ -288,12 +288,19 @@ def test_bf16_params_train(opt_info, param_update):
 
 @matrix_optimizers
 def test_fused(opt_info):
-    """Only Adam/AdamW have the fused CPU kernel: fused=True is refused with the reason, fused=None
-    (the default) takes the compiled step, the same bits as fused=False."""
-    with pytest.raises(ValueError, match="the fused CPU kernel steps Adam and AdamW only"):
-        opt_info.make(make_mlp().parameters(), fused=True)
-    runs = [trained(opt_info, FP32, steps=2, fused=fused)[:2] for fused in (None, False)]
-    assert_same_training(*runs[0], *runs[1])
+    """An optimizer with an update in the fused CPU kernel (Adam/AdamW, SGD, Lion, AdEMAMix) steps
+    with it under fused=True and fused=None (the default), the same bits as the compiled step
+    (fused=False; test_fused_cpu.py covers the formats and options); one without is refused
+    fused=True with the reason, and fused=None takes the compiled step."""
+    if opt_info.cls._fused_step is None:
+        with pytest.raises(ValueError, match="the fused CPU kernel steps Adam, AdamW, SGD, Lion and AdEMAMix only"):
+            opt_info.make(make_mlp().parameters(), fused=True)
+        choices = (None, False)
+    else:
+        choices = (True, None, False)
+    runs = [trained(opt_info, FP32, steps=2, fused=fused)[:2] for fused in choices]
+    for run in runs[1:]:
+        assert_same_training(*runs[0], *run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,7 +398,7 @@ def one_param(cls, **kwargs):
 
 
 BAD_INPUT = {
-    "SGD(fused=True)": one_param(lowbit_optim.SGD, fused=True),
+    "RMSprop(fused=True)": one_param(CUSTOM_OPTIMIZER_EXAMPLE.RMSprop, fused=True),
     "SGD(nesterov=True)": one_param(lowbit_optim.SGD, nesterov=True),
     "SGD(momentum=-1)": one_param(lowbit_optim.SGD, momentum=-1),
     'SGD(state_format="factored")': one_param(lowbit_optim.SGD, momentum=0.9, state_format="factored"),
@@ -428,7 +435,7 @@ class TestBadInput(expecttest.TestCase):
                 make()
             rows.append(f"{name}: {type(caught.exception).__name__}: {caught.exception}")
         self.assertExpectedInline("\n".join(rows), """\
-SGD(fused=True): ValueError: fused=True, but the fused CPU kernel steps Adam and AdamW only; SGD takes the compiled step. Pass fused=None (the default) or False
+RMSprop(fused=True): ValueError: fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion and AdEMAMix only; RMSprop takes the compiled step. Pass fused=None (the default) or False
 SGD(nesterov=True): ValueError: nesterov=True needs momentum > 0 and dampening=0, got momentum=0.0 and dampening=0.0
 SGD(momentum=-1): ValueError: invalid momentum -1: momentum must be >= 0
 SGD(state_format="factored"): ValueError: the 'factored' state format holds nonnegative states only, and SGD's momentum_buffer can be negative: pick another format

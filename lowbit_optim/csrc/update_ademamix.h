@@ -1,0 +1,76 @@
+/* AdEMAMix (functional.ademamix_step): states exp_avg, exp_avg_slow, exp_avg_sq. alpha, beta3 and
+ * their warm-up lengths are doubles: prepare computes the warm-ups in float64 and rounds once, as the
+ * compiled graph does. */
+
+#define ADEMAMIX_HYPER_FIELDS(FIELD, ARRAY, S)                                                   \
+    FIELD(S, float, lr)                                                                          \
+    FIELD(S, float, beta1)                                                                       \
+    FIELD(S, float, beta2)                                                                       \
+    FIELD(S, float, weight_decay)                                                                \
+    FIELD(S, float, eps)                                                                         \
+    FIELD(S, float, one_minus_beta1)  /* computed in float64 and rounded once */                 \
+    FIELD(S, float, one_minus_beta2)                                                             \
+    FIELD(S, double, alpha)                                                                      \
+    FIELD(S, double, t_alpha)                                                                    \
+    FIELD(S, double, beta3)                                                                      \
+    FIELD(S, double, t_beta3)                                                                    \
+    FIELD(S, int32_t, schedule_alpha)                                                            \
+    FIELD(S, int32_t, schedule_beta3)                                                            \
+    FIELD(S, int32_t, maximize)
+DECLARE_STRUCT(ademamix_hyper_t, ADEMAMIX_HYPER_FIELDS)
+
+typedef struct {
+    float lr_times_wd, bias_correction1, sqrt_bias_correction2, alpha;
+    lerp_weight_t w1, w2, w3;
+} ademamix_scalars_t;
+
+static inline double min_nan(double a, double b) {  /* torch.minimum: NaN propagates */
+    return (a != a || b != b) ? NAN : (a < b ? a : b);
+}
+
+static void ademamix_prepare(const void *hyper, float step, void *scalars) {
+    const ademamix_hyper_t *h = hyper;
+    ademamix_scalars_t *k = scalars;
+    double n = step, alpha = h->alpha, beta3 = h->beta3;
+    if (h->schedule_alpha) alpha = min_nan(n * alpha / h->t_alpha, alpha);
+    if (h->schedule_beta3) {
+        double log_beta1 = log((double)h->beta1), log_beta3 = log(beta3), fraction = n / h->t_beta3;
+        beta3 = min_nan(exp(log_beta1 * log_beta3 / ((1 - fraction) * log_beta3 + fraction * log_beta1)), beta3);
+    }
+    k->alpha = (float)alpha;
+    k->lr_times_wd = h->lr * h->weight_decay;
+    k->bias_correction1 = 1.0f - powf(h->beta1, step);
+    k->sqrt_bias_correction2 = sqrtf(1.0f - powf(h->beta2, step));
+    k->w1 = lerp_weight(h->one_minus_beta1);
+    k->w2 = lerp_weight(h->one_minus_beta2);
+    k->w3 = lerp_weight((float)(1 - beta3));
+}
+
+static inline __attribute__((always_inline)) void ademamix_elements(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, int64_t n,
+                                                                    float *restrict p, const float *restrict g, void *restrict m,
+                                                                    void *restrict m_slow, void *restrict v) {
+    float lr = h->lr, lr_wd = k->lr_times_wd, eps = h->eps, alpha = k->alpha;
+    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff, c3 = k->w3.coeff;
+    int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
+    uint32_t flip = h->maximize ? 0x80000000u : 0;
+    #pragma omp simd
+    for (int64_t j = 0; j < n; j++) {
+        float P = p[j], G = float_of(bits_of(g[j]) ^ flip);
+        P = P - lr_wd * P;
+        float M = lerp(read_value(m, j, bf16), G, c1, high1);
+        float S = lerp(read_value(m_slow, j, bf16), G, c3, high3);
+        float V = lerp(read_value(v, j, bf16), G * G, c2, high2);
+        write_value(m, j, M, bf16);
+        write_value(m_slow, j, S, bf16);
+        write_value(v, j, V, bf16);
+        float denom = sqrtf(V) / sbc2 + eps;
+        p[j] = P - lr * (M / bc1 + alpha * S) / denom;
+    }
+}
+
+static void ademamix_update(const void *hyper, const void *scalars, const chunk_t *c) {
+    if (c->bf16_states)
+        ademamix_elements(hyper, scalars, 1, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+    else
+        ademamix_elements(hyper, scalars, 0, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+}
