@@ -104,18 +104,7 @@ def adam_step(items: list[tuple], group: dict) -> None:
     for param, _grad, _step, _m, _v, max_exp_avg_sq in items:
         if amsgrad and max_exp_avg_sq is None:
             raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its max_exp_avg_sq state is missing (amsgrad=True needs it)")
-    beta1, beta2 = group["betas"]
-    hyper = dict(
-        lr=float(group["lr"]),
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        one_minus_beta1=1 - beta1,
-        one_minus_beta2=1 - beta2,
-        decoupled_weight_decay=group["decoupled_weight_decay"],
-        maximize=group["maximize"],
-    )
+    hyper = dict(_adam_moment_hyper(group, *group["betas"]), decoupled_weight_decay=group["decoupled_weight_decay"])
     step("adam", [(*item[:5], item[5] if amsgrad else None) for item in items], hyper)
 
 
@@ -147,6 +136,20 @@ def ademamix_step(items: list[tuple], group: dict) -> None:
     beta1, beta2, beta3 = group["betas"]
     t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]
     hyper = dict(
+        _adam_moment_hyper(group, beta1, beta2),
+        alpha=float(group["alpha"]),
+        t_alpha=float(t_alpha or 1),
+        beta3=float(beta3),
+        t_beta3=float(t_beta3 or 1),
+        schedule_alpha=t_alpha is not None,
+        schedule_beta3=t_beta3 is not None,
+    )
+    step("ademamix", items, hyper)
+
+
+def _adam_moment_hyper(group: dict, beta1: float, beta2: float) -> dict:
+    """The hyper-parameters Adam and AdEMAMix share (their two Adam moments), by the C fields' names."""
+    return dict(
         lr=float(group["lr"]),
         beta1=beta1,
         beta2=beta2,
@@ -154,12 +157,5 @@ def ademamix_step(items: list[tuple], group: dict) -> None:
         eps=group["eps"],
         one_minus_beta1=1 - beta1,
         one_minus_beta2=1 - beta2,
-        alpha=float(group["alpha"]),
-        t_alpha=float(t_alpha or 1),
-        beta3=float(beta3),
-        t_beta3=float(t_beta3 or 1),
-        schedule_alpha=t_alpha is not None,
-        schedule_beta3=t_beta3 is not None,
         maximize=group["maximize"],
     )
-    step("ademamix", items, hyper)

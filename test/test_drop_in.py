@@ -38,6 +38,7 @@ def assert_same_training(model_a, opt_a, model_b, opt_b) -> None:
     for key, state in moments(opt_b, model_b).items():
         assert type(state) is type(expected[key]) and state.dtype == expected[key].dtype, key
         assert_same_bits(state, expected[key], key)
+    assert [float(s["step"]) for s in opt_b.state.values()] == [float(s["step"]) for s in opt_a.state.values()]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,9 +168,14 @@ def test_step_inside_torch_compile(fused):
     """PyTorch's documented pattern (``@torch.compile def fn(): opt.step()``): the step is one
     opaque op in the user's graph (step_op.py), with no graph break and no warning, and the same
     bits as calling opt.step() eagerly. Changing lr does not recompile."""
-    (model, opt), (reference_model, reference) = (
-        (m, lowbit_optim.AdamW(m.parameters(), lr=LR, state_format="8bit", fused=fused)) for m in (make_mlp(), make_mlp())
-    )
+    check_step_inside_torch_compile(lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="8bit", fused=fused), LR)
+
+
+def check_step_inside_torch_compile(make, lr: float) -> None:
+    """The optimizers ``make(params)`` builds, stepped by ``@torch.compile(fullgraph=True) def fn():
+    opt.step()`` and eagerly, side by side for 3 steps with lr changed between them (test_optimizers.py
+    runs it for every optimizer)."""
+    (model, opt), (reference_model, reference) = ((m, make(m.parameters())) for m in (make_mlp(), make_mlp()))
     x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
 
     compiles = CompileCounterWithBackend("inductor")
@@ -187,7 +193,7 @@ def test_step_inside_torch_compile(fused):
                 step_fn()
                 m.zero_grad()
             for o in (opt, reference):
-                o.param_groups[0]["lr"] = LR / (step + 2)
+                o.param_groups[0]["lr"] = lr / (step + 2)
     # torch's own DeprecationWarnings (torch.jit inside inductor) are not ours to fix
     assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
     assert sum(counters["graph_break"].values()) == 0

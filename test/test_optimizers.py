@@ -44,6 +44,7 @@ from test_optim import (
 from torch import nn
 
 import lowbit_optim
+from test_drop_in import assert_same_training, check_step_inside_torch_compile
 
 FP32 = format_info("fp32")
 STEPS = 10
@@ -186,19 +187,6 @@ def test_checkpoint_and_deepcopy_step_like_the_original(opt_info, info):
     assert_same_training(model, opt, model_copy, opt_copy)
 
 
-def assert_same_training(model_a, opt_a, model_b, opt_b) -> None:
-    for a, b in zip(model_a.parameters(), model_b.parameters()):
-        assert torch.equal(a, b)
-    expected = states_of(opt_a, list(model_a.parameters()))
-    got = states_of(opt_b, list(model_b.parameters()))
-    assert got.keys() == expected.keys()
-    for key, state in got.items():
-        assert type(state) is type(expected[key]) and state.dtype == expected[key].dtype, key
-        assert_same_bits(state, expected[key], key)
-    steps = [float(s["step"]) for s in opt_b.state.values()]
-    assert steps == [float(s["step"]) for s in opt_a.state.values()]
-
-
 @compiled_matrix
 def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_info, info):
     """The compiled step computes the eager step's numbers (up to codes flipped by fp32 round-off at
@@ -248,28 +236,7 @@ def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_in
 def test_step_inside_torch_compile(opt_info):
     """``@torch.compile def fn(): opt.step()``: one opaque op (step_op.py), no graph break, the same
     bits as calling opt.step() eagerly, and no recompilation when lr changes."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
-    (model, opt), (reference_model, reference) = ((m, opt_info.make(m.parameters(), state_format="8bit")) for m in (make_mlp(), make_mlp()))
-    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
-    compiles = CompileCounterWithBackend("inductor")
-
-    @torch.compile(fullgraph=True, backend=compiles)
-    def compiled_step():
-        opt.step()
-
-    counters.clear()
-    for step in range(3):
-        for m, step_fn in ((model, compiled_step), (reference_model, reference.step)):
-            m(x).square().mean().backward()
-            step_fn()
-            m.zero_grad()
-        for o in (opt, reference):
-            o.param_groups[0]["lr"] = opt_info.lr / (step + 2)
-    assert sum(counters["graph_break"].values()) == 0
-    assert compiles.frame_count == 1
-    assert_same_training(reference_model, reference, model, opt)
+    check_step_inside_torch_compile(lambda params: opt_info.make(params, state_format="8bit"), opt_info.lr)
 
 
 @pytest.mark.parametrize("param_update", ["nearest", "stochastic", "kahan", "int8-correction"])
