@@ -565,13 +565,18 @@ def _devices():
 @quantized_formats
 @pytest.mark.parametrize("device", _devices())
 def test_to_device(info, device):
-    """.to(device) moves codes and scales; moving there and back is bit-exact."""
+    """.to(device) moves codes and scales; moving there and back is bit-exact. Dequantizing there
+    is too for blockwise formats (a table lookup times a scale); a factored state's sums are
+    reduced in the device's order, so it is equal up to float rounding (seen on an H100: last bits)."""
     state = info.fmt.from_float(any_sample(info, (3, 100)))
     for moved in (state.to(device), state.to(device=device), state.to(device=torch.device(device), dtype=torch.float32)):
         assert type(moved) is info.fmt and moved.device.type == device
         assert all(t.device.type == device for t in moved._inner().values())
         assert_same_state(moved.to("cpu"), state)
-        assert torch.equal(moved.dequantize().cpu(), state.dequantize())
+        if info.blockwise or device == "cpu":
+            assert torch.equal(moved.dequantize().cpu(), state.dequantize())
+        else:
+            torch.testing.assert_close(moved.dequantize().cpu(), state.dequantize(), rtol=1e-6, atol=0)
 
 
 @quantized_formats
