@@ -26,7 +26,7 @@ import expecttest
 import pytest
 import torch
 from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info
-from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, compiled_matrix, matrix, matrix_optimizers
+from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, all_optimizers, compiled_matrix, matrix, matrix_optimizers
 from test_optim import (
     COMPILED_PARAM_ATOL,
     MAX_CODE_FLIP_FRACTION,
@@ -237,6 +237,71 @@ def test_step_inside_torch_compile(opt_info):
     """``@torch.compile def fn(): opt.step()``: one opaque op (step_op.py), no graph break, the same
     bits as calling opt.step() eagerly, and no recompilation when lr changes."""
     check_step_inside_torch_compile(lambda params: opt_info.make(params, state_format="8bit"), opt_info.lr)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@all_optimizers
+@pytest.mark.parametrize("device", DEVICES)
+def test_foreach_is_the_per_parameter_step_in_one_graph(opt_info, device):
+    """``foreach=True`` steps a group's parameters in one compiled graph: the bits of one call per
+    parameter (``foreach=False``) for quantized, fp32-state (below min_quantize_numel),
+    non-contiguous and bf16 parameters; that graph is traced once, a new lr reuses it."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(64, 96), (71,), (96, 64), (40, 120)]
+
+    def make_params():
+        values = [torch.randn(shape, generator=g) for shape in shapes]
+        values[2] = values[2].t()  # non-contiguous
+        values[3] = values[3].bfloat16()
+        return [nn.Parameter(v.to(device)) for v in values]
+
+    runs = []
+    for foreach in (False, True):
+        g.manual_seed(5)
+        params = make_params()
+        opt = opt_info.make(params, state_format="8bit", foreach=foreach, fused=False)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(p)
+            if step == 1:
+                graphs = unique_graphs()
+                opt.param_groups[0]["lr"] = opt_info.lr / 2
+            opt.step()
+        assert not foreach or unique_graphs() == graphs, "the foreach graph was traced again"
+        runs.append((params, opt))
+    (params, opt), (grouped, grouped_opt) = runs
+    for p, q in zip(params, grouped):
+        assert torch.equal(p, q)
+        for name, state in opt.state[p].items():
+            assert_same_bits(state, grouped_opt.state[q][name], name)
+
+
+@pytest.mark.parametrize("foreach, grouped", [(None, False), (True, True), (False, False)])
+def test_foreach_choice(monkeypatch, foreach, grouped):
+    """foreach=True steps the compiled step's parameters in chunks of one graph each (chunks of the
+    same kinds of arguments, at most FOREACH_CHUNK long); None and False, one call per parameter."""
+    calls = []
+
+    def spy(step_function):
+        def step_each(calls_, numbers, modes, flags):
+            calls.append(len(calls_))
+            for arguments, mode in zip(calls_, modes):
+                step_function(*arguments, *numbers, **flags, param_update=mode)
+
+        return step_each
+
+    monkeypatch.setattr(lowbit_optim.base, "compiled_foreach_step", spy)
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: step_function)
+    monkeypatch.setattr(lowbit_optim.base, "FOREACH_CHUNK", 3)
+    shapes = [(64, 96), (71,), (80, 64), (90,), (64, 64), (72, 64), (100, 64)]  # 5 quantized, 2 fp32 states
+    params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+    opt = lowbit_optim.AdamW(params, state_format="8bit", foreach=foreach, fused=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == ([3, 2, 2] if grouped else [])
 
 
 @pytest.mark.parametrize("param_update", ["nearest", "stochastic", "kahan", "int8-correction"])
