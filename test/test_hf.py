@@ -97,6 +97,22 @@ def test_helper_takes_training_arguments(tmp_path):
         assert g["state_format"] == ("fp32" if embedding else "4bit")
 
 
+@pytest.mark.parametrize("cls", [lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix])
+def test_helper_builds_other_optimizers(tmp_path, cls):
+    """TrainingArguments' lr and weight decay reach any optimizer; its Adam betas and eps reach only
+    Adam's family (Lion's betas mean something else, SGD has none)."""
+    trainer = _trainer(tmp_path)
+    extra = {"momentum": 0.9} if cls is lowbit_optim.SGD else {}
+    trainer.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=cls, state_format="8bit", **extra)
+    opt = trainer.create_optimizer()
+    assert type(opt) is cls
+    defaults = cls(trainer.model.parameters()).defaults
+    for g in opt.param_groups:
+        assert g["lr"] == trainer.args.learning_rate and g["weight_decay"] in (0.0, trainer.args.weight_decay)
+        assert g.get("betas") == defaults.get("betas") and g.get("eps") == defaults.get("eps")
+        assert g.get("momentum") == extra.get("momentum", defaults.get("momentum"))
+
+
 def _steps(model, opt, accelerator, n: int) -> None:
     for _ in range(n):
         accelerator.backward(model(torch.randn(8, 64)).square().mean())
