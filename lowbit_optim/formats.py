@@ -159,27 +159,20 @@ class OptimState4bitCalibrated(OptimState4bitUncalibrated):
         return not signed
 
 
-class OptimState4bit(OptimStateNF4):
-    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``), rounded
-    stochastically so that it stays unbiased: NF4 first moment, linear second
-    moment (1/16, 2/16, ..., 1, no zero), as ``nf4``, but each value becomes one of the two codes
-    around it, the upper one with probability (x - a) / (b - a), so that its expected value is x
-    (quant.encode_stochastic). Nearest rounding cannot follow a moving average whose step is smaller
-    than half the distance between two codes: with beta2 = 0.999 a second moment only moves by 0.1 %
-    of itself per step, so between codes 5-20 % apart it sticks (and only big gradients push it up),
-    and a first moment sticks at a code, 0 included, while gradients are small against its block's
-    absmax. That loses little in a short run (the char GPT), but much when training is driven to a
-    low loss (benchmarks/convergence.py --task mlp: +22 % training loss for ``4bit-calibrated``,
-    about 0 here).
+class StochasticRounding:
+    """A codebook format whose codes are rounded stochastically, so that a state stays unbiased: each
+    value becomes one of the two codes around it, the upper one with probability (x - a) / (b - a),
+    so that its expected value is x (quant.encode_stochastic). Nearest rounding cannot follow a
+    moving average whose step is smaller than half the distance between two codes: with beta2 = 0.999
+    a second moment only moves by 0.1 % of itself per step, and a first moment sticks at a code, 0
+    included, while gradients are small against its block's absmax.
 
     The random numbers are a hash of each value's bits and place in its block (quant.dither): a
     state rounds the same way on every run and after a checkpoint resume, and draws nothing from
     torch's random stream. The eager and compiled steps agree but where an FMA moved a value by an
     ulp and that changed its draw (about 1 in 1024 such values); the fused CPU kernel computes the
-    compiled step's codes bit for bit. Not calibrated (unbiased already)."""
+    compiled step's codes bit for bit. Put it before the codebook format in the bases."""
 
-    name = "4bit"
-    format_version = 3  # 1: torchao's codebooks ("4bit-torchao"); 2: nearest rounding ("4bit-calibrated")
     stochastic = True  # codes are not the nearest: tests check unbiased rounding between neighbours instead
 
     @classmethod
@@ -189,13 +182,12 @@ class OptimState4bit(OptimStateNF4):
         return quant.encode_stochastic(normalized, nearest, codebook, quant.dither(normalized))
 
     @classmethod
-    def legacy_format(cls, version: int):
-        # checkpoints written before the 4-bit recipe changed load as the states they are
-        return {1: OptimState4bitTorchao, 2: OptimState4bitCalibrated}.get(version)
-
-    @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        same = computes_as(cls, OptimState4bit, "encode", "decode", "quantize_", "dequantize")
+        # the kernel rounds the nearest codes of the codebook format below this class, as encode does
+        nearest = super(StochasticRounding, cls)
+        same = computes_as(cls, StochasticRounding, "encode") and all(
+            getattr(nearest, m).__func__ is getattr(CodebookState, m).__func__ for m in ("encode", "decode")
+        ) and computes_as(cls, CodebookState, "quantize_", "dequantize")  # fmt: skip
         return cls._codebook_layout(signed, stochastic=True) if same else None
 
     @classmethod
@@ -204,6 +196,32 @@ class OptimState4bit(OptimStateNF4):
         # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
         text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(quant.DITHER_DROPPED_BITS)
         return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+
+
+class OptimState4bit(StochasticRounding, OptimStateNF4):
+    """The 4-bit recipe lowbit_optim recommends (``state_format="4bit"``, ``AdamW4bit``): NF4 first
+    moment, linear second moment (1/16, 2/16, ..., 1, no zero), as ``nf4``, rounded stochastically
+    (StochasticRounding). Between codes 5-20 % apart nearest rounding sticks; that loses little in a
+    short run (the char GPT), but much when training is driven to a low loss
+    (benchmarks/convergence.py --task mlp: +22 % training loss for ``4bit-calibrated``, about 0
+    here). Not calibrated (unbiased already)."""
+
+    name = "4bit"
+    format_version = 3  # 1: torchao's codebooks ("4bit-torchao"); 2: nearest rounding ("4bit-calibrated")
+
+    @classmethod
+    def legacy_format(cls, version: int):
+        # checkpoints written before the 4-bit recipe changed load as the states they are
+        return {1: OptimState4bitTorchao, 2: OptimState4bitCalibrated}.get(version)
+
+
+class OptimState8bitSR(StochasticRounding, OptimState8bit):
+    """``8bit``'s codebook (and bytes) rounded stochastically (StochasticRounding). Where a run is
+    driven to a low loss, nearest 8-bit rounding sticks too (MLP task: AdamW +6.6 %, AdEMAMix's slow
+    momentum +303 % against fp32 state); this one does not (README, "Optimizers x formats").
+    ``8bit`` itself keeps nearest rounding, bit for bit torchao's and bitsandbytes' codes."""
+
+    name = "8bit-sr"
 
 
 class OptimStateFp8(OptimState):

@@ -879,6 +879,12 @@ nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
 4bit unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
   first: 0.0625, 0.125, 0.1875, 0.25
   last:  0.8125, 0.875, 0.9375, 1
+8bit-sr signed: n=256 min=-0.992969 max=1 smallest_positive=5.5e-07
+  first: -0.992969, -0.978906, -0.964844, -0.950781
+  last:  0.964844, 0.978906, 0.992969, 1
+8bit-sr unsigned: n=256 min=0 max=1 smallest_positive=3.25e-07
+  first: 0, 3.25e-07, 7.75e-07, 2.125e-06
+  last:  0.982422, 0.989453, 0.996484, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
@@ -929,6 +935,7 @@ OptimState4bitPrecond(shape=(3, 100), signed=True, block_size=128, dtype=torch.f
 OptimState4bitUncalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
+OptimState8bitSR(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)""")
 
@@ -948,6 +955,7 @@ nf4: 0.53125
 4bit-uncalibrated: 0.53125
 4bit-calibrated: 0.53125
 4bit: 0.53125
+8bit-sr: 1.015625
 fp8: 1.015625
 factored: 0.03125""")
 
