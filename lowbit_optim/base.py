@@ -42,7 +42,13 @@ def compiled_step(step_function):
     """``step_function`` under torch.compile, one compiled function per step function, shared by
     every optimizer instance and format. Shapes are dynamic, so the number of graphs depends on the
     formats and flags in use, never on the number of distinct parameter shapes."""
-    return torch.compile(step_function, fullgraph=True, dynamic=True)
+    return torch.compile(step_function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+
+
+def _inductor_options(step_function) -> dict | None:
+    # a step function that computes in bf16 on purpose (Muon's Newton-Schulz) asks inductor to round
+    # each bf16 result as eager does, rather than keep fused intermediates in fp32
+    return getattr(step_function, "inductor_options", None)
 
 
 # parameters per foreach graph: its compile time grows with it (~1 s per parameter on 2 CPU cores),
@@ -61,7 +67,7 @@ def compiled_foreach_step(step_function):
         for arguments, param_update in zip(calls, param_updates):
             step_function(*arguments, *numbers, **flags, param_update=param_update)
 
-    compiled = torch.compile(step_each, fullgraph=True, dynamic=True)
+    compiled = torch.compile(step_each, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def step_chunk(*args):
         # sizes that happen to be equal within one chunk must not be assumed equal in the next,
@@ -131,6 +137,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
     states: tuple[State, ...] = ()
+    flat_step = True  # the step function sees 1-D views (one graph for every shape); False: the parameter's shape
     family: str | None = None  # how messages name the optimizer (default: the class name)
     torch_name: str | None = None  # the torch.optim class computing the same step, if any (named in errors)
 
@@ -405,9 +412,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
                 arguments = self._tensor_arguments(group, p.device)
             extra = precision.extra_state_name(mode)
+            shaped = _flat if self.flat_step else local
             call = (
-                _flat(param), _flat(grad), step, *(_flat(v) if v is not None else None for v in values),
-                _flat(state[extra]) if extra else None,
+                shaped(param), shaped(grad), step, *(shaped(v) if v is not None else None for v in values),
+                shaped(state[extra]) if extra else None,
             )  # fmt: skip
             compiled.append((param, call, mode))
         if compiled:
@@ -425,9 +433,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         else:
             for _, call, mode in compiled:
                 self._step_fn(*call, *numbers, **flags, param_update=mode)
-        for param, (flat, *_), _ in compiled:
-            if not param.is_contiguous():
-                param.copy_(flat.view(param.shape))  # the step updated a contiguous copy: write it back
+        for param, (stepped, *_), _ in compiled:
+            if stepped is not param and not param.is_contiguous():
+                param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back
 
     def _tensor_arguments(self, group: dict, device) -> tuple[list[Tensor], dict]:
         numbers, flags = self._step_arguments(group)
