@@ -1,4 +1,4 @@
-"""lowbit_optim: Adam/AdamW, SGD, Lion and AdEMAMix with 8-bit, 4-bit, FP8, bf16 or fp32 optimizer state,
+"""lowbit_optim: Adam/AdamW, SGD, Lion, AdEMAMix and Muon with 8-bit, 4-bit, FP8, bf16 or fp32 optimizer state,
 one compiled step."""
 
 from .formats import (
@@ -20,10 +20,10 @@ from .formats import (
     register_format,
     registered_formats,
 )
-from .functional import adam_step, ademamix_step, lion_step, sgd_step
+from .functional import adam_step, ademamix_step, lion_step, muon_step, sgd_step
 from .precision import PARAM_UPDATES
 from .base import LowBitOptimizer, State
-from .optim import AdEMAMix, Adam, AdamW, Lion, SGD, bytes_per_param, dequantize_state_dict, param_groups_by_module
+from .optim import AdEMAMix, Adam, AdamW, Lion, Muon, SGD, bytes_per_param, dequantize_state_dict, muon_split, param_groups_by_module
 from .aliases import (
     AdEMAMix8bit,
     Adam4bit,
@@ -57,6 +57,8 @@ __all__ = [
     "Lion",
     "Lion8bit",
     "LowBitOptimizer",
+    "Muon",
+    "muon_split",
     "OptimState",
     "OptimState4bit",
     "OptimState4bitCalibrated",

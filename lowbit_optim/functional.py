@@ -1,9 +1,11 @@
-"""Plain step functions (Adam, SGD, Lion, AdEMAMix), written as if every state were an fp32 tensor.
+"""Plain step functions (Adam, SGD, Lion, AdEMAMix, Muon), written as if every state were an fp32 tensor.
 
 torch.compile traces them through the state subclasses' dispatch (reading dequantizes, ``copy_``
 quantizes), so the same function serves fp32, bf16 and every quantized format. Hyper-parameters
 arrive as 0-d tensors so that changing them never recompiles.
 """
+
+import math
 
 import torch
 from torch import Tensor
@@ -190,3 +192,68 @@ def ademamix_step(
     denom = v.sqrt() / bias_correction2.sqrt() + eps
     p = p - lr * (m / bias_correction1 + alpha * m_slow) / denom
     precision.write_param(param, param_extra, start, p, param_update)
+
+
+def muon_step(
+    param: Tensor,
+    grad: Tensor,
+    step: Tensor,
+    momentum_buffer: Tensor,
+    param_extra: Tensor | None,
+    lr: Tensor,
+    decay: Tensor,
+    momentum: Tensor,
+    one_minus_momentum: Tensor,
+    *,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    param_update: str,
+) -> None:
+    """One Muon step of one matrix, torch.optim.Muon's formula: the momentum (Nesterov's look-ahead
+    with ``nesterov``) orthogonalized by Newton-Schulz iterations in bf16, decoupled weight decay
+    (``decay`` = 1 - lr * weight_decay, rounded once from float64), and an lr scaled by the
+    matrix's shape (``adjust_lr_fn``). Unlike the other step functions it sees the parameter's
+    shape (``Muon.flat_step = False``): the iterations need the whole matrix.
+    """
+    step.add_(1)
+    start = precision.read_param(param, param_extra, param_update)
+    g = grad.float()
+    m = momentum_buffer.float().lerp(g, one_minus_momentum)
+    momentum_buffer.copy_(m)
+    update = g.lerp(m, momentum) if nesterov else m
+    orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps)
+    adjusted_lr = (lr * muon_lr_ratio(param.shape, adjust_lr_fn)).float()
+    p = start * decay - adjusted_lr * orthogonal.float()
+    precision.write_param(param, param_extra, start, p, param_update)
+
+
+# the bf16 iterations round as eager (torch.optim.Muon) does, not with inductor's fp32 intermediates
+muon_step.inductor_options = {"emulate_precision_casts": True}
+
+
+def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """The quintic Newton-Schulz iteration of Muon (Jordan et al. 2024; torch.optim.Muon's
+    coefficients and order of operations), in bf16: ``update`` with its singular values pushed
+    towards 1 (roughly into [0.5, 1.5])."""
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_ratio(shape, adjust_lr_fn: str | None) -> float:
+    """torch.optim.Muon's lr scale for a (rows, cols) matrix: sqrt(max(1, rows / cols)) ("original",
+    the default), 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", an update of AdamW's RMS)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))

@@ -1,4 +1,4 @@
-"""The optimizers: Adam, AdamW, SGD, Lion and AdEMAMix, each a step function (functional.py) and a
+"""The optimizers: Adam, AdamW, SGD, Lion, AdEMAMix and Muon, each a step function (functional.py) and a
 declaration of its states and hyper-parameters on LowBitOptimizer (base.py), which gives every one
 of them every state format, param_update mode, checkpoint conversion, FSDP2 and compiled stepping.
 Also the helpers for param groups by module, dequantized checkpoints and state memory.
@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from . import functional, fused_cpu
 from .base import LowBitOptimizer, State, check_betas, check_nonnegative
-from .distributed import local
+from .distributed import is_dtensor, local
 from .state import StateTensor
 
 
@@ -155,6 +155,73 @@ class Lion(LowBitOptimizer):
         fused_cpu.lion_step(items, group)
 
 
+class Muon(LowBitOptimizer):
+    """Muon (Jordan et al. 2024) with torch.optim.Muon's arguments and numbers, its momentum buffer in
+    any registered format: the momentum (Nesterov's look-ahead by default) of each 2-D weight is
+    orthogonalized by ``ns_steps`` Newton-Schulz iterations in bf16, then applied with decoupled
+    weight decay and an lr scaled by the matrix's shape (``adjust_lr_fn``: None or "original",
+    sqrt(max(1, rows / cols)); "match_rms_adamw", 0.2 * sqrt(max(rows, cols))).
+
+    Like torch.optim.Muon it steps matrices only: give embeddings, the output head, biases and norms
+    to AdamW (``muon_split`` splits a model). The iterations need the whole matrix, so
+    FSDP2-sharded parameters are refused for now; they take the compiled step (no fused kernel).
+    """
+
+    step_function = staticmethod(functional.muon_step)
+    states = (State("momentum_buffer", signed=True),)
+    torch_name = "Muon"
+    flat_step = False  # Newton-Schulz needs each matrix's shape
+
+    def __init__(
+        self,
+        params,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        **options,
+    ):
+        hyperparameters = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
+            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+        )  # fmt: skip
+        super().__init__(params, hyperparameters, **options)
+
+    def _check_group(self, group: dict) -> None:
+        check_nonnegative(group, "weight_decay", "momentum", "eps")
+        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3 or not all(isinstance(c, (int, float)) for c in coefficients):
+            raise ValueError(f"invalid ns_coefficients {coefficients!r}: Muon takes three numbers (a, b, c), e.g. (3.4445, -4.775, 2.0315)")
+        group["ns_coefficients"] = tuple(float(c) for c in coefficients)
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"invalid ns_steps {steps!r}: an int in [0, 100), e.g. 5")
+        if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"invalid adjust_lr_fn {group['adjust_lr_fn']!r}: use None, 'original' or 'match_rms_adamw'")
+        for p in group["params"]:
+            if is_dtensor(p):
+                raise ValueError(
+                    "Muon cannot step FSDP2-sharded parameters yet: Newton-Schulz needs each whole matrix and a "
+                    "rank holds a shard. Step the matrices unsharded, or use AdamW under FSDP2"
+                )
+            if p.dim() != 2:
+                raise ValueError(
+                    f"Muon steps 2-D matrices only (as torch.optim.Muon), got a parameter of shape {tuple(p.shape)}: give "
+                    "embeddings, the output head, biases and norms to AdamW (lowbit_optim.muon_split splits a model)"
+                )
+
+    def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
+        lr, momentum = group["lr"], group["momentum"]
+        lr64 = lr.detach().double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+        decay = 1 - lr64 * group["weight_decay"]  # float64, rounded once to fp32 as torch's Python float is
+        flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+                     eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"])  # fmt: skip
+        return (lr64, decay.float(), momentum, 1 - momentum), flags
+
+
 class AdEMAMix(LowBitOptimizer):
     """AdEMAMix (Pagliardini et al. 2024) with bitsandbytes' arguments and numbers: Adam's moments
     plus a slow first moment ``exp_avg_slow`` (beta3), added to the update with weight ``alpha``;
@@ -240,6 +307,31 @@ def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) 
         if params:
             groups.append({"params": params, **group_defaults, **options})
     return [g for g in groups if g["params"]]
+
+
+def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """``(matrices for Muon, the rest for AdamW)`` of ``model``'s trainable parameters, by the usual
+    rule: Muon takes the weights of the hidden ``nn.Linear`` layers; AdamW takes embeddings, the
+    output head, biases, norms and everything else (convolutions included, which torch.optim.Muon
+    refuses). The head is the module named by ``head`` (a glob over qualified names, e.g.
+    ``"lm_head"``), by default the last ``nn.Linear`` of ``model.modules()``; a weight tied to an
+    embedding stays with AdamW too. Each list can then get its own optimizer and state format::
+
+        matrices, rest = muon_split(model)
+        muon = Muon(matrices, lr=0.02, state_format="8bit")
+        adamw = AdamW(rest, lr=3e-4, state_format="8bit")
+    """
+    named = [(name, m) for name, m in model.named_modules()]
+    linears = [(name, m) for name, m in named if isinstance(m, nn.Linear)]
+    heads = {name for name, _ in linears if head is not None and fnmatch.fnmatchcase(name, head)}
+    if head is None and linears:
+        heads = {linears[-1][0]}
+    elif head is not None and not heads:
+        raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
+    embedded = {id(m.weight) for _, m in named if isinstance(m, nn.Embedding)}
+    matrices = {id(m.weight): m.weight for name, m in linears if name not in heads and id(m.weight) not in embedded}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in trainable if id(p) in matrices], [p for p in trainable if id(p) not in matrices]
 
 
 def dequantize_state_dict(state_dict: dict) -> dict:

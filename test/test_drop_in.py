@@ -171,11 +171,11 @@ def test_step_inside_torch_compile(fused):
     check_step_inside_torch_compile(lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="8bit", fused=fused), LR)
 
 
-def check_step_inside_torch_compile(make, lr: float) -> None:
-    """The optimizers ``make(params)`` builds, stepped by ``@torch.compile(fullgraph=True) def fn():
-    opt.step()`` and eagerly, side by side for 3 steps with lr changed between them (test_optimizers.py
-    runs it for every optimizer)."""
-    (model, opt), (reference_model, reference) = ((m, make(m.parameters())) for m in (make_mlp(), make_mlp()))
+def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
+    """The optimizers ``make(params)`` builds for two ``mlp()`` models, stepped by ``@torch.compile(
+    fullgraph=True) def fn(): opt.step()`` and eagerly, side by side for 3 steps with lr changed
+    between them (test_optimizers.py runs it for every optimizer)."""
+    (model, opt), (reference_model, reference) = ((m, make(m.parameters())) for m in (mlp(), mlp()))
     x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
 
     compiles = CompileCounterWithBackend("inductor")
