@@ -23,7 +23,8 @@ from .formats import (
 from .functional import adam_step, ademamix_step, lion_step, muon_step, sgd_step
 from .precision import PARAM_UPDATES
 from .base import LowBitOptimizer, State
-from .optim import AdEMAMix, Adam, AdamW, Lion, Muon, SGD, bytes_per_param, dequantize_state_dict, muon_split, param_groups_by_module
+from .optim import AdEMAMix, Adam, AdamW, Lion, Muon, SGD, bytes_per_param, dequantize_state_dict, param_groups_by_module
+from .muon import MuonWithAdamW, muon_split
 from .aliases import (
     AdEMAMix8bit,
     Adam4bit,
@@ -58,6 +59,7 @@ __all__ = [
     "Lion8bit",
     "LowBitOptimizer",
     "Muon",
+    "MuonWithAdamW",
     "muon_split",
     "OptimState",
     "OptimState4bit",

@@ -163,7 +163,7 @@ class Muon(LowBitOptimizer):
     sqrt(max(1, rows / cols)); "match_rms_adamw", 0.2 * sqrt(max(rows, cols))).
 
     Like torch.optim.Muon it steps matrices only: give embeddings, the output head, biases and norms
-    to AdamW (``muon_split`` splits a model). The iterations need the whole matrix, so
+    to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). The iterations need the whole matrix, so
     FSDP2-sharded parameters are refused for now; they take the compiled step (no fused kernel).
     """
 
@@ -309,31 +309,6 @@ def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) 
     return [g for g in groups if g["params"]]
 
 
-def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
-    """``(matrices for Muon, the rest for AdamW)`` of ``model``'s trainable parameters, by the usual
-    rule: Muon takes the weights of the hidden ``nn.Linear`` layers; AdamW takes embeddings, the
-    output head, biases, norms and everything else (convolutions included, which torch.optim.Muon
-    refuses). The head is the module named by ``head`` (a glob over qualified names, e.g.
-    ``"lm_head"``), by default the last ``nn.Linear`` of ``model.modules()``; a weight tied to an
-    embedding stays with AdamW too. Each list can then get its own optimizer and state format::
-
-        matrices, rest = muon_split(model)
-        muon = Muon(matrices, lr=0.02, state_format="8bit")
-        adamw = AdamW(rest, lr=3e-4, state_format="8bit")
-    """
-    named = [(name, m) for name, m in model.named_modules()]
-    linears = [(name, m) for name, m in named if isinstance(m, nn.Linear)]
-    heads = {name for name, _ in linears if head is not None and fnmatch.fnmatchcase(name, head)}
-    if head is None and linears:
-        heads = {linears[-1][0]}
-    elif head is not None and not heads:
-        raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
-    embedded = {id(m.weight) for _, m in named if isinstance(m, nn.Embedding)}
-    matrices = {id(m.weight): m.weight for name, m in linears if name not in heads and id(m.weight) not in embedded}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [p for p in trainable if id(p) in matrices], [p for p in trainable if id(p) not in matrices]
-
-
 def dequantize_state_dict(state_dict: dict) -> dict:
     """A copy of an optimizer state dict with every quantized state replaced by a plain fp32 tensor,
     e.g. to load a lowbit_optim checkpoint into torch.optim.AdamW (lowbit_optim optimizers convert
@@ -364,6 +339,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "Lion",
+    "Muon",
     "SGD",
     "bytes_per_param",
     "dequantize_state_dict",

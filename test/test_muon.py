@@ -96,3 +96,72 @@ def test_recipe_trains_with_8bit_states():
             opt.zero_grad()
     assert losses[-1] < 0.7 * losses[0], losses
     assert isinstance(opts[0].state[matrices[0]]["momentum_buffer"], lowbit_optim.OptimState8bit)
+
+
+def _lm_steps(optimizers, model, steps: int, schedulers=()) -> list[float]:
+    """``steps`` steps of TinyLM on a fixed batch, stepping each of ``optimizers`` (then schedulers)."""
+    tokens = torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        losses.append(float(loss))
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    return losses
+
+
+RECIPE = dict(muon=dict(lr=0.02), adamw=dict(lr=3e-3, state_format="fp32"), state_format="8bit", min_quantize_numel=0, compile=False)
+
+
+def test_muon_with_adamw_is_the_two_optimizers():
+    """One object: the same steps as Muon and AdamW built on muon_split's lists, each group with its
+    own lr under one scheduler, and its own format."""
+    torch.manual_seed(0)
+    model, reference_model = TinyLM(), TinyLM()
+    reference_model.load_state_dict(model.state_dict())
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    matrices, rest = lowbit_optim.muon_split(reference_model)
+    pair = [lowbit_optim.Muon(matrices, lr=0.02, state_format="8bit", min_quantize_numel=0, compile=False),
+            lowbit_optim.AdamW(rest, lr=3e-3, state_format="fp32", min_quantize_numel=0, compile=False)]  # fmt: skip
+    assert [id(g) for g in opt.param_groups] == [id(g) for o in opt.optimizers for g in o.param_groups]
+    losses = _lm_steps([opt], model, 5, [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)])
+    expected = _lm_steps(pair, reference_model, 5, [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in pair])
+    assert losses == expected and losses[-1] < losses[0]
+    assert [g["lr"] for g in opt.param_groups] == [0.02 * 0.25, 3e-3 * 0.25]
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(p, q)
+    assert isinstance(opt.state[model.blocks[0].weight]["momentum_buffer"], lowbit_optim.OptimState8bit)
+    assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
+
+
+def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
+    """state_dict through torch.save into a fresh object resumes bit for bit; a deepcopy of model and
+    optimizer together steps as the original; another optimizer's state_dict is refused."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    _lm_steps([opt], model, 3)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    copied_model, copied = copy.deepcopy((model, opt))
+    expected = _lm_steps([opt], model, 3)
+
+    resumed_model = TinyLM()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = lowbit_optim.MuonWithAdamW(resumed_model, **RECIPE)
+    resumed.load_state_dict(saved["opt"])
+    assert _lm_steps([resumed], resumed_model, 3) == expected
+    assert _lm_steps([copied], copied_model, 3) == expected
+    for p, q, r in zip(model.parameters(), resumed_model.parameters(), copied_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r)
+    with pytest.raises(ValueError, match=r"\{'muon': ..., 'adamw': ...\}"):
+        resumed.load_state_dict(resumed.muon.state_dict())
+    with pytest.raises(TypeError, match="opt.muon or opt.adamw"):
+        resumed.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})

@@ -1,0 +1,118 @@
+"""The usual Muon recipe: Muon on a model's hidden matrices, AdamW on everything else, as one
+optimizer object (``MuonWithAdamW``) or as the split alone (``muon_split``)."""
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .optim import AdamW, Muon
+
+
+def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """``(matrices for Muon, the rest for AdamW)`` of ``model``'s trainable parameters, by the usual
+    rule: Muon takes the weights of the hidden ``nn.Linear`` layers; AdamW takes embeddings, the
+    output head, biases, norms and everything else (convolutions included, which torch.optim.Muon
+    refuses). The head is the module named by ``head`` (a glob over qualified names, e.g.
+    ``"lm_head"``), by default the last ``nn.Linear`` of ``model.modules()``; a weight tied to an
+    embedding stays with AdamW too. Only ``nn.Linear`` (and its subclasses) counts: Hugging Face GPT-2's
+    ``Conv1D`` does not, so pass such weights yourself. Each list can get its own optimizer and format::
+
+        matrices, rest = muon_split(model)
+        muon = Muon(matrices, lr=0.02, state_format="8bit")
+        adamw = AdamW(rest, lr=3e-4, state_format="8bit")
+    """
+    named = [(name, m) for name, m in model.named_modules()]
+    linears = [(name, m) for name, m in named if isinstance(m, nn.Linear)]
+    heads = {name for name, _ in linears if head is not None and fnmatch.fnmatchcase(name, head)}
+    if head is None and linears:
+        heads = {linears[-1][0]}
+    elif head is not None and not heads:
+        raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
+    embedded = {id(m.weight) for _, m in named if isinstance(m, nn.Embedding)}
+    matrices = {id(m.weight): m.weight for name, m in linears if name not in heads and id(m.weight) not in embedded}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in trainable if id(p) in matrices], [p for p in trainable if id(p) not in matrices]
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on ``model``'s hidden matrices and AdamW on the rest (``muon_split``), in one optimizer::
+
+        opt = MuonWithAdamW(model, muon=dict(lr=0.02), adamw=dict(lr=3e-4, betas=(0.9, 0.95)), state_format="8bit")
+
+    ``options`` (``state_format``, ``min_quantize_numel``, ``compile``, ...) go to both; ``muon`` and
+    ``adamw`` hold each one's own keywords and override them. ``param_groups`` lists the Muon groups,
+    then the AdamW groups (the same dicts the two hold), so lr schedulers, GradScaler and
+    ``zero_grad`` see every parameter; a scheduler scales each group from its own initial lr.
+    ``state_dict()`` is ``{"muon": ..., "adamw": ...}``. ``opt.muon`` and ``opt.adamw`` are the two.
+    """
+
+    def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | None = None, **options):
+        matrices, rest = muon_split(model, head)
+        if not matrices:
+            raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
+        self._built = False
+        self.muon = Muon(matrices, **{**options, **(muon or {})})
+        self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+        super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; the groups are replaced below
+        self.param_groups = [*self.muon.param_groups, *(self.adamw.param_groups if self.adamw else [])]
+        self.state = _States([o.state for o in self.optimizers])
+        self._built = True
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)  # torch.optim keeps only defaults, state and groups; the two optimizers are the rest
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.muon] + ([self.adamw] if self.adamw else [])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"muon", "adamw"}:
+            raise ValueError("a MuonWithAdamW state_dict is {'muon': ..., 'adamw': ...}; this one is not (saved by another optimizer?)")
+        if (state_dict["adamw"] is None) != (self.adamw is None):
+            raise ValueError("the checkpoint's split between Muon and AdamW differs from this model's")
+        self.muon.load_state_dict(state_dict["muon"])
+        if self.adamw:
+            self.adamw.load_state_dict(state_dict["adamw"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping
+            raise TypeError("add groups to opt.muon or opt.adamw, which know what each parameter needs")
+        super().add_param_group(param_group)
+
+
+class _States(Mapping):
+    """The two optimizers' ``state`` as one read-only mapping (their keys are disjoint). Unlike a
+    ChainMap it never indexes a defaultdict with a parameter it does not hold (which would add one)."""
+
+    def __init__(self, states: list[dict]):
+        self.states = states
+
+    def __getitem__(self, param):
+        for states in self.states:
+            if param in states:
+                return states[param]
+        raise KeyError(param)
+
+    def __iter__(self):
+        return (param for states in self.states for param in states)
+
+    def __len__(self) -> int:
+        return sum(len(states) for states in self.states)
