@@ -119,6 +119,7 @@ class OptimizerSpec:
     make: Callable  # (params, lr, betas, eps, weight_decay) -> optimizer
     lowbit: bool
     torchao: bool = False
+    takes_model: bool = False  # make gets the model, not its parameters (Muon splits it)
 
 
 def optimizer_specs(task: str = "gpt") -> list[OptimizerSpec]:
@@ -160,7 +161,7 @@ class Optimizer:
     lowbit: str
     lr: float
     kwargs: Callable  # args -> keywords
-    bitsandbytes: tuple[tuple[str, dict], tuple[str, dict]]
+    bitsandbytes: tuple[tuple[str, dict], tuple[str, dict]] | None  # None: bitsandbytes has none
 
 
 OPTIMIZERS = {
@@ -174,6 +175,8 @@ OPTIMIZERS = {
         lambda args: dict(betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=args.steps, t_beta3=args.steps),
         (("AdEMAMix8bit", {}), ("AdEMAMix", dict(optim_bits=32))),
     ),
+    # MuonWithAdamW: Muon on the hidden matrices, AdamW (fp32 state, the adamw row's lr) on the rest
+    "muon": Optimizer("Muon", "Muon", 0.02, lambda args: dict(momentum=0.95, nesterov=True), None),
 }
 # the lowbit_optim formats of each --optimizer comparison: 4bit rounds stochastically, 4bit-calibrated
 # is the same codebooks with nearest rounding (the 4-bit recipe before it)
@@ -190,6 +193,8 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
         return lambda params, lr, weight_decay, **_: cls(params, lr=lr, weight_decay=weight_decay, state_format=state_format, **kwargs)
 
     formats = OPTIMIZER_FORMATS + (("8bit-sr",) if args.with_8bit_sr else ())
+    if args.optimizer == "muon":
+        return muon_specs(kwargs, formats)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
     try:
         import bitsandbytes
@@ -201,6 +206,35 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
 
     specs += [OptimizerSpec(f"bitsandbytes {bits}bit", bnb(name, extra), False) for bits, (name, extra) in zip((8, 32), info.bitsandbytes)]
     return specs
+
+
+def muon_specs(kwargs: dict, formats: tuple[str, ...]) -> list[OptimizerSpec]:
+    """``--optimizer muon``: MuonWithAdamW with Muon's momentum in each format. muon_split gives Muon
+    the MLP's first two weights and AdamW the head and the biases, always in fp32 at the AdamW
+    comparison's lr, so that a gap is the momentum's. Then AdamW alone on every parameter, for Muon
+    against AdamW. Groups carry ``lr_scale``: the schedule sets lr to
+    ``lr * lr_scale``, so each keeps its own peak lr."""
+    scale = OPTIMIZERS["adamw"].lr / OPTIMIZERS["muon"].lr
+
+    def scaled(opt, groups):
+        for group in groups:
+            group["lr_scale"] = scale
+        return opt
+
+    def recipe(state_format):
+        def make(model, lr, weight_decay, **_):
+            muon = dict(lr=lr, state_format=state_format, **kwargs)
+            opt = lowbit_optim.MuonWithAdamW(model, muon=muon, adamw=dict(lr=lr * scale), weight_decay=weight_decay)
+            return scaled(opt, opt.adamw.param_groups)
+
+        return make
+
+    def adamw(model, lr, weight_decay, **_):
+        opt = lowbit_optim.AdamW(model.parameters(), lr=lr * scale, weight_decay=weight_decay)
+        return scaled(opt, opt.param_groups)
+
+    specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", recipe(f), True, takes_model=True) for f in formats]
+    return specs + [OptimizerSpec("AdamW fp32 (not Muon)", adamw, True, takes_model=True)]
 
 
 def select(specs: list[OptimizerSpec], only: str | None) -> list[OptimizerSpec]:
@@ -243,7 +277,7 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses a float
             group["lr"].fill_(lr)
         else:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 # ---- one run ---------------------------------------------------------------------------------------
@@ -348,7 +382,7 @@ def train_run_mlp(spec: OptimizerSpec, data: MLPDataset, args, seed: int, lr: fl
     optimizer; losses on the whole training and validation sets."""
     torch.manual_seed(seed)
     model = make_mlp(args, data.classes)
-    opt = spec.make(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=args.weight_decay)
+    opt = spec.make(model if spec.takes_model else model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=args.weight_decay)
     warmup = max(steps // 20, 1)
     generator = torch.Generator().manual_seed(seed)
     n, batch = data.train_x.shape[0], args.batch_size

@@ -114,6 +114,34 @@ def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
     assert "train gap vs fp32 SGD" in md.read_text()
 
 
+def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
+    """--optimizer muon: MuonWithAdamW per momentum format and AdamW alone, each group at its own
+    peak lr through the schedule (the AdamW part at the AdamW comparison's)."""
+    md, png = tmp_path / "convergence_mlp_muon.md", tmp_path / "convergence_mlp_muon.png"
+    lrs = []
+    set_lr = convergence.set_lr
+
+    def spy(opt, lr):
+        set_lr(opt, lr)
+        lrs.append([g["lr"] for g in opt.param_groups])
+
+    convergence.set_lr = spy
+    try:
+        out = convergence.main(
+            ["--task", "mlp", "--optimizer", "muon", "--steps", "4", "--seeds", "0", "--eval-every", "2", "--mlp-train", "256",
+             "--mlp-val", "64", "--mlp-width", "128", "--smooth", "2", "--only", "lowbit fp32,lowbit 8bit,AdamW fp32 (not Muon)",
+             "--out-md", str(md), "--out-png", str(png)]
+        )  # fmt: skip
+    finally:
+        convergence.set_lr = set_lr
+    rows = {r["label"]: r for r in out["rows"]}
+    assert set(rows) == {"lowbit fp32", "lowbit 8bit", "AdamW fp32 (not Muon)"}
+    assert all(math.isfinite(r["train_gap_mean"]) for r in rows.values())
+    muon_lrs = lrs[0]  # the first step of the first run: Muon's group, then AdamW's (head and biases)
+    assert len(muon_lrs) == 2 and muon_lrs[1] == pytest.approx(muon_lrs[0] * 0.1)
+    assert "train gap vs fp32 Muon" in md.read_text()
+
+
 def test_step_time_optimizer_smoke(eager_lowbit_step):
     """benchmarks/step_time.py --optimizer sgd on a tiny parameter set: ratios to torch.optim.SGD(fused=True);
     lowbit_optim's rows say which step they took."""
