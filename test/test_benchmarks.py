@@ -116,7 +116,7 @@ def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
 
 def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
     """--optimizer muon: MuonWithAdamW per momentum format and AdamW alone, each group at its own
-    peak lr through the schedule (the AdamW part at the AdamW comparison's)."""
+    peak lr through the schedule (the AdamW parts at the AdamW comparison's 2e-3)."""
     md, png = tmp_path / "convergence_mlp_muon.md", tmp_path / "convergence_mlp_muon.png"
     lrs = []
     set_lr = convergence.set_lr
@@ -128,7 +128,7 @@ def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
     convergence.set_lr = spy
     try:
         out = convergence.main(
-            ["--task", "mlp", "--optimizer", "muon", "--steps", "4", "--seeds", "0", "--eval-every", "2", "--mlp-train", "256",
+            ["--task", "mlp", "--optimizer", "muon", "--lr", "0.02", "--steps", "4", "--seeds", "0", "--eval-every", "2", "--mlp-train", "256",
              "--mlp-val", "64", "--mlp-width", "128", "--smooth", "2", "--only", "lowbit fp32,lowbit 8bit,AdamW fp32 (not Muon)",
              "--out-md", str(md), "--out-png", str(png)]
         )  # fmt: skip
@@ -137,8 +137,9 @@ def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
     rows = {r["label"]: r for r in out["rows"]}
     assert set(rows) == {"lowbit fp32", "lowbit 8bit", "AdamW fp32 (not Muon)"}
     assert all(math.isfinite(r["train_gap_mean"]) for r in rows.values())
-    muon_lrs = lrs[0]  # the first step of the first run: Muon's group, then AdamW's (head and biases)
-    assert len(muon_lrs) == 2 and muon_lrs[1] == pytest.approx(muon_lrs[0] * 0.1)
+    muon_lrs = lrs[0]  # the first step of the first run: Muon's group at --lr, then AdamW's at 2e-3, both warming up
+    assert len(muon_lrs) == 2 and muon_lrs[1] == pytest.approx(muon_lrs[0] * 2e-3 / 0.02)
+    assert len(lrs) == 3 * 4 and lrs[8] == [pytest.approx(muon_lrs[0] * 2e-3 / 0.02)]  # the third run, AdamW alone: at 2e-3 too
     assert "train gap vs fp32 Muon" in md.read_text()
 
 
