@@ -25,10 +25,11 @@ def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor],
     """
     named = [(name, m) for name, m in model.named_modules()]
     linears = [(name, m) for name, m in named if isinstance(m, nn.Linear)]
-    heads = {name for name, _ in linears if head is not None and fnmatch.fnmatchcase(name, head)}
-    if head is None and linears:
-        heads = {linears[-1][0]}
-    elif head is not None and not heads:
+    if head is None:
+        heads = {linears[-1][0]} if linears else set()
+    else:
+        heads = {name for name, _ in linears if fnmatch.fnmatchcase(name, head)}
+    if head is not None and not heads:
         raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
     embedded = {id(m.weight) for _, m in named if isinstance(m, nn.Embedding)}
     matrices = {id(m.weight): m.weight for name, m in linears if name not in heads and id(m.weight) not in embedded}
