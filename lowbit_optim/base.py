@@ -13,7 +13,9 @@ convert between formats, copies, and the errors for bad input.
 See optim.py for the optimizers declared this way and examples/custom_optimizer.py for a new one.
 """
 
+import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +135,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
       overhead that dominates a GPU step (README, "On a GPU"); None and False call it per parameter,
       whose graphs compile far faster (~1 s per parameter in a foreach graph on 2 CPU cores).
       ``capturable`` and ``differentiable`` must stay False.
+    - ``step_in_backward=True`` steps each parameter inside backward, as soon as its gradient is
+      accumulated, and frees that gradient: a whole model's gradients never exist at once. ``step()``
+      then steps only gradients the backward left (none, in a plain loop) and ``zero_grad()`` has
+      nothing to clear, so loops keep their shape; accumulate micro-batches inside
+      ``with opt.accumulating():``. The numbers are those of stepping after backward (README,
+      "Step in backward", for clipping and what cannot combine).
     """
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
@@ -157,6 +165,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
+        step_in_backward: bool = False,
     ):
         if bf16_stochastic_round:
             if param_update not in ("nearest", "stochastic"):
@@ -177,7 +186,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
             differentiable=differentiable,
             fused=fused if compile else False,
         )
+        if step_in_backward not in (True, False):
+            raise ValueError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+        if step_in_backward and foreach:
+            raise ValueError(
+                "foreach=True steps parameters in groups after backward, and step_in_backward=True steps each one as "
+                "its gradient arrives: pass one of them"
+            )
         self._compile = compile
+        self._step_in_backward = step_in_backward
         self._step_op_key = step_op.register(self)
         super().__init__(params, defaults)
 
@@ -210,13 +227,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
-        return {**super().__getstate__(), "_compile": self._compile}
+        return {**super().__getstate__(), "_compile": self._compile, "_step_in_backward": self._step_in_backward}
 
     def __setstate__(self, state):
         state.setdefault("_compile", self.__dict__.get("_compile", True))
+        state.setdefault("_step_in_backward", self.__dict__.get("_step_in_backward", False))
         super().__setstate__(state)
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
             self._step_op_key = step_op.register(self)
+            if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
+                for index, group in enumerate(self.param_groups):
+                    self._hook_params(group, index)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -263,6 +284,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         for p in group["params"]:
             _check_param(p, self.torch_name)
+        if self._step_in_backward:
+            self._hook_params(group, len(self.param_groups) - 1)
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -350,8 +373,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # ---- stepping -------------------------------------------------------------------------------
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # GradScaler then hands step() itself (grad_scaler=), which refuses it under step_in_backward
+        return self._step_in_backward
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after "
+                "backward, and the step in backward has already used them (scaled). Train in bf16 (autocast "
+                "needs no scaler), or pass step_in_backward=False"
+            )
         if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
             # the groups' lists read through another name: dynamo guards on every value of
             # self.param_groups (a new graph for each lr), not on what is read through an alias
@@ -382,6 +416,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             for group, ps in zip(self.param_groups, stepped):
                 self._step_group(group, [(p, *next(given)) for p in ps])
+
+    # ---- the step in backward -------------------------------------------------------------------
+
+    def _hook_params(self, group: dict, index: int) -> None:
+        """Step each parameter of param group ``index`` in backward (``step_in_backward``)."""
+        owner = weakref.ref(self)  # a parameter's hook must not keep its optimizer alive
+        for p in group["params"]:
+            p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward inside only accumulates gradients (the micro-batches of gradient accumulation);
+        the next backward outside steps each parameter with the sum. Without ``step_in_backward``
+        nothing changes: step() is called by the loop then."""
+        previous = self.__dict__.get("_accumulating", False)
+        self._accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = previous
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
@@ -564,6 +618,18 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "it must be a number or a one-element tensor"
             )
         state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+
+
+@torch.no_grad()
+def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
+    """The hook ``step_in_backward`` puts on each parameter: step it with the gradient backward has
+    just accumulated, then free that gradient."""
+    optimizer = owner()
+    if optimizer is None or optimizer.__dict__.get("_accumulating") or param.grad is None:
+        return
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        optimizer._step_group(optimizer.param_groups[index], [(param, param, param.grad)])
+    param.grad = None
 
 
 @torch.compiler.disable

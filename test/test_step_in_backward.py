@@ -1,0 +1,214 @@
+"""``step_in_backward=True``: each parameter is stepped inside backward as soon as its gradient is
+accumulated, and the gradient is freed.
+
+The promise tested here: without clipping, the parameters and states after N steps are bit-identical
+to the same optimizer stepping after backward, for every registered optimizer (kernel and compiled
+paths), bf16 weights in every ``param_update`` mode, gradient accumulation, LR schedulers, bf16
+autocast, param groups, checkpoints and copies; and what cannot combine is a clear error. FSDP2 is in
+test_fsdp.py (its 2-rank job).
+"""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from optimizer_info import OPTIMIZERS
+from test_optim import assert_same_bits, regression_data
+from torch import nn
+
+import lowbit_optim
+
+FORMATS = ["fp32", "8bit", "4bit"]
+SGD_INFO = next(o for o in OPTIMIZERS if o.name == "SGD")
+STEPS = 3
+
+
+def _pair(opt_info, fmt: str, dtype=torch.float32, **kwargs):
+    """Two identical models, one with an optimizer stepping after backward, one stepping in it."""
+    models = [opt_info.mlp(dtype=dtype) for _ in range(2)]
+    spec = opt_info.spec(next(f for f in _format_infos() if f.name == fmt))
+    options = dict(state_format=spec, min_quantize_numel=0, **kwargs)
+    return models, [opt_info.make(models[0].parameters(), **options), opt_info.make(models[1].parameters(), step_in_backward=True, **options)]
+
+
+def _format_infos():
+    from conftest import FORMATS as ALL
+
+    return ALL
+
+
+def _loss(model, step: int):
+    x, y = regression_data(model[-1].out_features, next(model.parameters()).dtype)
+    return (model(x * (1 + 0.1 * step)) - y).float().square().mean()
+
+
+def _train_both(models, opts, steps: int = STEPS, micro_batches: int = 1, schedulers=()):
+    after, inside = models
+    for step in range(steps):
+        for micro in range(micro_batches):
+            _loss(after, step * micro_batches + micro).backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        for micro in range(micro_batches):
+            if micro < micro_batches - 1:
+                with opts[1].accumulating():
+                    _loss(inside, step * micro_batches + micro).backward()
+                assert all(p.grad is not None for p in inside.parameters())  # kept for the next micro-batch
+            else:
+                _loss(inside, step * micro_batches + micro).backward()
+        assert all(p.grad is None for p in inside.parameters()), "step_in_backward must free each gradient"
+        opts[1].step()
+        opts[1].zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+
+
+def _assert_same(models, opts):
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert_same_bits(p, q, tuple(p.shape))
+        assert opts[0].state[p].keys() == opts[1].state[q].keys()
+        for name, value in opts[0].state[p].items():
+            assert_same_bits(value, opts[1].state[q][name], (tuple(p.shape), name))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("opt_info", OPTIMIZERS, ids=str)
+def test_equals_stepping_after_backward(opt_info, fmt):
+    models, opts = _pair(opt_info, fmt)
+    _train_both(models, opts)
+    _assert_same(models, opts)
+
+
+@pytest.mark.parametrize("param_update", ["nearest", "kahan", "int8-correction"])
+def test_bf16_weights_in_every_param_update_mode(param_update):
+    models, opts = _pair(OPTIMIZERS[0], "8bit", dtype=torch.bfloat16, param_update=param_update)
+    _train_both(models, opts)
+    _assert_same(models, opts)
+
+
+def test_bf16_stochastic_rounding_draws_in_another_order():
+    """param_update="stochastic" draws its random numbers from torch's generator as parameters are
+    stepped: in backward that is last layer first, so the bits differ from stepping after backward,
+    not the distribution. With SGD (no sign-like amplification of small differences, as in Adam's first
+    steps) the two runs stay within one bf16 ulp per step of each other (the ulp of the tensor's
+    largest value: rounding is what differs)."""
+    torch.manual_seed(0)
+    models, opts = _pair(SGD_INFO, "8bit", dtype=torch.bfloat16, param_update="stochastic")
+    _train_both(models, opts)
+    after, inside = ([p.detach().float() for p in m.parameters()] for m in models)
+    for q, r in zip(after, inside):
+        ulp = lowbit_optim.precision.bf16_ulp(torch.maximum(q.abs().max(), r.abs().max()))
+        assert (q - r).abs().max() <= STEPS * ulp
+    assert not all(torch.equal(q, r) for q, r in zip(after, inside))
+
+
+@pytest.mark.parametrize("opt_info", [OPTIMIZERS[0], SGD_INFO], ids=str)
+def test_gradient_accumulation_steps_at_the_last_micro_batch(opt_info):
+    models, opts = _pair(opt_info, "8bit")
+    _train_both(models, opts, micro_batches=3)
+    _assert_same(models, opts)
+
+
+def test_lr_scheduler_follows_without_warnings():
+    models, opts = _pair(OPTIMIZERS[0], "8bit")
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) for opt in opts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        _train_both(models, opts, steps=4, schedulers=schedulers)
+    assert opts[1].param_groups[0]["lr"] == opts[0].param_groups[0]["lr"] < OPTIMIZERS[0].lr
+    _assert_same(models, opts)
+
+
+def test_bf16_autocast():
+    models, opts = _pair(OPTIMIZERS[0], "4bit")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _train_both(models, opts)
+    _assert_same(models, opts)
+
+
+def test_param_groups_by_module():
+    models = [OPTIMIZERS[0].mlp() for _ in range(2)]
+    opts = [
+        lowbit_optim.AdamW(lowbit_optim.param_groups_by_module(m, {"0": {"state_format": "8bit"}}, min_quantize_numel=0), lr=1e-2, step_in_backward=sib)
+        for m, sib in zip(models, (False, True))
+    ]
+    assert len(opts[1].param_groups) == 2  # the second layer (fp32, the default), the first (8bit)
+    opts[1].param_groups[1]["lr"] = opts[0].param_groups[1]["lr"] = 3e-3  # a group's own lr is read at each step
+    _train_both(models, opts)
+    _assert_same(models, opts)
+
+
+def test_checkpoint_resumes_exactly():
+    opt_info = OPTIMIZERS[0]
+    models, opts = _pair(opt_info, "4bit")
+    _train_both(models, opts, steps=2)
+    resumed_model = copy.deepcopy(models[1])
+    resumed = opt_info.make(resumed_model.parameters(), state_format="4bit", min_quantize_numel=0, step_in_backward=True)
+    resumed.load_state_dict(opts[1].state_dict())
+    _train_both([models[0], resumed_model], [opts[0], resumed], steps=2)
+    _assert_same([models[0], resumed_model], [opts[0], resumed])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_model_and_optimizer_step_in_backward(how):
+    """A copy of a model with its optimizer (one memo: the copy steps the copied parameters) steps
+    in the copy's backward; the original's hooks keep stepping the original only."""
+    models, opts = _pair(OPTIMIZERS[0], "8bit")
+    _train_both(models, opts, steps=1)
+    pair = {"model": models[1], "opt": opts[1]}
+    copied = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+    before = [p.detach().clone() for p in models[1].parameters()]
+    _train_both([models[0], copied["model"]], [opts[0], copied["opt"]], steps=2)
+    _assert_same([models[0], copied["model"]], [opts[0], copied["opt"]])
+    for p, b in zip(models[1].parameters(), before):
+        assert_same_bits(p, b, tuple(p.shape))  # the original was not stepped by the copy's backward
+
+
+def test_step_takes_gradients_the_backward_left():
+    """Gradients set by hand (not accumulated by backward) are stepped by step(), as without
+    step_in_backward."""
+    models, opts = _pair(OPTIMIZERS[0], "8bit")
+    for model, opt in zip(models, opts):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.zero_grad()
+    _assert_same(models, opts)
+
+
+def test_muon_with_adamw():
+    models = [OPTIMIZERS[0].mlp() for _ in range(2)]
+    opts = [lowbit_optim.MuonWithAdamW(m, state_format="8bit", min_quantize_numel=0, step_in_backward=sib) for m, sib in zip(models, (False, True))]
+    _train_both(models, opts)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert_same_bits(p, q, tuple(p.shape))
+
+
+def test_what_cannot_combine_is_an_error():
+    params = OPTIMIZERS[0].mlp().parameters()
+    with pytest.raises(ValueError, match="foreach=True .* step_in_backward=True .* pass one of them"):
+        lowbit_optim.AdamW(params, foreach=True, step_in_backward=True)
+    with pytest.raises(ValueError, match="step_in_backward must be True or False"):
+        lowbit_optim.AdamW(params, step_in_backward="yes")
+
+
+def test_grad_scaler_is_refused():
+    """GradScaler unscales gradients after backward, but the step in backward has used them: the
+    scaler's step() refuses clearly instead of an assertion about inf checks."""
+    model = OPTIMIZERS[0].mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, compile=False)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(model, 0)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler .* step_in_backward=True"):
+        scaler.step(opt)
+
+
+def test_freed_optimizer_leaves_inert_hooks():
+    model = OPTIMIZERS[0].mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    del opt
+    _loss(model, 0).backward()
+    assert all(p.grad is not None for p in model.parameters())  # nothing stepped, nothing freed
