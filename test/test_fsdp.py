@@ -351,6 +351,31 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
     return out
 
 
+def _step_in_backward_scenario(rank: int, world: int) -> dict:
+    """4bit AdamW on FSDP2 twice, stepping after backward and in it (each hook sees its reduced local
+    shard), with 2 micro-batches per step: the local parameters and states must be the same bits."""
+    out = {}
+    runs = []
+    for in_backward in (False, True):
+        model, opt = _build("4bit", True, lr=1e-2, step_in_backward=in_backward)
+        for step in range(STEPS):
+            for micro in range(2):
+                loss = model(_batch(2 * step + micro, rank, world))
+                if micro == 0 and in_backward:
+                    with opt.accumulating():
+                        loss.backward()
+                else:
+                    loss.backward()
+            out.setdefault("grads_left", []).append(any(p.grad is not None for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+        runs.append((_params(model), _local_states(model, opt)))
+    out["grads_left"] = out["grads_left"][STEPS:]  # the in-backward run's
+    out["params_exact"] = _same_tree({n: _local(p).detach() for n, p in runs[0][0].items()}, {n: _local(p).detach() for n, p in runs[1][0].items()})
+    out["states_exact"] = _same_tree(runs[0][1], runs[1][1])
+    return out
+
+
 def _same_tree(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -374,10 +399,10 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
             raise  # the ranks may now disagree on which collective comes next: stop here
         results[fmt]["seconds"] = time.perf_counter() - start
         torch.save(results, path)
-    for name in OTHER_OPTIMIZERS:
+    for name in [*OTHER_OPTIMIZERS, "step_in_backward"]:
         start = time.perf_counter()
         try:
-            results[name] = _other_optimizer_scenario(name, rank, world, workdir)
+            results[name] = _step_in_backward_scenario(rank, world) if name == "step_in_backward" else _other_optimizer_scenario(name, rank, world, workdir)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
             torch.save(results, path)
@@ -595,6 +620,19 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
     assert rank0["losses"] == rank1["losses"]  # all-reduced
     assert losses[0] == pytest.approx(rank0["ref_losses"][0], rel=1e-6)
     assert losses == pytest.approx(rank0["ref_losses"], rel=1e-2)  # observed within 2e-4
+
+
+@needs_gloo
+def test_step_in_backward_equals_stepping_after_backward(job):
+    """FSDP2 calls each sharded parameter's post-accumulate-grad hooks after its reduce-scatter: the
+    step in backward sees the reduced local shard and gives the bits of stepping after backward, with
+    gradient accumulation, and leaves no gradient behind."""
+    for rank, found in enumerate(job):
+        result = found.get("step_in_backward")
+        if result is None or "error" in result:
+            pytest.fail(f"rank {rank}: {result['error'] if result else found['log']}")
+        assert result["params_exact"] and result["states_exact"]
+        assert result["grads_left"] == [False] * STEPS
 
 
 # ------------------------------------------------------------------------------------------------
