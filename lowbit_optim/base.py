@@ -208,7 +208,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         0-d tensors, tensors keep their dtype) and its flags (keywords that pick a graph)."""
         raise NotImplementedError
 
-    _fused_step = None  # a method (items, group) -> None where the fused CPU kernel steps this optimizer
+    _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
 
     # ---- copies ---------------------------------------------------------------------------------
 
@@ -441,7 +441,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
         arguments = None
         declared = [s.name for s in self._declared(group)]
-        fused = []  # what the fused CPU kernel steps, all in one call at the end
+        fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
@@ -460,12 +460,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
             mode = _param_update(p, group)
             values = [local(state[s.name]) if s.name in declared else None for s in self.states]
             present = {s.name: v for s, v in zip(self.states, values) if v is not None}
+            extra = precision.extra_state_name(mode)
             if self._use_fused(p, group["fused"], param, local(grad), step, present, mode):
                 fused.append((param, local(grad), step, *values))
+                corrections.append(local(state[extra]) if extra else None)  # int8-correction (the kernel's only extra)
                 continue
             if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
                 arguments = self._tensor_arguments(group, p.device)
-            extra = precision.extra_state_name(mode)
             shaped = _flat if self.flat_step else local
             call = (
                 shaped(param), shaped(grad), step, *(shaped(v) if v is not None else None for v in values),
@@ -475,7 +476,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if compiled:
             self._step_compiled(group, compiled, *arguments)
         if fused:
-            self._fused_step(fused, group)
+            self._fused_step(fused, group, corrections)
 
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per

@@ -6,8 +6,9 @@ encoding) with scalar table gathers; the C kernel (csrc/) computes the same numb
 chunk of blocks, for plain fp32/bf16 states and every format that declares a kernel layout
 (``StateTensor.kernel_layout``: codebook formats, also with stochastic rounding, FP8 e4m3, factored).
 Factored states it steps with one difference: it sums rows and columns in double, in its own order,
-so their sums can differ from the compiled step's in the last bit. Anything else (a format with its
-own encoding, stochastic / Kahan / int8-correction parameter updates) takes the compiled step.
+so their sums can differ from the compiled step's in the last bit. bf16 parameters it rounds to
+nearest or keeps with an int8-correction (24-bit weights); anything else (a format with its own
+encoding, stochastic or Kahan parameter updates) takes the compiled step.
 
 How it is put together (README, Design): kernel_build.py compiles csrc/ once per machine;
 kernel_abi.py reads the C's structures from the library; kernel_op.py is the torch op
@@ -17,7 +18,8 @@ The core package still needs nothing but torch (the library is called through ct
 
 An optimizer with an update in the kernel (csrc/update.h) calls ``step(name, items, hyper)`` with
 its hyper-parameters by the C struct's field names; ``adam_step``, ``sgd_step``, ``lion_step`` and
-``ademamix_step`` are Adam's, SGD's, Lion's and AdEMAMix's.
+``ademamix_step`` are Adam's, SGD's, Lion's and AdEMAMix's; each takes the parameters'
+int8-corrections beside its items (``corrections``, None where a parameter has none).
 """
 
 import torch
@@ -28,6 +30,7 @@ from .kernel_op import check_inputs, chunk_unit, kernel_kind  # noqa: F401 - par
 from .state import StateTensor
 
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16)
+_NO_CORRECTION = torch.empty(0, dtype=torch.int8)
 
 
 def library():
@@ -65,8 +68,8 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
         return "a non-contiguous parameter"
     if step is not None and (step.dtype != torch.float32 or step.device.type != "cpu"):
         return f"a step counter of dtype {step.dtype} on {step.device.type} (it takes a float32 CPU tensor)"
-    if param_update != "nearest":
-        return f"param_update={param_update!r} (it rounds bf16 parameters to nearest only)"
+    if param_update not in ("nearest", "int8-correction"):
+        return f"param_update={param_update!r} (it rounds bf16 parameters to nearest, or keeps an int8-correction)"
     for name, state in states.items():
         problem = kernel_op.state_unsupported(name, state)
         if problem:
@@ -74,10 +77,11 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
     return kernel_op.chunks_unsupported(list(states.values()))
 
 
-def step(optimizer: str, items: list[tuple], hyper: dict) -> None:
+def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] | None = None) -> None:
     """Step every (param, grad, step, *states) of ``items`` with the kernel's ``optimizer`` update in
     one call: ``states`` in the order the C names them (None where absent), ``hyper`` by the C
-    struct's field names. The tensors must be local and contiguous (``unsupported_reason``)."""
+    struct's field names, ``corrections`` the parameters' int8-corrections (None: none). The tensors
+    must be local and contiguous (``unsupported_reason``)."""
     if not items:
         return
     params, grads, steps, tensors, keys, formatted = [], [], [], [], [], []
@@ -94,10 +98,11 @@ def step(optimizer: str, items: list[tuple], hyper: dict) -> None:
             elif state is not None:
                 tensors.append(state)
     with kernel_op.passing(formatted):
-        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys)
+        given = [c if c is not None else _NO_CORRECTION for c in corrections] if corrections and any(c is not None for c in corrections) else []
+        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given)
 
 
-def adam_step(items: list[tuple], group: dict) -> None:
+def adam_step(items: list[tuple], group: dict, corrections=None) -> None:
     """Step every (param, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq or None) of ``group``
     with Adam / AdamW (functional.adam_step's numbers; max_exp_avg_sq is used where amsgrad)."""
     amsgrad = group["amsgrad"]
@@ -105,10 +110,10 @@ def adam_step(items: list[tuple], group: dict) -> None:
         if amsgrad and max_exp_avg_sq is None:
             raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its max_exp_avg_sq state is missing (amsgrad=True needs it)")
     hyper = dict(_adam_moment_hyper(group, *group["betas"]), decoupled_weight_decay=group["decoupled_weight_decay"])
-    step("adam", [(*item[:5], item[5] if amsgrad else None) for item in items], hyper)
+    step("adam", [(*item[:5], item[5] if amsgrad else None) for item in items], hyper, corrections)
 
 
-def sgd_step(items: list[tuple], group: dict) -> None:
+def sgd_step(items: list[tuple], group: dict, corrections=None) -> None:
     """Step every (param, grad, step or None, momentum_buffer or None) of ``group`` with SGD
     (functional.sgd_step's numbers; without momentum there is neither buffer nor counter)."""
     hyper = dict(
@@ -119,17 +124,17 @@ def sgd_step(items: list[tuple], group: dict) -> None:
         nesterov=group["nesterov"],
         maximize=group["maximize"],
     )
-    step("sgd", items, hyper)
+    step("sgd", items, hyper, corrections)
 
 
-def lion_step(items: list[tuple], group: dict) -> None:
+def lion_step(items: list[tuple], group: dict, corrections=None) -> None:
     """Step every (param, grad, step, exp_avg) of ``group`` with Lion (functional.lion_step's numbers)."""
     beta1, beta2 = group["betas"]
     hyper = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], one_minus_beta1=1 - beta1, one_minus_beta2=1 - beta2, maximize=group["maximize"])
-    step("lion", items, hyper)
+    step("lion", items, hyper, corrections)
 
 
-def ademamix_step(items: list[tuple], group: dict) -> None:
+def ademamix_step(items: list[tuple], group: dict, corrections=None) -> None:
     """Step every (param, grad, step, exp_avg, exp_avg_slow, exp_avg_sq) of ``group`` with AdEMAMix
     (functional.ademamix_step's numbers: the warm-ups of alpha and beta3 in float64, in the kernel's
     prepare)."""
@@ -144,7 +149,7 @@ def ademamix_step(items: list[tuple], group: dict) -> None:
         schedule_alpha=t_alpha is not None,
         schedule_beta3=t_beta3 is not None,
     )
-    step("ademamix", items, hyper)
+    step("ademamix", items, hyper, corrections)
 
 
 def _adam_moment_hyper(group: dict, beta1: float, beta2: float) -> dict:

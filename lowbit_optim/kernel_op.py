@@ -14,8 +14,9 @@ Arguments: ``optimizer`` (the kernel's name of an update, e.g. "adam"), ``hyper`
 hyper-parameters in its C struct's field order: ``hyper_values`` makes them from names), ``params``,
 ``grads``, ``steps`` (one each per parameter; an empty step tensor for a parameter without states
 and counter), ``state_tensors`` (every given state's inner tensors, parameter by parameter, state by
-state) and ``state_formats`` (per parameter, one key per state the optimizer names: ABSENT, PLAIN or
-a format key).
+state), ``state_formats`` (per parameter, one key per state the optimizer names: ABSENT, PLAIN or
+a format key) and ``corrections`` (none, or one per parameter: the int8-correction of a bf16
+parameter, ``param_update="int8-correction"``, or an empty tensor).
 """
 
 import contextlib
@@ -179,6 +180,17 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
     return chunks_unsupported(given)
 
 
+def check_correction(param: Tensor, correction: Tensor) -> None:
+    """Raise a ValueError unless ``correction`` can be ``param``'s int8-correction (precision.py):
+    the C reads and writes one int8 per element."""
+    if param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu or correction.numel() != param.numel():
+        raise ValueError(
+            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its int8-correction is "
+            f"{describe_tensor(correction)} for {describe_tensor(param)}; it needs {param.numel()} contiguous int8 values "
+            "on the CPU beside a bfloat16 parameter"
+        )
+
+
 def _plain_fits(t: Tensor, numel: int) -> bool:
     return t.dtype in _PLAIN_KINDS and t.is_contiguous() and t.is_cpu and t.numel() == numel
 
@@ -284,12 +296,19 @@ def _int32_base_code(cls, signed: bool) -> Tensor:
 _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define(
     "fused_step_cpu(str optimizer, float[] hyper, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
-    "Tensor(c!)[] state_tensors, int[] state_formats) -> ()"
+    "Tensor(c!)[] state_tensors, int[] state_formats, Tensor(d!)[] corrections) -> ()"
 )
 
 
 def fused_step_cpu(
-    optimizer: str, hyper: list[float], params: list[Tensor], grads: list[Tensor], steps: list[Tensor], state_tensors: list[Tensor], state_formats: list[int]
+    optimizer: str,
+    hyper: list[float],
+    params: list[Tensor],
+    grads: list[Tensor],
+    steps: list[Tensor],
+    state_tensors: list[Tensor],
+    state_formats: list[int],
+    corrections: list[Tensor],
 ) -> None:
     """One step of every parameter with the kernel's ``optimizer`` update (see the module's doc)."""
     k = kernel()
@@ -304,14 +323,19 @@ def fused_step_cpu(
             f"counter per parameter and {len(spec.states)} format keys per parameter ({', '.join(spec.states)}); got "
             f"{len(hyper)} hyper-parameters, {count} parameters, {len(grads)} gradients, {len(steps)} steps, {len(state_formats)} format keys"
         )
+    if corrections and len(corrections) != count:
+        raise ValueError(f"corrections holds {len(corrections)} tensors for {count} parameters: pass one per parameter (empty: none), or none at all")
     hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
     Param, States = k.structs["param_t"], k.structs["state_t"] * k.limits["max_states"]
     entries = []
     tensors = iter(state_tensors)
     required = spec.states[: spec.required]
-    for param, grad, step, keys in zip(params, grads, steps, _per_param(state_formats, len(spec.states))):
+    for i, (param, grad, step, keys) in enumerate(zip(params, grads, steps, _per_param(state_formats, len(spec.states)))):
         states = {name: _rebuild(key, tensors, param) for name, key in zip(spec.states, keys)}
         check_inputs(param, grad, step, states, required)
+        correction = corrections[i] if corrections and corrections[i].numel() else None
+        if correction is not None:
+            check_correction(param, correction)
         entries.append(
             Param(
                 numel=param.numel(),
@@ -320,6 +344,7 @@ def fused_step_cpu(
                 param=param.data_ptr(),
                 grad=grad.data_ptr(),
                 step=step.data_ptr() if step.numel() else None,
+                correction=correction.data_ptr() if correction is not None else None,
                 state=States(*(describe(k, state) for state in states.values())),
             )
         )
@@ -329,14 +354,14 @@ def fused_step_cpu(
     if result != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
     # what an in-place aten op does: autograd then refuses a backward through the old values
-    torch.autograd.graph.increment_version([*params, *steps, *state_tensors])
+    torch.autograd.graph.increment_version([*params, *steps, *state_tensors, *corrections])
 
 
 _LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("lowbit_optim::fused_step_cpu", lib=_LIBRARY)
-def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats) -> None:
+def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats, corrections) -> None:
     return None
 
 

@@ -70,8 +70,8 @@ class Adam(LowBitOptimizer):
         numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2)
         return numbers, dict(decoupled_weight_decay=group["decoupled_weight_decay"], maximize=group["maximize"])
 
-    def _fused_step(self, items: list[tuple], group: dict) -> None:
-        fused_cpu.adam_step(items, group)
+    def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
+        fused_cpu.adam_step(items, group, corrections)
 
 
 class AdamW(Adam):
@@ -119,8 +119,8 @@ class SGD(LowBitOptimizer):
         numbers = (group["lr"], group["momentum"], group["weight_decay"], 1 - group["dampening"])
         return numbers, dict(nesterov=group["nesterov"], maximize=group["maximize"])
 
-    def _fused_step(self, items: list[tuple], group: dict) -> None:
-        fused_cpu.sgd_step(items, group)
+    def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
+        fused_cpu.sgd_step(items, group, corrections)
 
 
 class Lion(LowBitOptimizer):
@@ -151,8 +151,8 @@ class Lion(LowBitOptimizer):
         beta1, beta2 = group["betas"]
         return (group["lr"], group["weight_decay"], 1 - beta1, 1 - beta2), dict(maximize=group["maximize"])
 
-    def _fused_step(self, items: list[tuple], group: dict) -> None:
-        fused_cpu.lion_step(items, group)
+    def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
+        fused_cpu.lion_step(items, group, corrections)
 
 
 class Muon(LowBitOptimizer):
@@ -268,8 +268,8 @@ class AdEMAMix(LowBitOptimizer):
         numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2, *exact)
         return numbers, dict(maximize=group["maximize"], schedule_alpha=t_alpha is not None, schedule_beta3=t_beta3 is not None)
 
-    def _fused_step(self, items: list[tuple], group: dict) -> None:
-        fused_cpu.ademamix_step(items, group)
+    def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
+        fused_cpu.ademamix_step(items, group, corrections)
 
 
 # ------------------------------------------------------------------------------------------------

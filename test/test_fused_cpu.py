@@ -112,6 +112,8 @@ FLAG_CASES = {
     "lr tensor, no decay": dict(state_format="fp8", lr=torch.tensor(3e-3), weight_decay=0.0),
     "factored amsgrad": dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, amsgrad=True),
     "factored, Adam L2": dict(cls=lowbit_optim.Adam, state_format={"exp_avg": "fp8", "exp_avg_sq": "factored"}),
+    "bf16 params, int8-correction": dict(state_format="8bit", dtype=torch.bfloat16, param_update="int8-correction"),
+    "mixed params, int8-correction": dict(state_format="4bit", dtype=[torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16], param_update="int8-correction"),
 }
 
 
@@ -141,6 +143,9 @@ OTHER_OPTIMIZER_CASES = {
     "AdEMAMix 4bit, warm-ups, maximize": dict(cls=ADEMAMIX, state_format="4bit", t_alpha=5, t_beta3=7, maximize=True),
     "AdEMAMix fp8, bf16 params, betas <= 0.5": dict(cls=ADEMAMIX, state_format="fp8", dtype=BF16, betas=(0.3, 0.5, 0.9)),
     "AdEMAMix bf16 states, warm-up of beta3": dict(cls=ADEMAMIX, state_format="bf16", t_beta3=4),
+    "SGD 4bit, int8-correction": dict(cls=SGD, momentum=0.9, state_format="4bit", dtype=BF16, param_update="int8-correction"),
+    "Lion 8bit, int8-correction": dict(cls=LION, state_format="8bit", dtype=BF16, param_update="int8-correction"),
+    "AdEMAMix 8bit, int8-correction": dict(cls=ADEMAMIX, state_format="8bit", dtype=BF16, param_update="int8-correction"),
 }
 
 
@@ -288,7 +293,7 @@ class TestRefusals(expecttest.TestCase):
             """gradient dtype torch.float16 (it takes float32 and bfloat16)""",
         )
         self.assertExpectedInline(
-            self.reason(param_update="kahan"), """param_update='kahan' (it rounds bf16 parameters to nearest only)"""
+            self.reason(param_update="kahan"), """param_update='kahan' (it rounds bf16 parameters to nearest, or keeps an int8-correction)"""
         )
         self.assertExpectedInline(
             self.reason(states={"exp_avg_sq": _E5M2.zeros(256, signed=False)}),
@@ -309,7 +314,7 @@ class TestRefusals(expecttest.TestCase):
             opt.step()
         self.assertExpectedInline(
             str(caught.exception),
-            """fused=True, but the fused CPU kernel cannot step a parameter of shape (64, 96): param_update='stochastic' (it rounds bf16 parameters to nearest only). Pass fused=None to step such parameters with the compiled step.""",
+            """fused=True, but the fused CPU kernel cannot step a parameter of shape (64, 96): param_update='stochastic' (it rounds bf16 parameters to nearest, or keeps an int8-correction). Pass fused=None to step such parameters with the compiled step.""",
         )
 
     def test_bad_fused_arguments(self):
@@ -405,6 +410,36 @@ def test_non_finite_gradients_match_the_compiled_step(case, flag):
             assert bool(s.row.isnan().any() and s.col.isnan().any()), "test setup: the NaN should poison a row and a column"
         else:
             torch.testing.assert_close(s, t, **exact)
+
+
+@build_flags
+def test_int8_correction_of_every_magnitude_and_non_finite_weights(flag):
+    """24-bit weights (bf16 + int8-correction) in the kernel: the compiled step's bits for weights of
+    every bf16 exponent, zeros and subnormals (which keep no correction); a NaN and an inf in the
+    gradient make the same weights NaN, and every finite weight keeps the same bits and correction
+    (a NaN's payload, and the correction beside it, depend on how each compiler converts it)."""
+
+    def stepped(fused):
+        g = torch.Generator().manual_seed(0)
+        exponents = torch.randint(-133, 127, (71, 64), generator=g).float()
+        values = torch.randn(71, 64, generator=g) * torch.exp2(exponents)
+        values[0, :8] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0**-126, 3e38, -3e38, 1.0])
+        param = torch.nn.Parameter(values.bfloat16())
+        opt = lowbit_optim.AdamW([param], lr=1e-2, fused=fused, state_format="8bit", param_update="int8-correction")
+        for step in range(2):
+            param.grad = torch.randn(param.shape, generator=g).bfloat16()
+            if step == 1:
+                param.grad[3, 5], param.grad[40, 1] = float("nan"), float("inf")
+            opt.step()
+        return param.detach(), opt.state[param]["param_correction"]
+
+    with kernel_built_with(flag):
+        a, correction_a = stepped(True)
+    b, correction_b = stepped(False)
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    finite = b.isfinite()
+    assert torch.equal(correction_a[finite], correction_b[finite])
+    assert bool((correction_b[finite] != 0).any()) and not bool(finite.all()), "test setup: corrections and NaN weights expected"
 
 
 def dividends() -> torch.Tensor:
@@ -693,7 +728,7 @@ def op_arguments(state_format="8bit", amsgrad=False, seed=0):
             keys.append(kernel_op.format_key(state))
             if state is not None:
                 tensors.extend(state._inner().values() if isinstance(state, StateTensor) else [state])
-    return ("adam", kernel_op.hyper_values("adam", hyper), [i[0] for i in items], [i[1] for i in items], [i[2] for i in items], tensors, keys)
+    return ("adam", kernel_op.hyper_values("adam", hyper), [i[0] for i in items], [i[1] for i in items], [i[2] for i in items], tensors, keys, [])
 
 
 def cloned(arguments):
@@ -729,7 +764,7 @@ def test_op_refuses_bad_arguments():
     params_before = [p.clone() for p in arguments[2]]
 
     def refused(match, **changes):
-        names = ["optimizer", "hyper", "params", "grads", "steps", "state_tensors", "state_formats"]
+        names = ["optimizer", "hyper", "params", "grads", "steps", "state_tensors", "state_formats", "corrections"]
         changed = [changes.get(name, value) for name, value in zip(names, arguments)]
         with pytest.raises(ValueError, match=match):
             torch.ops.lowbit_optim.fused_step_cpu(*changed)
@@ -745,6 +780,9 @@ def test_op_refuses_bad_arguments():
     refused(r"shape \(71, 64\): its exp_avg state: .* is inconsistent", state_tensors=[arguments[5][0][:-1], *arguments[5][1:]])
     refused(r"shape \(200,\): its gradient is", grads=[arguments[3][0], arguments[3][1][:-1]])
     refused(r"shape \(71, 64\): its step counter is", steps=[torch.zeros(0), arguments[4][1]])
+    refused("corrections holds 1 tensors for 2 parameters", corrections=[torch.zeros(71 * 64, dtype=torch.int8)])
+    no_correction = torch.zeros(0, dtype=torch.int8)
+    refused(r"shape \(71, 64\): its int8-correction is .* beside a bfloat16 parameter", corrections=[torch.zeros(71 * 64, dtype=torch.int8), no_correction])
     for before, after in zip(params_before, arguments[2]):
         assert torch.equal(before, after), "a refused call must step nothing"
     # what would overflow the C's chunk buffers: rows of 8191 elements beside blocks of 128

@@ -58,6 +58,7 @@ DECLARE_STRUCT(state_t, STATE_FIELDS)
     FIELD(S, void *, param)                                                                        \
     FIELD(S, const void *, grad)                                                                   \
     FIELD(S, float *, step)             /* the step counter, incremented first (NULL: none) */     \
+    FIELD(S, int8_t *, correction)      /* int8-correction of a bf16 parameter (NULL: none) */     \
     ARRAY(S, state_t, state, MAX_STATES) /* in the optimizer's order */
 DECLARE_STRUCT(param_t, PARAM_FIELDS)
 

@@ -17,6 +17,33 @@ static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, cons
     for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
 }
 
+/* A parameter's n values as fp32 (load_values), plus its int8-correction where it has one
+ * (precision.read_param): the rounding error of the bf16 value in 1/254 of its ulp. */
+static float *load_param(const param_t *t, int64_t start, int64_t n, float *buffer) {
+    float *p = load_values(t->param_kind, t->param, start, n, buffer);
+    if (t->correction) {
+        const int8_t *c = t->correction + start;
+        for (int64_t i = 0; i < n; i++) p[i] = p[i] + (float)c[i] * (bf16_ulp(p[i]) / CORRECTION_UNITS_PER_ULP);
+    }
+    return p;
+}
+
+/* Stores what load_param gave: the parameter rounded to its kind, and where it has an
+ * int8-correction, the new rounding error (precision.write_param). */
+static void store_param(const param_t *t, int64_t start, int64_t n, const float *x) {
+    if (t->correction) {
+        int8_t *c = t->correction + start;
+        for (int64_t i = 0; i < n; i++) {
+            float rounded = bf16_to_f32(f32_to_bf16(x[i])), ulp = bf16_ulp(rounded);
+            float units = rintf((x[i] - rounded) / ulp * CORRECTION_UNITS_PER_ULP);
+            /* a zero or subnormal weight keeps no correction; a non-finite one gets 0, as torch's
+             * float -> int8 gives (the units of a finite weight lie in [-127, 127]) */
+            c[i] = (int8_t)(ulp > 0.0f && units == units ? (int32_t)units : 0);
+        }
+    }
+    store_values(t->param_kind, t->param, start, n, x);
+}
+
 /* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
 static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
     if (s->kind == KIND_F32 || s->kind == KIND_BF16) return load_values(s->kind, s->data, start, n, buffer);

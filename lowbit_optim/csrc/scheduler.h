@@ -24,7 +24,7 @@ static int bf16_in_place(const optimizer_t *o, const param_t *t) {
 
 static void step_chunk(const optimizer_t *o, const param_t *t, const void *hyper, const void *scalars, int64_t start, int64_t n, int64_t task) {
     float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], buffers[MAX_STATES][MAX_CHUNK];
-    chunk_t c = {n, load_values(t->param_kind, t->param, start, n, p_buffer), load_values(t->grad_kind, t->grad, start, n, g_buffer), {NULL}, bf16_in_place(o, t)};
+    chunk_t c = {n, load_param(t, start, n, p_buffer), load_values(t->grad_kind, t->grad, start, n, g_buffer), {NULL}, bf16_in_place(o, t)};
     for (int i = 0; i < MAX_STATES; i++) {
         const state_t *s = &t->state[i];
         if (s->kind != KIND_NONE) c.state[i] = c.bf16_states ? (void *)((uint16_t *)s->data + start) : load_state(s, start, n, buffers[i]);
@@ -35,7 +35,7 @@ static void step_chunk(const optimizer_t *o, const param_t *t, const void *hyper
             const state_t *s = &t->state[i];
             if (s->kind != KIND_NONE) store_state(s, start, n, c.state[i], s->kind == KIND_FACTORED ? s->col_sums + task * s->cols : NULL);
         }
-    store_values(t->param_kind, t->param, start, n, c.param);
+    store_param(t, start, n, c.param);
 }
 
 static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
