@@ -15,20 +15,22 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 
 import contextlib
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import foreign, formats, fused_cpu, precision, step_op
+from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
 from .state import StateTensor, check_block_size, describe_tensor
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
 _RECOMPILE_LIMIT = 256
+
+# a state_dict key beside "state" and "param_groups" (max_grad_norm with step_in_backward)
+_LAST_GRAD_NORM = "last_grad_norm"
 
 # group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
 _STRUCTURAL_KEYS = (
@@ -140,7 +142,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
       then steps only gradients the backward left (none, in a plain loop) and ``zero_grad()`` has
       nothing to clear, so loops keep their shape; accumulate micro-batches inside
       ``with opt.accumulating():``. The numbers are those of stepping after backward (README,
-      "Step in backward", for clipping and what cannot combine).
+      "Step in backward", for what cannot combine). ``max_grad_norm`` clips there with the previous
+      step's global gradient norm (in_backward.py); ``last_grad_norm`` is each step's.
     """
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
@@ -166,6 +169,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         step_in_backward: bool = False,
+        max_grad_norm: float | None = None,
     ):
         if bf16_stochastic_round:
             if param_update not in ("nearest", "stochastic"):
@@ -193,8 +197,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "foreach=True steps parameters in groups after backward, and step_in_backward=True steps each one as "
                 "its gradient arrives: pass one of them"
             )
+        in_backward.check_max_grad_norm(max_grad_norm, step_in_backward)
         self._compile = compile
         self._step_in_backward = step_in_backward
+        self._max_grad_norm = max_grad_norm
+        self._clip_coefficient = torch.tensor(1.0)  # the first step in backward is not clipped
+        self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
         self._step_op_key = step_op.register(self)
         super().__init__(params, defaults)
 
@@ -227,17 +235,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
-        return {**super().__getstate__(), "_compile": self._compile, "_step_in_backward": self._step_in_backward}
+        keys = ("_compile", "_step_in_backward", "_max_grad_norm", "_clip_coefficient", "last_grad_norm")
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in keys}}
 
     def __setstate__(self, state):
-        state.setdefault("_compile", self.__dict__.get("_compile", True))
-        state.setdefault("_step_in_backward", self.__dict__.get("_step_in_backward", False))
+        defaults = dict(_compile=True, _step_in_backward=False, _max_grad_norm=None, _clip_coefficient=torch.tensor(1.0), last_grad_norm=None)
+        for key, value in defaults.items():
+            state.setdefault(key, self.__dict__.get(key, value))
         super().__setstate__(state)
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
             self._step_op_key = step_op.register(self)
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
                 for index, group in enumerate(self.param_groups):
-                    self._hook_params(group, index)
+                    in_backward.hook_params(self, group, index)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -285,7 +295,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             _check_param(p, self.torch_name)
         if self._step_in_backward:
-            self._hook_params(group, len(self.param_groups) - 1)
+            in_backward.hook_params(self, group, len(self.param_groups) - 1)
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -419,11 +429,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # ---- the step in backward -------------------------------------------------------------------
 
-    def _hook_params(self, group: dict, index: int) -> None:
-        """Step each parameter of param group ``index`` in backward (``step_in_backward``)."""
-        owner = weakref.ref(self)  # a parameter's hook must not keep its optimizer alive
-        for p in group["params"]:
-            p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
+    def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
+        """Step one parameter of ``group`` (the step in backward's hook)."""
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            self._step_group(group, [(param, param, grad)])
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -536,6 +545,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
                 "Pass what optimizer.state_dict() returned (not model.state_dict())"
             )
+        norm = state_dict.get(_LAST_GRAD_NORM)
+        if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and norm.numel() == 1)):
+            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
         if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
             state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
             for i, group in enumerate(state_dict["param_groups"]):
@@ -570,6 +582,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         finally:
             for hook in hooks:
                 hook.remove()
+        norm = state_dict.get(_LAST_GRAD_NORM)
+        if norm is not None and self._max_grad_norm is not None:  # the next step in backward clips with it
+            in_backward.set_last_grad_norm(self, norm)
+
+    def state_dict(self) -> dict:
+        state_dict = super().state_dict()
+        if self.last_grad_norm is not None:  # the clipping of the next step in backward depends on it
+            state_dict[_LAST_GRAD_NORM] = self.last_grad_norm.clone()
+        return state_dict
 
     _structural_keys: tuple[str, ...] = ()  # an optimizer's own group keys that a checkpoint must not change
 
@@ -619,18 +640,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "it must be a number or a one-element tensor"
             )
         state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
-
-
-@torch.no_grad()
-def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
-    """The hook ``step_in_backward`` puts on each parameter: step it with the gradient backward has
-    just accumulated, then free that gradient."""
-    optimizer = owner()
-    if optimizer is None or optimizer.__dict__.get("_accumulating") or param.grad is None:
-        return
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        optimizer._step_group(optimizer.param_groups[index], [(param, param, param.grad)])
-    param.grad = None
 
 
 @torch.compiler.disable

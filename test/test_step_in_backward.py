@@ -9,6 +9,7 @@ test_fsdp.py (its 2-rank job).
 """
 
 import copy
+import io
 import pickle
 import warnings
 
@@ -187,12 +188,75 @@ def test_muon_with_adamw():
         assert_same_bits(p, q, tuple(p.shape))
 
 
+def _clipped_pair(max_grad_norm: float):
+    """SGD: its step is linear in the gradient, so the clipping shows in every parameter (Adam's
+    would mostly cancel)."""
+    models = [SGD_INFO.mlp() for _ in range(2)]
+    options = dict(state_format="8bit", min_quantize_numel=0)
+    return models, [SGD_INFO.make(models[0].parameters(), **options), SGD_INFO.make(models[1].parameters(), step_in_backward=True, max_grad_norm=max_grad_norm, **options)]
+
+
+def _train_clipped(models, opts, max_grad_norm: float, steps: range, previous=None) -> list:
+    """The reference (stepping after backward) clips as max_grad_norm promises: each step's
+    gradients scaled by clip_grad_norm_'s coefficient for the previous step's global norm."""
+    norms = []
+    for step in steps:
+        _loss(models[0], step).backward()
+        grads = [p.grad for p in models[0].parameters()]
+        norms.append(torch.nn.utils.get_total_norm(grads))
+        if previous is not None:
+            torch.nn.utils.clip_grads_with_norm_(models[0].parameters(), max_grad_norm, previous)
+        previous = norms[-1]
+        opts[0].step()
+        opts[0].zero_grad()
+        _loss(models[1], step).backward()
+        torch.testing.assert_close(opts[1].last_grad_norm, norms[-1])
+    return norms
+
+
+def test_max_grad_norm_clips_with_the_previous_steps_norm():
+    models, opts = _clipped_pair(0.05)
+    norms = _train_clipped(models, opts, 0.05, range(4))
+    assert all(n > 0.05 for n in norms), "test setup: the clipping should bite"
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q)  # the norms' sums part in the last bit: so may the coefficients
+
+
+def test_max_grad_norm_resumes_exactly():
+    """The last norm travels in the state dict: a resumed run clips its next step as the original."""
+    models, opts = _clipped_pair(0.05)
+    _train_clipped(models, opts, 0.05, range(2))
+    resumed_model = copy.deepcopy(models[1])
+    resumed = SGD_INFO.make(resumed_model.parameters(), state_format="8bit", min_quantize_numel=0, step_in_backward=True, max_grad_norm=0.05)
+    resumed.load_state_dict(torch.load(_saved(opts[1].state_dict()), weights_only=True))
+    for step in range(2, 4):
+        for model in (models[1], resumed_model):
+            _loss(model, step).backward()
+    for p, q in zip(models[1].parameters(), resumed_model.parameters()):
+        assert_same_bits(p, q, tuple(p.shape))
+
+
+def _saved(state_dict) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def test_what_cannot_combine_is_an_error():
     params = OPTIMIZERS[0].mlp().parameters()
     with pytest.raises(ValueError, match="foreach=True .* step_in_backward=True .* pass one of them"):
         lowbit_optim.AdamW(params, foreach=True, step_in_backward=True)
     with pytest.raises(ValueError, match="step_in_backward must be True or False"):
         lowbit_optim.AdamW(params, step_in_backward="yes")
+    with pytest.raises(ValueError, match="max_grad_norm .* needs step_in_backward=True; .*clip_grad_norm_ before step"):
+        lowbit_optim.AdamW(params, max_grad_norm=1.0)
+    for bad in (0.0, -1.0, float("inf"), "1", True):
+        with pytest.raises(ValueError, match="invalid max_grad_norm"):
+            lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=bad)
+    opt = lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
+        opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
 
 
 def test_grad_scaler_is_refused():

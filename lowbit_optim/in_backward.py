@@ -1,0 +1,96 @@
+"""The step in backward (``step_in_backward=True``): each parameter is stepped by a hook as soon as
+backward has accumulated its gradient, and the gradient is freed, so a whole model's gradients never
+exist at once (README, "Step in backward").
+
+A hook steps one parameter with the optimizer's own per-group step (the fused CPU kernel or the
+compiled step, as after backward), so without clipping the numbers are those of stepping after
+backward. Inside ``optimizer.accumulating()`` the hooks do nothing and gradients accumulate.
+
+Global gradient-norm clipping cannot be exact here: the first parameters are stepped before the
+last gradients exist. ``max_grad_norm`` clips each step's gradients with the global norm of the
+previous step's (torch.nn.utils.clip_grad_norm_'s coefficient, ``min(1, max_norm / (norm + 1e-6))``;
+the first step is not clipped), and ``last_grad_norm`` reports each step's norm, as clip_grad_norm_
+returns it, when backward ends.
+"""
+
+import functools
+import math
+import weakref
+
+import torch
+from torch import Tensor
+
+from .distributed import is_dtensor
+
+# torch.nn.utils.clip_grads_with_norm_'s guard against a zero norm
+_CLIP_EPS = 1e-6
+
+
+def hook_params(optimizer, group: dict, index: int) -> None:
+    """Step each parameter of param group ``index`` in backward."""
+    owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
+    for p in group["params"]:
+        if optimizer._max_grad_norm is not None and is_dtensor(p):
+            raise ValueError(
+                "max_grad_norm with step_in_backward=True needs the global norm of every rank's gradient shards, which "
+                "it does not gather yet: under FSDP2 drop max_grad_norm, or step after backward with clip_grad_norm_"
+            )
+        p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
+
+
+@torch.no_grad()
+def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
+    """The hook on each parameter: step it with the gradient backward has just accumulated, then
+    free that gradient."""
+    optimizer = owner()
+    if optimizer is None or optimizer.__dict__.get("_accumulating") or param.grad is None:
+        return
+    grad = param.grad
+    if optimizer._max_grad_norm is not None:
+        _norms(optimizer)[param] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+        grad.mul_(optimizer._clip_coefficient.to(grad.device))  # as clip_grads_with_norm_ does, also by 1
+    optimizer._step_one(optimizer.param_groups[index], param, grad)
+    param.grad = None
+
+
+def _norms(optimizer) -> dict:
+    """This backward's gradient norms by parameter; the first call of a backward queues the
+    bookkeeping that ends it."""
+    norms = optimizer.__dict__.get("_backward_norms")
+    if norms is None:
+        norms = optimizer._backward_norms = {}
+        owner = weakref.ref(optimizer)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(owner))
+    return norms
+
+
+def _end_of_backward(owner: weakref.ref) -> None:
+    """The global norm of this step's gradients (as torch.nn.utils.get_total_norm gives it: the norm
+    of the parameters' norms, in param-group order) and the coefficient that clips the next step."""
+    optimizer = owner()
+    if optimizer is None:
+        return
+    norms = optimizer.__dict__.pop("_backward_norms", {})
+    ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
+    if not ordered:
+        return
+    set_last_grad_norm(optimizer, torch.linalg.vector_norm(torch.stack([n.cpu() for n in ordered]), 2))
+
+
+def set_last_grad_norm(optimizer, norm) -> None:
+    """Record a step's global gradient norm (also a checkpoint's): the next step clips with it."""
+    norm = torch.as_tensor(norm, dtype=torch.float32).detach().clone().cpu().reshape(())
+    optimizer.last_grad_norm = norm
+    optimizer._clip_coefficient = torch.clamp(optimizer._max_grad_norm / (norm + _CLIP_EPS), max=1.0)
+
+
+def check_max_grad_norm(max_grad_norm, step_in_backward: bool) -> None:
+    if max_grad_norm is None:
+        return
+    if not step_in_backward:
+        raise ValueError(
+            "max_grad_norm clips in backward (with the previous step's norm) and needs step_in_backward=True; "
+            "stepping after backward, clip exactly with torch.nn.utils.clip_grad_norm_ before step()"
+        )
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0 or math.isinf(max_grad_norm):
+        raise ValueError(f"invalid max_grad_norm {max_grad_norm!r}: use a finite number > 0, or None")
