@@ -114,6 +114,26 @@ class GPT(nn.Module):
             for proj in (block.attn.proj, block.mlp[2]):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
 
+    @classmethod
+    def empty_then_init(cls, *args, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0, **kwargs) -> "GPT":
+        """The model built directly in ``dtype`` on ``device``: its shapes on the meta device, then its
+        weights allocated once and initialized in place, so a bf16 model of N parameters never holds the
+        4N bytes of an fp32 copy (the largest models this machine can train)."""
+        with torch.device("meta"):
+            model = cls(*args, **kwargs).to(dtype)
+        model = model.to_empty(device=device)
+        model.head.weight = model.tok_emb.weight  # to_empty keeps the tie only by name: tie the new tensors
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.LayerNorm):
+                    module.reset_parameters()
+            model.apply(cls._init_weights)
+            for block in model.blocks:
+                for proj in (block.attn.proj, block.mlp[2]):
+                    nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * len(model.blocks)))
+        return model
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -129,7 +149,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # fp32 loss for bf16 models too
 
     @torch.no_grad()
     def generate(self, idx: Tensor, new_tokens: int, temperature: float = 0.8, generator: torch.Generator | None = None) -> Tensor:
@@ -167,7 +187,12 @@ def train(args) -> dict:
     dataset = CharDataset(load_text())
     model = GPT(dataset.vocab_size, args.block_size, args.layers, args.d_model, args.heads).to(args.device)
     # every parameter gets the chosen format; those under min_quantize_numel (biases, LayerNorms) stay fp32
-    opt = lowbit_optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=paired_state_format(args.state_format))
+    # --step-in-backward: each parameter stepped as backward produces its gradient (no gradients kept),
+    # clipped with the previous step's global norm (this step's is not known until backward ends)
+    in_backward = dict(step_in_backward=True, max_grad_norm=args.clip) if args.step_in_backward else {}
+    opt = lowbit_optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=paired_state_format(args.state_format), **in_backward
+    )
     warmup = min(100, args.steps // 10 + 1)  # short runs (tests) need a short warmup to learn at all
     # lowbit_optim takes lr changes from any scheduler without recompiling its step
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps, warmup))
@@ -183,7 +208,8 @@ def train(args) -> dict:
         _, loss = forward(*get_batch(dataset.train, args.batch_size, args.block_size, generator, args.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not args.step_in_backward:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         scheduler.step()
         train_losses.append(loss.item())
@@ -234,6 +260,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=20, help="fixed validation batches per evaluation")
     p.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end")
     p.add_argument("--compile-model", action="store_true", help="torch.compile the model (the optimizer step is always compiled)")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping")
+    p.add_argument("--step-in-backward", action="store_true", help="step each parameter in backward (step_in_backward=True, max_grad_norm=--clip)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 

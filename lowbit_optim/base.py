@@ -142,8 +142,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
       then steps only gradients the backward left (none, in a plain loop) and ``zero_grad()`` has
       nothing to clear, so loops keep their shape; accumulate micro-batches inside
       ``with opt.accumulating():``. The numbers are those of stepping after backward (README,
-      "Step in backward", for what cannot combine). ``max_grad_norm`` clips there with the previous
-      step's global gradient norm (in_backward.py); ``last_grad_norm`` is each step's.
+      "Step in backward", for what cannot combine). ``max_grad_norm`` clips there with an estimate of
+      the step's global gradient norm (in_backward.py); ``last_grad_norm`` is each step's.
     """
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
@@ -201,7 +201,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._compile = compile
         self._step_in_backward = step_in_backward
         self._max_grad_norm = max_grad_norm
-        self._clip_coefficient = torch.tensor(1.0)  # the first step in backward is not clipped
         self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
         self._step_op_key = step_op.register(self)
         super().__init__(params, defaults)
@@ -235,11 +234,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
-        keys = ("_compile", "_step_in_backward", "_max_grad_norm", "_clip_coefficient", "last_grad_norm")
+        keys = ("_compile", "_step_in_backward", "_max_grad_norm", "last_grad_norm")
         return {**super().__getstate__(), **{key: self.__dict__[key] for key in keys}}
 
     def __setstate__(self, state):
-        defaults = dict(_compile=True, _step_in_backward=False, _max_grad_norm=None, _clip_coefficient=torch.tensor(1.0), last_grad_norm=None)
+        defaults = dict(_compile=True, _step_in_backward=False, _max_grad_norm=None, last_grad_norm=None)
         for key, value in defaults.items():
             state.setdefault(key, self.__dict__.get(key, value))
         super().__setstate__(state)
@@ -382,6 +381,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return like_param(state, param)
 
     # ---- stepping -------------------------------------------------------------------------------
+
+    @property
+    def _previous_norm(self) -> Tensor:
+        # what max_grad_norm in backward takes for the previous step's norm: 0 before the first
+        return self.last_grad_norm if self.last_grad_norm is not None else torch.zeros(())
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

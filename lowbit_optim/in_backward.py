@@ -7,10 +7,11 @@ compiled step, as after backward), so without clipping the numbers are those of 
 backward. Inside ``optimizer.accumulating()`` the hooks do nothing and gradients accumulate.
 
 Global gradient-norm clipping cannot be exact here: the first parameters are stepped before the
-last gradients exist. ``max_grad_norm`` clips each step's gradients with the global norm of the
-previous step's (torch.nn.utils.clip_grad_norm_'s coefficient, ``min(1, max_norm / (norm + 1e-6))``;
-the first step is not clipped), and ``last_grad_norm`` reports each step's norm, as clip_grad_norm_
-returns it, when backward ends.
+last gradients exist. ``max_grad_norm`` gives each gradient clip_grad_norm_'s coefficient,
+``min(1, max_norm / (norm + 1e-6))``, for an estimate of this step's global norm: the larger of the
+previous step's and the norm of this step's gradients seen so far (a lower bound of this step's, so
+a first step, or a spike, is clipped as soon as it shows). ``last_grad_norm`` reports each step's
+norm, as clip_grad_norm_ returns it, when backward ends.
 """
 
 import functools
@@ -47,21 +48,24 @@ def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
         return
     grad = param.grad
     if optimizer._max_grad_norm is not None:
-        _norms(optimizer)[param] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
-        grad.mul_(optimizer._clip_coefficient.to(grad.device))  # as clip_grads_with_norm_ does, also by 1
+        grad.mul_(_clip_coefficient(optimizer, param, grad))  # as clip_grads_with_norm_ does, also by 1
     optimizer._step_one(optimizer.param_groups[index], param, grad)
     param.grad = None
 
 
-def _norms(optimizer) -> dict:
-    """This backward's gradient norms by parameter; the first call of a backward queues the
-    bookkeeping that ends it."""
+def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
+    """The coefficient for ``grad``: clip_grad_norm_'s for the larger of the previous step's norm and
+    the norm of this step's gradients so far, ``grad`` included."""
     norms = optimizer.__dict__.get("_backward_norms")
-    if norms is None:
+    if norms is None:  # the first gradient of this backward: queue the bookkeeping that ends it
         norms = optimizer._backward_norms = {}
+        optimizer._backward_square_sum = torch.zeros((), device=grad.device)
         owner = weakref.ref(optimizer)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(owner))
-    return norms
+    norm = norms[param] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+    optimizer._backward_square_sum += norm.to(grad.device).square()
+    estimate = torch.maximum(optimizer._backward_square_sum.sqrt(), optimizer._previous_norm.to(grad.device))
+    return torch.clamp(optimizer._max_grad_norm / (estimate + _CLIP_EPS), max=1.0)
 
 
 def _end_of_backward(owner: weakref.ref) -> None:
@@ -71,6 +75,7 @@ def _end_of_backward(owner: weakref.ref) -> None:
     if optimizer is None:
         return
     norms = optimizer.__dict__.pop("_backward_norms", {})
+    optimizer.__dict__.pop("_backward_square_sum", None)
     ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
     if not ordered:
         return
@@ -79,9 +84,7 @@ def _end_of_backward(owner: weakref.ref) -> None:
 
 def set_last_grad_norm(optimizer, norm) -> None:
     """Record a step's global gradient norm (also a checkpoint's): the next step clips with it."""
-    norm = torch.as_tensor(norm, dtype=torch.float32).detach().clone().cpu().reshape(())
-    optimizer.last_grad_norm = norm
-    optimizer._clip_coefficient = torch.clamp(optimizer._max_grad_norm / (norm + _CLIP_EPS), max=1.0)
+    optimizer.last_grad_norm = torch.as_tensor(norm, dtype=torch.float32).detach().clone().cpu().reshape(())
 
 
 def check_max_grad_norm(max_grad_norm, step_in_backward: bool) -> None:
@@ -89,7 +92,7 @@ def check_max_grad_norm(max_grad_norm, step_in_backward: bool) -> None:
         return
     if not step_in_backward:
         raise ValueError(
-            "max_grad_norm clips in backward (with the previous step's norm) and needs step_in_backward=True; "
+            "max_grad_norm clips in backward (with an estimate of the step's norm) and needs step_in_backward=True; "
             "stepping after backward, clip exactly with torch.nn.utils.clip_grad_norm_ before step()"
         )
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0 or math.isinf(max_grad_norm):

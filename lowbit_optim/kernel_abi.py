@@ -13,7 +13,7 @@ import functools
 import warnings
 from dataclasses import dataclass
 
-from . import kernel_build, precision
+from . import kernel_build
 
 _SCALARS = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64, "f32": ctypes.c_float, "f64": ctypes.c_double, "ptr": ctypes.c_void_p}
 
@@ -61,9 +61,6 @@ class Kernel:
         constants = list(_rows(lib.lowbit_abi_constant, [ctypes.c_char_p] * 2 + [ctypes.c_int64], lambda *row: row))
         self.kinds = {name: value for group, name, value in constants if group == "kind"}
         self.limits = {name: value for group, name, value in constants if group == "limit"}
-        numbers = {name: value for group, name, value in constants if group == "number"}
-        if numbers != {"correction_units_per_ulp": precision.CORRECTION_UNITS_PER_ULP}:
-            raise LayoutMismatch(f"the kernel's numbers {numbers} are not precision.py's (correction_units_per_ulp={precision.CORRECTION_UNITS_PER_ULP})")
         self.optimizers = {
             name: Optimizer(i, self.structs[hyper], tuple(states.split(",")), required)
             for i, (name, hyper, states, required) in enumerate(_rows(lib.lowbit_abi_optimizer, [ctypes.c_char_p] * 3 + [ctypes.c_int64], lambda *row: row))

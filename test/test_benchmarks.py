@@ -1,6 +1,6 @@
-"""Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py) and of
-benchmarks/compute_bound.py: each main function runs on a tiny configuration, writes its files, and
-reports finite numbers."""
+"""Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py), of
+benchmarks/compute_bound.py and benchmarks/memory.py: each main function runs on a tiny configuration,
+writes its files, and reports finite numbers."""
 
 import math
 
@@ -85,6 +85,20 @@ def test_compute_bound_smoke():
     assert all(math.isfinite(ns) for ns in out["adamw_ns"].values()) and out["copy_gb_s"] > 0
     assert set(out["kernel_ns"]) == {"8bit", "4bit"} and all(math.isfinite(ns) for sizes in out["kernel_ns"].values() for ns in sizes.values())
     assert out["divider_s"] is None or (set(out["divider_s"]) == {0, 1} and all(s > 0 for s in out["divider_s"].values()))
+
+
+def test_memory_smoke(tmp_path):
+    """Two configurations in fresh processes: the step in backward holds no gradients (model bytes
+    4.06/param: 2 weights + 1 correction + ~1.07 states), stepping after backward holds bf16 ones."""
+    memory = import_script("benchmarks/memory")
+    only = "4bit, 24-bit weights;4bit, 24-bit weights, step in backward"
+    out = memory.main(["--layers", "1", "--d-model", "128", "--heads", "2", "--steps", "2", "--only", only, "--json", str(tmp_path / "m.json")])
+    after, inside = (out[label] for label in only.split(";"))
+    assert "error" not in after and "error" not in inside, (after, inside)
+    assert inside["model_bytes_per_param"] == pytest.approx(after["model_bytes_per_param"] - 2)
+    assert 4.0 < inside["model_bytes_per_param"] < 4.2
+    assert all(math.isfinite(r["peak_bytes_per_param"]) and r["step_seconds"] > 0 for r in (after, inside))
+    assert (tmp_path / "m.json").exists()
 
 
 @pytest.fixture

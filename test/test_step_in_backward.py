@@ -196,30 +196,38 @@ def _clipped_pair(max_grad_norm: float):
     return models, [SGD_INFO.make(models[0].parameters(), **options), SGD_INFO.make(models[1].parameters(), step_in_backward=True, max_grad_norm=max_grad_norm, **options)]
 
 
-def _train_clipped(models, opts, max_grad_norm: float, steps: range, previous=None) -> list:
-    """The reference (stepping after backward) clips as max_grad_norm promises: each step's
-    gradients scaled by clip_grad_norm_'s coefficient for the previous step's global norm."""
-    norms = []
+def _train_clipped(models, opts, max_grad_norm: float, steps: range) -> list:
+    """The reference (stepping after backward) clips as max_grad_norm promises: each gradient, in the
+    order backward produces them (recorded by a hook that runs after the optimizer's), gets
+    clip_grad_norm_'s coefficient for the larger of the previous step's global norm and the norm of
+    the gradients so far, itself included."""
+    order = []
+    for p in models[1].parameters():
+        p.register_post_accumulate_grad_hook(order.append)
+    pairs = dict(zip(models[1].parameters(), models[0].parameters()))
+    norms, previous = [], torch.zeros(())
     for step in steps:
+        order.clear()
+        _loss(models[1], step).backward()
         _loss(models[0], step).backward()
-        grads = [p.grad for p in models[0].parameters()]
-        norms.append(torch.nn.utils.get_total_norm(grads))
-        if previous is not None:
-            torch.nn.utils.clip_grads_with_norm_(models[0].parameters(), max_grad_norm, previous)
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in models[0].parameters()]))
+        square_sum = torch.zeros(())
+        for p in [pairs[q] for q in order]:
+            square_sum += torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32).square()
+            p.grad.mul_(torch.clamp(max_grad_norm / (torch.maximum(square_sum.sqrt(), previous) + 1e-6), max=1.0))
         previous = norms[-1]
         opts[0].step()
         opts[0].zero_grad()
-        _loss(models[1], step).backward()
         torch.testing.assert_close(opts[1].last_grad_norm, norms[-1])
     return norms
 
 
-def test_max_grad_norm_clips_with_the_previous_steps_norm():
+def test_max_grad_norm_clips_with_an_estimate_of_the_steps_norm():
     models, opts = _clipped_pair(0.05)
     norms = _train_clipped(models, opts, 0.05, range(4))
     assert all(n > 0.05 for n in norms), "test setup: the clipping should bite"
     for p, q in zip(*(m.parameters() for m in models)):
-        torch.testing.assert_close(p, q)  # the norms' sums part in the last bit: so may the coefficients
+        assert_same_bits(p, q, tuple(p.shape))
 
 
 def test_max_grad_norm_resumes_exactly():

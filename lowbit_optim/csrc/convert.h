@@ -13,9 +13,6 @@ static inline float bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16)
  * and subnormals */
 static inline float bf16_ulp(float x) { return float_of(bits_of(x) & 0x7F800000u) * 0.0078125f; }
 
-/* int8-correction's units per bf16 ulp (precision.CORRECTION_UNITS_PER_ULP) */
-#define CORRECTION_UNITS_PER_ULP 254.0f
-
 static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays a quiet NaN */
     uint32_t u = bits_of(x);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;

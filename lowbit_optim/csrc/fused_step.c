@@ -92,11 +92,9 @@ int lowbit_abi_field(int64_t i, const char **structure, const char **field, cons
 static const struct {
     const char *group, *name;
     int64_t value;
-} abi_constants[] = {KINDS(KIND_ROW){"limit", "max_chunk", MAX_CHUNK}, {"limit", "max_states", MAX_STATES},
-                     {"number", "correction_units_per_ulp", (int64_t)CORRECTION_UNITS_PER_ULP}};
+} abi_constants[] = {KINDS(KIND_ROW){"limit", "max_chunk", MAX_CHUNK}, {"limit", "max_states", MAX_STATES}};
 
-/* Constant i: the kinds by KernelLayout's names, limits, and numbers Python also uses (checked at
- * load); 0 past the end. */
+/* Constant i: the kinds by KernelLayout's names, and limits; 0 past the end. */
 int lowbit_abi_constant(int64_t i, const char **group, const char **name, int64_t *value) {
     if (i < 0 || i >= (int64_t)(sizeof(abi_constants) / sizeof(abi_constants[0]))) return 0;
     *group = abi_constants[i].group, *name = abi_constants[i].name, *value = abi_constants[i].value;
