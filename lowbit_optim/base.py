@@ -15,6 +15,7 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import StateTensor, check_block_size, describe_tensor
+from .state import OptimState, StateTensor, check_block_size, describe_tensor
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -94,6 +95,37 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
     return [same[i : i + FOREACH_CHUNK] for same in kinds.values() for i in range(0, len(same), FOREACH_CHUNK)]
 
 
+# elements per call of an elementwise compiled step on a large parameter: its scratch (a few fp32
+# copies of what it steps, ~20 bytes per element) then stays near 20 MiB, never a whole parameter's
+COMPILED_CHUNK = 1 << 20
+
+
+def _pieces(call: tuple) -> list[tuple]:
+    """A flat step function's arguments (param, grad, step, *states, param_extra) cut into
+    consecutive slices of at most about COMPILED_CHUNK elements on the states' block boundaries, so
+    each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
+    stochastic rounding depends on an element's place in its block). The step counter is counted
+    once: the later slices get a copy of its value before the step. A factored state (sums over
+    whole rows and columns) is never cut, nor a parameter of one chunk."""
+    n = call[0].numel()
+    cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
+    if n <= COMPILED_CHUNK or not cut[0]:
+        return [call]
+    unit = 1
+    for a, sliced in zip(call, cut):
+        if sliced and isinstance(a, StateTensor):
+            if not isinstance(a, OptimState):
+                return [call]
+            unit = math.lcm(unit, a.block_size)
+    size = max(COMPILED_CHUNK // unit, 1) * unit
+    step = call[2]
+    before = step.clone() if step is not None else None
+    return [
+        tuple(a[start : start + size] if sliced else (before.clone() if a is step and start and step is not None else a) for a, sliced in zip(call, cut))
+        for start in range(0, n, size)
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class State:
     """A tensor an optimizer keeps per parameter, as its step function sees it (an fp32 tensor).
@@ -149,6 +181,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
     states: tuple[State, ...] = ()
     flat_step = True  # the step function sees 1-D views (one graph for every shape); False: the parameter's shape
+    # each element's new values depend on the same element of every input only (no sum over the
+    # parameter): a large parameter is then stepped in slices (COMPILED_CHUNK), bounding the scratch
+    elementwise_step = False
     family: str | None = None  # how messages name the optimizer (default: the class name)
     torch_name: str | None = None  # the torch.optim class computing the same step, if any (named in errors)
 
@@ -500,7 +535,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 step_each([call for _, call, _ in chunk], numbers, tuple(mode for _, _, mode in chunk), flags)
         else:
             for _, call, mode in compiled:
-                self._step_fn(*call, *numbers, **flags, param_update=mode)
+                for piece in _pieces(call) if self.elementwise_step else [call]:
+                    self._step_fn(*piece, *numbers, **flags, param_update=mode)
         for param, (stepped, *_), _ in compiled:
             if stepped is not param and not param.is_contiguous():
                 param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back

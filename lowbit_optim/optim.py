@@ -25,6 +25,7 @@ class Adam(LowBitOptimizer):
     """
 
     step_function = staticmethod(functional.adam_step)
+    elementwise_step = True
     states = (
         State("exp_avg", signed=True),
         State("exp_avg_sq", signed=False),
@@ -88,6 +89,7 @@ class SGD(LowBitOptimizer):
     the first step stores the gradient itself in the buffer."""
 
     step_function = staticmethod(functional.sgd_step)
+    elementwise_step = True
     states = (State("momentum_buffer", signed=True, when="momentum"),)
     torch_name = "SGD"
     _step_when_missing = 1.0  # torch.optim.SGD checkpoints count no steps; a buffer means one was taken
@@ -129,6 +131,7 @@ class Lion(LowBitOptimizer):
     ``m`` moves to ``beta2 * m + (1 - beta2) * g``; weight decay is decoupled (as bitsandbytes')."""
 
     step_function = staticmethod(functional.lion_step)
+    elementwise_step = True
     states = (State("exp_avg", signed=True),)
 
     def __init__(
@@ -229,6 +232,7 @@ class AdEMAMix(LowBitOptimizer):
     (None: no warm-up). ``state_format`` may be a dict over exp_avg, exp_avg_slow and exp_avg_sq."""
 
     step_function = staticmethod(functional.ademamix_step)
+    elementwise_step = True
     states = (State("exp_avg", signed=True), State("exp_avg_slow", signed=True), State("exp_avg_sq", signed=False))
 
     def __init__(

@@ -1,0 +1,73 @@
+"""The compiled step on a large parameter runs in slices of about COMPILED_CHUNK elements (an
+optimizer that declares ``elementwise_step``), so its scratch never scales with the parameter: the
+slices compute exactly what one call on the whole parameter computes, count the step once, and
+share the graph of the whole."""
+
+import pytest
+import torch
+from optimizer_info import OPTIMIZERS
+from test_optim import assert_same_bits
+from torch._dynamo.utils import counters
+
+from lowbit_optim import base
+
+ELEMENTWISE = [o for o in OPTIMIZERS if o.cls.elementwise_step]
+SHAPES = [(40, 125), (300,)]  # 5000 elements: 10 slices of 512 (and a short last one) at chunk 512
+
+
+def run(opt_info, chunk: int, monkeypatch, steps: int = 3, dtype=torch.float32, **kwargs):
+    monkeypatch.setattr(base, "COMPILED_CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+    opt = opt_info.make(params, fused=False, min_quantize_numel=0, **kwargs)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def assert_same(a, b):
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    for p, q in zip(params_a, params_b):
+        assert_same_bits(p, q, tuple(p.shape))
+        for name, value in opt_a.state[p].items():
+            assert_same_bits(value, opt_b.state[q][name], (tuple(p.shape), name))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit", "4bit", "8bit-sr", "fp8"])
+@pytest.mark.parametrize("opt_info", ELEMENTWISE, ids=str)
+def test_slices_compute_what_the_whole_does(opt_info, fmt, monkeypatch):
+    spec = opt_info.spec(next(f for f in __import__("conftest").FORMATS if f.name == fmt))
+    kwargs = dict(state_format=spec, compile=False)
+    assert_same(run(opt_info, 512, monkeypatch, **kwargs), run(opt_info, 1 << 30, monkeypatch, **kwargs))
+
+
+@pytest.mark.parametrize("param_update", ["kahan", "int8-correction"])
+def test_bf16_weights_with_a_buffer_in_slices(param_update, monkeypatch):
+    kwargs = dict(state_format="4bit", compile=False, param_update=param_update)
+    assert_same(run(OPTIMIZERS[0], 512, monkeypatch, dtype=torch.bfloat16, **kwargs), run(OPTIMIZERS[0], 1 << 30, monkeypatch, dtype=torch.bfloat16, **kwargs))
+
+
+def test_factored_states_are_not_cut(monkeypatch):
+    kwargs = dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, compile=False)
+    calls = []
+    original = base._pieces
+    monkeypatch.setattr(base, "_pieces", lambda call: calls.append(len(original(call))) or original(call))
+    run(OPTIMIZERS[0], 512, monkeypatch, steps=1, **kwargs)
+    assert calls == [1, 1]
+
+
+def test_compiled_slices_share_the_graph_of_the_whole(monkeypatch):
+    """Compiled: the slices give the unsliced bits, and the sliced run adds no graph to the 8bit
+    step's (one per argument kinds, whatever the slice's size and offset)."""
+    kwargs = dict(state_format="8bit", param_update="kahan", dtype=torch.bfloat16)
+    whole = run(OPTIMIZERS[0], 1 << 30, monkeypatch, **kwargs)
+    graphs = counters["stats"]["unique_graphs"]
+    pieces = []
+    original = base._pieces
+    monkeypatch.setattr(base, "_pieces", lambda call: pieces.append(len(original(call))) or original(call))
+    sliced = run(OPTIMIZERS[0], 512, monkeypatch, **kwargs)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert pieces == [10, 1] * 3  # 5000 elements in 512-element slices; 300 in one
+    assert_same(sliced, whole)
