@@ -3,7 +3,11 @@
 ``--optimizer sgd|lion|ademamix`` times that optimizer instead of AdamW: lowbit_optim's version with
 fp32, 8bit and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
 ``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
-which torch lacks, are timed against bitsandbytes' 32-bit version. Hyper-parameters: SGD lr 1e-3,
+which torch lacks, are timed against bitsandbytes' 32-bit version. ``--optimizer muon`` steps the
+blocks' 2-D matrices only (Muon's part of the usual recipe) with ``torch.optim.Muon`` (the reference)
+and lowbit_optim's Muon with fp32, 8bit and 4bit momentum, and times the Newton-Schulz iterations
+alone (``newton-schulz``: the compiled iterations on every matrix, no momentum, no update), the part
+of a Muon step that no state format changes. Hyper-parameters: SGD lr 1e-3,
 momentum 0.9; Lion and AdEMAMix their defaults. A lowbit_optim optimizer the fused CPU kernel does
 not step says so in the note column ("compiled step").
 
@@ -32,6 +36,7 @@ Examples::
     python benchmarks/step_time.py --layers 2 --vocab 5000 --steps 3  # quick check
     python benchmarks/step_time.py --only torch-fused,lowbit-8bit,torchao-8bit --json out.json
     python benchmarks/step_time.py --optimizer lion                   # Lion: lowbit fp32/8bit/4bit, bitsandbytes 8/32-bit
+    python benchmarks/step_time.py --optimizer muon --layers 2        # Muon on the blocks' matrices
 
 Cold and warm compile (the "first s" column). Within one process, later rows may reuse graphs an
 earlier row compiled (lowbit's fp32 graph serves every format's small parameters), so run the rows you
@@ -70,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--steps", type=int, default=10, help="timed steady-state steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first one")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd", "lion", "ademamix"), default="adamw", help="which optimizer's rows")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd", "lion", "ademamix", "muon"), default="adamw", help="which optimizer's rows")
     parser.add_argument("--only", default=None, help="comma-separated optimizer labels to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
@@ -172,7 +177,7 @@ OTHER_OPTIMIZERS = {
     "ademamix": ("AdEMAMix", dict(lr=1e-3), ("AdEMAMix8bit", {}), ("AdEMAMix", dict(optim_bits=32))),
 }
 # each --optimizer's reference row (the "vs ref" column): torch's fused step where torch has the optimizer
-REFERENCES = {"adamw": REFERENCE, "sgd": "torch-sgd-fused", "lion": "bnb-32bit", "ademamix": "bnb-32bit"}
+REFERENCES = {"adamw": REFERENCE, "sgd": "torch-sgd-fused", "lion": "bnb-32bit", "ademamix": "bnb-32bit", "muon": "torch-muon"}
 
 
 def _bnb(name: str, kwargs: dict):
@@ -199,7 +204,33 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
     return rows
 
 
+class NewtonSchulzOnly(torch.optim.Optimizer):
+    """The Newton-Schulz iterations of lowbit_optim's Muon step on every gradient, compiled as that
+    step compiles them, and nothing else: their share of a Muon step."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.0))
+        iterate = lowbit_optim.functional.newton_schulz  # with torch.optim.Muon's default coefficients, steps, eps
+        self.orthogonalize = torch.compile(lambda g: iterate(g, (3.4445, -4.775, 2.0315), 5, 1e-7), dynamic=True, options=lowbit_optim.functional.muon_step.inductor_options)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.orthogonalize(p.grad)
+
+
+def muon_factories() -> list[tuple[str, Callable]]:
+    return [
+        ("torch-muon", lambda params: torch.optim.Muon(params, lr=1e-3)),
+        *[(f"lowbit-{f}", lambda params, f=f: lowbit_optim.Muon(params, lr=1e-3, state_format=f)) for f in ("fp32", "8bit", "4bit")],
+        ("newton-schulz", NewtonSchulzOnly),
+    ]
+
+
 def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
+    if optimizer == "muon":
+        return muon_factories()
     if optimizer != "adamw":
         return other_optimizer_factories(optimizer)
     return [
@@ -437,6 +468,8 @@ def main(args: argparse.Namespace) -> list[Result]:
     factories = select(optimizer_factories(args.optimizer), args.only)
 
     shapes = gpt2_shapes(args.layers, args.d, args.vocab, args.ctx)
+    if args.optimizer == "muon":  # Muon steps the blocks' matrices; embeddings and vectors take AdamW
+        shapes = [(name, shape) for name, shape in shapes if name.startswith("h.") and len(shape) == 2]
     params = build_params(shapes, DTYPES[args.dtype], device, args.seed)
     numel = sum(p.numel() for p in params)
     env = environment(args, shapes, numel, device)

@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="training steps")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--lr", type=float, default=1e-5, help="learning rate (a 4B model diverges near 3e-5 without warm-up)")
+    p.add_argument("--lr", type=float, default=2e-6, help="learning rate (without warm-up, 1e-5 diverges at this width: torch AdamW too)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
     return p.parse_args(argv)
 
