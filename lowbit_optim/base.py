@@ -391,7 +391,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _state_names(self, param: Tensor, group: dict) -> list[str]:
         """The tensor states ``param`` has under ``group``'s options (besides "step", which exists
         where a declared state does)."""
-        extra = precision.extra_state_name(_param_update(param, group))
+        extra = precision.extra_state_name(param_update_of(param, group))
         return [s.name for s in self._declared(group)] + ([extra] if extra else [])
 
     def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
@@ -505,7 +505,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if step is not None:
                     step.add_(1)
                 continue
-            mode = _param_update(p, group)
+            mode = param_update_of(p, group)
             values = [local(state[s.name]) if s.name in declared else None for s in self.states]
             present = {s.name: v for s, v in zip(self.states, values) if v is not None}
             extra = precision.extra_state_name(mode)
@@ -752,7 +752,7 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
         )
 
 
-def _param_update(param: Tensor, group: dict) -> str:
+def param_update_of(param: Tensor, group: dict) -> str:
     # the rounding modes exist for bf16 weights; an fp32 weight takes the fp32 result as it is
     return group["param_update"] if param.dtype == torch.bfloat16 else "nearest"
 

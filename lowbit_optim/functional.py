@@ -216,16 +216,31 @@ def muon_step(
     with ``nesterov``) orthogonalized by Newton-Schulz iterations in bf16, decoupled weight decay
     (``decay`` = 1 - lr * weight_decay, rounded once from float64), and an lr scaled by the
     matrix's shape (``adjust_lr_fn``). Unlike the other step functions it sees the parameter's
-    shape (``Muon.flat_step = False``): the iterations need the whole matrix.
+    shape (``Muon.flat_step = False``): the iterations need the whole matrix. Its three parts run
+    apart on FSDP2-sharded matrices (muon_fsdp.py): the elementwise ones on each rank's rows.
     """
+    update = muon_momentum(grad, step, momentum_buffer, momentum, one_minus_momentum, nesterov=nesterov)
+    orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps)
+    muon_apply(param, param_extra, orthogonal, lr, decay, shape=param.shape, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
+
+
+def muon_momentum(grad: Tensor, step: Tensor, momentum_buffer: Tensor, momentum: Tensor, one_minus_momentum: Tensor, *, nesterov: bool) -> Tensor:
+    """Muon's part before the iterations, elementwise: count the step, update the momentum buffer,
+    and return what is orthogonalized (the momentum, or Nesterov's look-ahead)."""
     step.add_(1)
-    start = precision.read_param(param, param_extra, param_update)
     g = grad.float()
     m = momentum_buffer.float().lerp(g, one_minus_momentum)
     momentum_buffer.copy_(m)
-    update = g.lerp(m, momentum) if nesterov else m
-    orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps)
-    adjusted_lr = (lr * muon_lr_ratio(param.shape, adjust_lr_fn)).float()
+    return g.lerp(m, momentum) if nesterov else m
+
+
+def muon_apply(
+    param: Tensor, param_extra: Tensor | None, orthogonal: Tensor, lr: Tensor, decay: Tensor, *, shape, adjust_lr_fn: str | None, param_update: str
+) -> None:
+    """Muon's part after the iterations, elementwise: decoupled weight decay and the orthogonalized
+    update at the lr for a matrix of ``shape`` (the whole matrix's, also for a shard's rows)."""
+    start = precision.read_param(param, param_extra, param_update)
+    adjusted_lr = (lr * muon_lr_ratio(shape, adjust_lr_fn)).float()
     p = start * decay - adjusted_lr * orthogonal.float()
     precision.write_param(param, param_extra, start, p, param_update)
 

@@ -9,7 +9,7 @@ import fnmatch
 import torch
 from torch import Tensor, nn
 
-from . import functional, fused_cpu
+from . import functional, fused_cpu, muon_fsdp
 from .base import LowBitOptimizer, State, check_betas, check_nonnegative
 from .distributed import is_dtensor, local
 from .state import StateTensor
@@ -166,8 +166,9 @@ class Muon(LowBitOptimizer):
     sqrt(max(1, rows / cols)); "match_rms_adamw", 0.2 * sqrt(max(rows, cols))).
 
     Like torch.optim.Muon it steps matrices only: give embeddings, the output head, biases and norms
-    to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). The iterations need the whole matrix, so
-    FSDP2-sharded parameters are refused for now; they take the compiled step (no fused kernel).
+    to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). Under FSDP2
+    each matrix's update is gathered to one rank, orthogonalized once and scattered back
+    (muon_fsdp.py). It takes the compiled step (no fused kernel).
     """
 
     step_function = staticmethod(functional.muon_step)
@@ -206,15 +207,19 @@ class Muon(LowBitOptimizer):
             raise ValueError(f"invalid adjust_lr_fn {group['adjust_lr_fn']!r}: use None, 'original' or 'match_rms_adamw'")
         for p in group["params"]:
             if is_dtensor(p):
-                raise ValueError(
-                    "Muon cannot step FSDP2-sharded parameters yet: Newton-Schulz needs each whole matrix and a "
-                    "rank holds a shard. Step the matrices unsharded, or use AdamW under FSDP2"
-                )
+                muon_fsdp.check_sharding(p)
             if p.dim() != 2:
                 raise ValueError(
                     f"Muon steps 2-D matrices only (as torch.optim.Muon), got a parameter of shape {tuple(p.shape)}: give "
                     "embeddings, the output head, biases and norms to AdamW (lowbit_optim.muon_split splits a model)"
                 )
+
+    def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        sharded = [item for item in items if is_dtensor(item[0])]
+        if sharded:  # FSDP2: the iterations need whole matrices
+            muon_fsdp.step(self, group, sharded)
+        if len(sharded) < len(items):
+            super()._step_group(group, [item for item in items if not is_dtensor(item[0])])
 
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         lr, momentum = group["lr"], group["momentum"]

@@ -1,0 +1,119 @@
+"""Muon on FSDP2-sharded matrices: the Newton-Schulz iterations need each whole matrix, and a rank
+holds some of its rows.
+
+Each rank runs the elementwise parts of the step on its rows (functional.muon_momentum, with the
+momentum buffer in its format, and functional.muon_apply). In between, each matrix's update is
+gathered to one rank, its owner, in bf16: the iterations start by rounding it to bf16, so the
+gathered matrix is exactly the one a single process orthogonalizes, at half the bytes of fp32. The
+owner orthogonalizes it and scatters the rows back. Matrices are dealt out by their place in the
+param group (owner = place mod ranks), so each is orthogonalized once and the ranks share the work;
+all gathers are in flight before any iteration starts, and all scatters after the last. The numbers
+are those of one process: the same functions on the same values.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import Shard
+
+from . import functional, precision
+from .base import param_update_of
+from .distributed import local
+
+
+def check_sharding(param) -> None:
+    """Raise a ValueError unless ``param`` is sharded as FSDP2 shards it: rows over a 1-D mesh."""
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(
+            f"Muon steps DTensor parameters sharded by rows over a 1-D mesh (FSDP2's fully_shard); got placements "
+            f"{tuple(param.placements)} over a {param.device_mesh.ndim}-D mesh"
+        )
+
+
+def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    """One Muon step of each (DTensor parameter, its tensor to update, gradient) of ``group``."""
+    (lr, decay, momentum, one_minus_momentum), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
+    parts = _parts(optimizer._compile)
+    place = {id(p): i for i, p in enumerate(group["params"])}
+    jobs = []
+    for p, tensor, grad in items:
+        state = optimizer.state[p]
+        if not state:
+            optimizer._init_state(p, group, state)
+        rows = local(tensor.detach())
+        if rows.numel():
+            update = parts.momentum(local(grad), state["step"], local(state["momentum_buffer"]), momentum, one_minus_momentum, nesterov=flags["nesterov"])
+        else:  # an empty shard (more ranks than rows) only counts the step
+            state["step"].add_(1)
+            update = rows.new_zeros(rows.shape, dtype=torch.float32)
+        jobs.append(_Job(p, rows, update.bfloat16(), place[id(p)]))
+    for job in jobs:
+        job.gather()
+    for job in jobs:
+        job.orthogonalize(lambda full: parts.newton_schulz(full, flags["ns_coefficients"], flags["ns_steps"], flags["eps"]))
+    for job in jobs:
+        job.scatter()
+    for job, (p, tensor, grad) in zip(jobs, items):
+        if job.rows.numel():
+            mode = param_update_of(p, group)
+            extra = precision.extra_state_name(mode)
+            parts.apply(job.rows, local(optimizer.state[p][extra]) if extra else None, job.result(), lr, decay,
+                        shape=tuple(p.shape), adjust_lr_fn=flags["adjust_lr_fn"], param_update=mode)  # fmt: skip
+
+
+class _Job:
+    """One matrix: its rows' update gathered to its owner, orthogonalized there, scattered back."""
+
+    def __init__(self, param, rows: Tensor, update: Tensor, place: int):
+        self.rows, self.shape = rows, tuple(param.shape)
+        self.group = param.device_mesh.get_group()
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.owner = place % self.world
+        self.chunk = -(-self.shape[0] // self.world)  # FSDP2's rows per rank (torch.chunk's), the last ones fewer
+        self.mine = torch.zeros((self.chunk, *self.shape[1:]), dtype=torch.bfloat16, device=rows.device)
+        self.mine[: update.shape[0]] = update
+        self.pieces = [torch.empty_like(self.mine) for _ in range(self.world)] if self.rank == self.owner else None
+        self.work = None
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def gather(self) -> None:
+        self.work = dist.gather(self.mine, self.pieces, dst=self._global(self.owner), group=self.group, async_op=True)
+
+    def orthogonalize(self, newton_schulz) -> None:
+        self.work.wait()
+        if self.pieces is not None:
+            full = torch.cat(self.pieces)[: self.shape[0]]
+            orthogonal = newton_schulz(full).to(torch.bfloat16)
+            padded = torch.zeros((self.chunk * self.world, *self.shape[1:]), dtype=torch.bfloat16, device=full.device)
+            padded[: self.shape[0]] = orthogonal
+            self.pieces = list(padded.chunk(self.world))
+
+    def scatter(self) -> None:
+        self.work = dist.scatter(self.mine, self.pieces, src=self._global(self.owner), group=self.group, async_op=True)
+
+    def result(self) -> Tensor:
+        self.work.wait()
+        return self.mine[: self.rows.shape[0]]
+
+
+class _Parts:
+    def __init__(self, compile: bool):
+        wrap = _compiled if compile else (lambda fn: fn)
+        self.momentum = wrap(functional.muon_momentum)
+        self.newton_schulz = wrap(functional.newton_schulz)
+        self.apply = wrap(functional.muon_apply)
+
+
+@functools.cache
+def _parts(compile: bool) -> _Parts:
+    return _Parts(compile)
+
+
+@functools.cache
+def _compiled(fn):
+    # the iterations in bf16 round as eager does (functional.muon_step's inductor options)
+    return torch.compile(fn, fullgraph=True, dynamic=True, options=functional.muon_step.inductor_options)
