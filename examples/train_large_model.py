@@ -14,7 +14,7 @@ near 1.3B parameters. Here each parameter costs about 4.1 bytes:
 It trains the char GPT of train_char_gpt.py (Python's help text, nothing downloaded) for a few steps and
 prints each step's loss and the process's peak memory per parameter::
 
-    python examples/train_large_model.py                                     # 4.0B parameters, 6 steps
+    python examples/train_large_model.py                                     # 4.0B parameters, 8 steps
     python examples/train_large_model.py --layers 2 --d-model 256 --steps 30 # a small check (seconds)
 """
 
@@ -70,10 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=20, help="transformer blocks (12 d^2 parameters each)")
     p.add_argument("--d-model", type=int, default=4096, help="embedding width")
     p.add_argument("--heads", type=int, default=32, help="attention heads")
-    p.add_argument("--steps", type=int, default=6, help="training steps")
+    p.add_argument("--steps", type=int, default=8, help="training steps")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--lr", type=float, default=2e-6, help="learning rate (without warm-up, 1e-5 diverges at this width: torch AdamW too)")
+    p.add_argument("--lr", type=float, default=1e-6, help="learning rate (without warm-up; 1e-5 diverges a 1.2B slice of this model, torch AdamW too)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
     return p.parse_args(argv)
 
