@@ -424,12 +424,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # GradScaler then hands step() itself (grad_scaler=), which refuses it under step_in_backward
+        # GradScaler then sets grad_scale and found_inf on the optimizer and calls step(), which
+        # refuses it under step_in_backward (instead of an assertion about missing inf checks)
         return self._step_in_backward
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):
-        if grad_scaler is not None:
+    def step(self, closure=None):
+        if self._step_in_backward and "grad_scale" in self.__dict__:
             raise RuntimeError(
                 "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after "
                 "backward, and the step in backward has already used them (scaled). Train in bf16 (autocast "
