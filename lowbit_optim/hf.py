@@ -24,7 +24,12 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       per-module group options, see ``param_groups_by_module``.
     - Biases and norm weights (parameters of fewer than 2 dims) get no weight decay, as in
       Trainer's default groups for transformer models. Frozen parameters are left out.
+    - ``step_in_backward=True`` is refused where Trainer would act on gradients after backward:
+      gradient accumulation (Trainer runs several backward passes per step without telling the
+      optimizer) and its clipping (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
     """
+    if args is not None and kwargs.get("step_in_backward"):
+        _check_step_in_backward(args)
     if args is not None:
         from_args = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
         if issubclass(optimizer_cls, Adam):
@@ -39,3 +44,18 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
             if chosen:
                 params.append({**group, "params": chosen, **({} if decay else {"weight_decay": 0.0})})
     return optimizer_cls, {**kwargs, "params": params}
+
+
+def _check_step_in_backward(args) -> None:
+    if args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"step_in_backward=True steps at every backward, and Trainer runs gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
+            "larger per-device batch), or step after backward"
+        )
+    if args.max_grad_norm:
+        raise ValueError(
+            f"Trainer clips gradients after backward (max_grad_norm={args.max_grad_norm}), when step_in_backward=True "
+            "has already used and freed them: set TrainingArguments(max_grad_norm=0) and pass max_grad_norm=... to "
+            "optimizer_cls_and_kwargs instead (it clips in backward)"
+        )

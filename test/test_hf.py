@@ -97,6 +97,21 @@ def test_helper_takes_training_arguments(tmp_path):
         assert g["state_format"] == ("fp32" if embedding else "4bit")
 
 
+def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
+    """Trainer accumulates and clips gradients after backward; the step in backward has used them."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(4, 4)
+    args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                           gradient_accumulation_steps=1, max_grad_norm=0.0)  # fmt: skip
+    cls, kwargs = optimizer_cls_and_kwargs(model, args, step_in_backward=True, max_grad_norm=1.0)
+    assert cls(kwargs.pop("params"), **kwargs)._step_in_backward
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 backward passes per step"):
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "gradient_accumulation_steps": 4}), step_in_backward=True)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0\), when step_in_backward=True .*max_grad_norm=0"):
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "max_grad_norm": 1.0}), step_in_backward=True)
+
+
 @pytest.mark.parametrize("cls", [lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix])
 def test_helper_builds_other_optimizers(tmp_path, cls):
     """TrainingArguments' lr and weight decay reach any optimizer; its Adam betas and eps reach only
