@@ -11,7 +11,9 @@ last gradients exist. ``max_grad_norm`` gives each gradient clip_grad_norm_'s co
 ``min(1, max_norm / (norm + 1e-6))``, for an estimate of this step's global norm: the larger of the
 previous step's and the norm of this step's gradients seen so far (a lower bound of this step's, so
 a first step, or a spike, is clipped as soon as it shows). ``last_grad_norm`` reports each step's
-norm, as clip_grad_norm_ returns it, when backward ends.
+norm, as clip_grad_norm_ returns it, when backward ends. Under FSDP2 a hook sees its rank's shard:
+the norm so far is this rank's (still a lower bound of the step's), and the step's global norm is
+summed over the ranks once, when backward ends.
 """
 
 import functools
@@ -19,9 +21,10 @@ import math
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import is_dtensor
+from .distributed import is_dtensor, local
 
 # torch.nn.utils.clip_grads_with_norm_'s guard against a zero norm
 _CLIP_EPS = 1e-6
@@ -31,10 +34,10 @@ def hook_params(optimizer, group: dict, index: int) -> None:
     """Step each parameter of param group ``index`` in backward."""
     owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
     for p in group["params"]:
-        if optimizer._max_grad_norm is not None and is_dtensor(p):
+        if optimizer._max_grad_norm is not None and is_dtensor(p) and p.device_mesh.ndim != 1:
             raise ValueError(
-                "max_grad_norm with step_in_backward=True needs the global norm of every rank's gradient shards, which "
-                "it does not gather yet: under FSDP2 drop max_grad_norm, or step after backward with clip_grad_norm_"
+                f"max_grad_norm with step_in_backward=True sums gradient norms over a 1-D mesh (FSDP2's fully_shard); "
+                f"this parameter is on a {p.device_mesh.ndim}-D mesh: drop max_grad_norm"
             )
         p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
 
@@ -62,9 +65,10 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
         optimizer._backward_square_sum = torch.zeros((), device=grad.device)
         owner = weakref.ref(optimizer)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(owner))
-    norm = norms[param] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
-    optimizer._backward_square_sum += norm.to(grad.device).square()
-    estimate = torch.maximum(optimizer._backward_square_sum.sqrt(), optimizer._previous_norm.to(grad.device))
+    shard = local(grad)  # under FSDP2, this rank's rows: their sums add up over the ranks at the end
+    norm = norms[param] = torch.linalg.vector_norm(shard, 2, dtype=torch.float32)
+    optimizer._backward_square_sum = optimizer._backward_square_sum.to(shard.device) + norm.square()
+    estimate = torch.maximum(optimizer._backward_square_sum.sqrt(), optimizer._previous_norm.to(shard.device))
     return torch.clamp(optimizer._max_grad_norm / (estimate + _CLIP_EPS), max=1.0)
 
 
@@ -76,10 +80,17 @@ def _end_of_backward(owner: weakref.ref) -> None:
         return
     norms = optimizer.__dict__.pop("_backward_norms", {})
     optimizer.__dict__.pop("_backward_square_sum", None)
-    ordered = [norms[p] for group in optimizer.param_groups for p in group["params"] if p in norms]
+    ordered = [(p, norms[p]) for group in optimizer.param_groups for p in group["params"] if p in norms]
     if not ordered:
         return
-    set_last_grad_norm(optimizer, torch.linalg.vector_norm(torch.stack([n.cpu() for n in ordered]), 2))
+    sharded = [n for p, n in ordered if is_dtensor(p)]
+    if not sharded:
+        set_last_grad_norm(optimizer, torch.linalg.vector_norm(torch.stack([n.cpu() for _, n in ordered]), 2))
+        return
+    square_sum = torch.stack(sharded).square().sum()  # this rank's shards: summed over the ranks
+    dist.all_reduce(square_sum, group=next(p for p, _ in ordered if is_dtensor(p)).device_mesh.get_group())
+    whole = [n.to(square_sum.device) for p, n in ordered if not is_dtensor(p)]  # the same on every rank: once
+    set_last_grad_norm(optimizer, (square_sum + torch.stack(whole).square().sum() if whole else square_sum).sqrt())
 
 
 def set_last_grad_norm(optimizer, norm) -> None:

@@ -385,7 +385,45 @@ def _step_in_backward_scenario(rank: int, world: int) -> dict:
     out["grads_left"] = out["grads_left"][STEPS:]  # the in-backward run's
     out["params_exact"] = _same_tree({n: _local(p).detach() for n, p in runs[0][0].items()}, {n: _local(p).detach() for n, p in runs[1][0].items()})
     out["states_exact"] = _same_tree(runs[0][1], runs[1][1])
+    out.update(_clipping_in_backward(rank, world))
     return out
+
+
+def _clipping_in_backward(rank: int, world: int, max_grad_norm: float = 0.05) -> dict:
+    """max_grad_norm in backward on FSDP2: each hook clips with the larger of the previous step's
+    global norm and this rank's norm so far; the step's global norm is summed over the ranks at the
+    end. The reference steps after backward and clips each local gradient by that rule (the hooks'
+    order recorded by a hook of its own)."""
+    import lowbit_optim
+
+    (model, opt), (ref, ref_opt) = (_build("8bit", True, "SGD", lr=0.1, momentum=0.9, **extra) for extra in (dict(step_in_backward=True, max_grad_norm=max_grad_norm), {}))
+    order = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(order.append)
+    pairs = dict(zip(model.parameters(), ref.parameters()))
+    norms, references, previous = [], [], torch.zeros(())
+    for step in range(STEPS):
+        order.clear()
+        model(_batch(step, rank, world)).backward()
+        ref(_batch(step, rank, world)).backward()
+        square_sum = torch.zeros(())
+        local_squares = [torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float32).square() for p in ref.parameters()]
+        for p in [pairs[q] for q in order]:
+            square_sum += torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float32).square()
+            _local(p.grad).mul_(torch.clamp(max_grad_norm / (torch.maximum(square_sum.sqrt(), previous) + 1e-6), max=1.0))
+        total = torch.stack(local_squares).sum()
+        dist.all_reduce(total)
+        previous = total.sqrt()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norms.append(float(opt.last_grad_norm))
+        references.append(float(previous))
+    return {
+        "clipped_norms": norms,
+        "clipped_reference_norms": references,
+        "clipped_params_exact": _same_tree({n: _local(p).detach() for n, p in _params(model).items()}, {n: _local(p).detach() for n, p in _params(ref).items()}),
+        "clipping_bites": all(n > max_grad_norm for n in references) and isinstance(opt, lowbit_optim.SGD),
+    }
 
 
 def _same_tree(a: dict, b: dict) -> bool:
@@ -646,13 +684,16 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
 def test_step_in_backward_equals_stepping_after_backward(job):
     """FSDP2 calls each sharded parameter's post-accumulate-grad hooks after its reduce-scatter: the
     step in backward sees the reduced local shard and gives the bits of stepping after backward, with
-    gradient accumulation, and leaves no gradient behind."""
+    gradient accumulation, and leaves no gradient behind; max_grad_norm clips by its rule (this rank's
+    norm so far, the previous step's global norm) and reports the global norm."""
     for rank, found in enumerate(job):
         result = found.get("step_in_backward")
         if result is None or "error" in result:
             pytest.fail(f"rank {rank}: {result['error'] if result else found['log']}")
         assert result["params_exact"] and result["states_exact"]
         assert result["grads_left"] == [False] * STEPS
+        assert result["clipping_bites"] and result["clipped_params_exact"]
+        assert result["clipped_norms"] == pytest.approx(result["clipped_reference_norms"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
