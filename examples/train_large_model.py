@@ -8,8 +8,8 @@ near 1.3B parameters. Here each parameter costs about 4.1 bytes:
 - AdamW's two moments in 4-bit codes with block scales (~1.07 bytes);
 - ``step_in_backward=True``: each parameter is stepped as soon as backward has produced its gradient,
   and the gradient is freed, so gradients never add up to a model's worth;
-- ``max_grad_norm=1.0``: gradients clipped with the previous step's global norm (the step in backward
-  cannot wait for this step's).
+- ``max_grad_norm=1.0``: gradients clipped with the larger of the previous step's global norm and this
+  step's norm so far (the step in backward cannot wait for this step's).
 
 It trains the char GPT of train_char_gpt.py (Python's help text, nothing downloaded) for a few steps and
 prints each step's loss and the process's peak memory per parameter::

@@ -781,6 +781,8 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
     floating = name != "param_correction"  # int8-correction's rounding errors are int8
     if value.is_floating_point() != floating:
         raise ValueError(f"{where} has dtype {value.dtype}, not a {'floating-point' if floating else 'integer'} dtype")
+    if not floating and value.dtype != torch.int8:
+        raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
     if isinstance(local(value), StateTensor):
         try:
             local(value).check_layout()

@@ -11,7 +11,8 @@ last gradients exist. ``max_grad_norm`` gives each gradient clip_grad_norm_'s co
 ``min(1, max_norm / (norm + 1e-6))``, for an estimate of this step's global norm: the larger of the
 previous step's and the norm of this step's gradients seen so far (a lower bound of this step's, so
 a first step, or a spike, is clipped as soon as it shows). ``last_grad_norm`` reports each step's
-norm, as clip_grad_norm_ returns it, when backward ends. Under FSDP2 a hook sees its rank's shard:
+norm, as clip_grad_norm_ returns it, when backward ends (not with reentrant activation checkpointing,
+``use_reentrant=True``, whose inner backward passes end the count early). Under FSDP2 a hook sees its rank's shard:
 the norm so far is this rank's (still a lower bound of the step's), and the step's global norm is
 summed over the ranks once, when backward ends.
 """
@@ -60,6 +61,8 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     """The coefficient for ``grad``: clip_grad_norm_'s for the larger of the previous step's norm and
     the norm of this step's gradients so far, ``grad`` included."""
     norms = optimizer.__dict__.get("_backward_norms")
+    if norms is not None and param in norms:  # an earlier backward raised before its end: drop what it left
+        norms = None
     if norms is None:  # the first gradient of this backward: queue the bookkeeping that ends it
         norms = optimizer._backward_norms = {}
         optimizer._backward_square_sum = torch.zeros((), device=grad.device)

@@ -1,6 +1,7 @@
 """The usual Muon recipe: Muon on a model's hidden matrices, AdamW on everything else, as one
 optimizer object (``MuonWithAdamW``) or as the split alone (``muon_split``)."""
 
+import contextlib
 import fnmatch
 from collections.abc import Mapping
 
@@ -50,6 +51,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | None = None, **options):
+        if any((part or {}).get("max_grad_norm") is not None for part in (options, muon, adamw)):
+            raise ValueError(
+                "max_grad_norm on MuonWithAdamW would clip Muon's and AdamW's gradients against two separate norms: "
+                "build Muon and AdamW yourself (muon_split) if you want that, or drop max_grad_norm"
+            )
         matrices, rest = muon_split(model, head)
         if not matrices:
             raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
@@ -60,6 +66,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups = [*self.muon.param_groups, *(self.adamw.param_groups if self.adamw else [])]
         self.state = _States([o.state for o in self.optimizers])
         self._built = True
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Both optimizers' ``accumulating()`` (step_in_backward's gradient accumulation)."""
+        with contextlib.ExitStack() as stack:
+            for optimizer in self.optimizers:
+                stack.enter_context(optimizer.accumulating())
+            yield self
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__)  # torch.optim keeps only defaults, state and groups; the two optimizers are the rest

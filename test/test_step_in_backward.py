@@ -284,3 +284,48 @@ def test_freed_optimizer_leaves_inert_hooks():
     del opt
     _loss(model, 0).backward()
     assert all(p.grad is not None for p in model.parameters())  # nothing stepped, nothing freed
+
+
+def test_a_backward_that_raises_leaves_no_stale_clipping():
+    """A backward that raises midway never ends its norm count; the next backward starts afresh."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    models, opts = _clipped_pair(0.05)
+    model, opt = models[1], opts[1]
+    x, _ = regression_data(model[-1].out_features)
+    with pytest.raises(RuntimeError, match="boom"):
+        (model[2](Fails.apply(model[1](model[0](x)))) ** 2).mean().backward()  # the last layer steps first
+    assert opt.last_grad_norm is None
+    reference = copy.deepcopy(model)  # hooks are not copied: its backward only computes gradients
+    _loss(model, 0).backward()
+    _loss(reference, 0).backward()
+    torch.testing.assert_close(opt.last_grad_norm, torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+
+
+def test_muon_with_adamw_accumulates_and_refuses_two_clipping_norms():
+    models = [OPTIMIZERS[0].mlp() for _ in range(2)]
+    opts = [lowbit_optim.MuonWithAdamW(m, state_format="8bit", min_quantize_numel=0, step_in_backward=sib) for m, sib in zip(models, (False, True))]
+    _train_both(models, opts, micro_batches=2)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert_same_bits(p, q, tuple(p.shape))
+    with pytest.raises(ValueError, match="two separate norms"):
+        lowbit_optim.MuonWithAdamW(models[0], step_in_backward=True, max_grad_norm=1.0)
+
+
+def test_a_correction_of_another_dtype_is_refused_at_load():
+    model = OPTIMIZERS[0].mlp(dtype=torch.bfloat16)
+    opt = lowbit_optim.AdamW(model.parameters(), param_update="int8-correction")
+    _loss(model, 0).backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["param_correction"] = saved["state"][0]["param_correction"].to(torch.int16)
+    with pytest.raises(ValueError, match="param_correction.* has dtype torch.int16: int8-correction keeps int8"):
+        opt.load_state_dict(saved)
