@@ -118,12 +118,12 @@ def _pieces(call: tuple) -> list[tuple]:
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(COMPILED_CHUNK // unit, 1) * unit
+    pieces = [tuple(a[start : start + size] if sliced else a for a, sliced in zip(call, cut)) for start in range(0, n, size)]
     step = call[2]
-    before = step.clone() if step is not None else None
-    return [
-        tuple(a[start : start + size] if sliced else (before.clone() if a is step and start and step is not None else a) for a, sliced in zip(call, cut))
-        for start in range(0, n, size)
-    ]  # fmt: skip
+    if step is not None:  # the first slice counts the step; the others count copies of its value before it
+        before = step.clone()
+        pieces[1:] = [(*piece[:2], before.clone(), *piece[3:]) for piece in pieces[1:]]
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -416,11 +416,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return like_param(state, param)
 
     # ---- stepping -------------------------------------------------------------------------------
-
-    @property
-    def _previous_norm(self) -> Tensor:
-        # what max_grad_norm in backward takes for the previous step's norm: 0 before the first
-        return self.last_grad_norm if self.last_grad_norm is not None else torch.zeros(())
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

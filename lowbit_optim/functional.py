@@ -265,6 +265,10 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
     return x.T if tall else x
 
 
+# the parts compiled alone (muon_fsdp.py) compile with muon_step's options
+newton_schulz.inductor_options = muon_momentum.inductor_options = muon_apply.inductor_options = muon_step.inductor_options
+
+
 def muon_lr_ratio(shape, adjust_lr_fn: str | None) -> float:
     """torch.optim.Muon's lr scale for a (rows, cols) matrix: sqrt(max(1, rows / cols)) ("original",
     the default), 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", an update of AdamW's RMS)."""

@@ -71,7 +71,8 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     shard = local(grad)  # under FSDP2, this rank's rows: their sums add up over the ranks at the end
     norm = norms[param] = torch.linalg.vector_norm(shard, 2, dtype=torch.float32)
     optimizer._backward_square_sum = optimizer._backward_square_sum.to(shard.device) + norm.square()
-    estimate = torch.maximum(optimizer._backward_square_sum.sqrt(), optimizer._previous_norm.to(shard.device))
+    previous = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.zeros(())  # 0 before the first step
+    estimate = torch.maximum(optimizer._backward_square_sum.sqrt(), previous.to(shard.device))
     return torch.clamp(optimizer._max_grad_norm / (estimate + _CLIP_EPS), max=1.0)
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from . import functional, precision
-from .base import param_update_of
+from .base import compiled_step, param_update_of
 from .distributed import local
 
 
@@ -101,19 +101,15 @@ class _Job:
 
 
 class _Parts:
+    """The three parts of functional.muon_step, compiled as the optimizer's step is (or eager)."""
+
     def __init__(self, compile: bool):
-        wrap = _compiled if compile else (lambda fn: fn)
-        self.momentum = wrap(functional.muon_momentum)
-        self.newton_schulz = wrap(functional.newton_schulz)
-        self.apply = wrap(functional.muon_apply)
+        part = compiled_step if compile else (lambda fn: fn)
+        self.momentum = part(functional.muon_momentum)
+        self.newton_schulz = part(functional.newton_schulz)
+        self.apply = part(functional.muon_apply)
 
 
 @functools.cache
 def _parts(compile: bool) -> _Parts:
     return _Parts(compile)
-
-
-@functools.cache
-def _compiled(fn):
-    # the iterations in bf16 round as eager does (functional.muon_step's inductor options)
-    return torch.compile(fn, fullgraph=True, dynamic=True, options=functional.muon_step.inductor_options)
