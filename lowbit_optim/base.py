@@ -675,7 +675,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {describe_tensor(step)}: "
                 "it must be a number or a one-element tensor"
             )
-        state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+        # 0-dim, as the counters it makes: a (1, 1) one would broadcast the compiled step's parameter
+        state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu().reshape(())
 
 
 @torch.compiler.disable

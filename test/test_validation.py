@@ -143,6 +143,20 @@ def test_checkpoint_step_must_be_a_number(step):
         opt.load_state_dict(load(save(state_dict)))
 
 
+def test_a_one_element_step_loads_as_a_counter():
+    """A one-element step of any shape loads as the 0-dim counter the optimizer makes: a (1, 1) one
+    kept as is broadcast the compiled step's parameter to (1, n) and failed."""
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    opt = lowbit_optim.AdamW([param], compile=True, fused=False)
+    param.grad = torch.randn(8, 8)
+    opt.step()
+    state_dict = opt.state_dict()
+    state_dict["state"][0]["step"] = torch.ones(1, 1)
+    opt.load_state_dict(state_dict)
+    opt.step()
+    assert opt.state[param]["step"].shape == () and opt.state[param]["step"].item() == 2
+
+
 # ---- a gradient of another shape ---------------------------------------------------------------
 
 
