@@ -105,8 +105,8 @@ def _pieces(call: tuple) -> list[tuple]:
     consecutive slices of at most about COMPILED_CHUNK elements on the states' block boundaries, so
     each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
     stochastic rounding depends on an element's place in its block). The step counter is counted
-    once: the later slices get a copy of its value before the step. A factored state (sums over
-    whole rows and columns) is never cut, nor a parameter of one chunk."""
+    once: the later slices get a copy of its value before the step. A state whose blocks are not
+    independent (factored sums, a low-rank part) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
     if n <= COMPILED_CHUNK or not cut[0]:
@@ -114,7 +114,7 @@ def _pieces(call: tuple) -> list[tuple]:
     unit = 1
     for a, sliced in zip(call, cut):
         if sliced and isinstance(a, StateTensor):
-            if not isinstance(a, OptimState):
+            if not (isinstance(a, OptimState) and a.independent_blocks):
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(COMPILED_CHUNK // unit, 1) * unit

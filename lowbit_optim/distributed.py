@@ -138,6 +138,12 @@ torch.serialization.add_safe_globals([ShardView])  # DCP loads checkpoints with 
 def _shard_view(state: OptimState, index) -> ShardView:
     # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
     # write the state through a view that can be cut at any row, so checkpoints reshard
+    if not state.independent_blocks:  # a view of codes and scales alone would drop the rest silently
+        raise NotImplementedError(
+            f"{type(state).__name__} ({state.name!r} state format) cannot be saved or loaded through "
+            "torch.distributed.checkpoint: its values are not codes and block scales alone. Use torch.save of "
+            "optimizer.state_dict(), or a blockwise format such as '8bit'"
+        )
     return ShardView(state)
 
 

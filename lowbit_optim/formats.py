@@ -249,12 +249,15 @@ class OptimStateFp8(OptimState):
 
 
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
+from .lowrank import LowRankState, OptimState8bitLowRank  # noqa: E402
 
 
 __all__ = [
     "BF16",
     "FactoredState",
     "FP32",
+    "LowRankState",
+    "OptimState8bitLowRank",
     "OptimState8bit",
     "OptimState4bit",
     "OptimState4bitUncalibrated",

@@ -43,6 +43,12 @@ def dynamic_codebook(signed: bool, exponent_bits: int, total_bits: int) -> list[
     return codebook
 
 
+def linear_codebook(total_bits: int) -> list[float]:
+    """-1, ..., -1/n, 0, 1/n, ..., 1 with n = 2**(bits - 1) - 1: evenly spaced, symmetric, an exact zero."""
+    n = 2 ** (total_bits - 1) - 1
+    return [k / n for k in range(-n, n + 1)]
+
+
 def linear_codebook_without_zero(total_bits: int) -> list[float]:
     """1/n, 2/n, ..., 1: lpmm's second-moment codebook. Having no zero code means a small v never
     becomes 0, which would blow up the update m / (sqrt(v) + eps) (the "zero-point problem")."""

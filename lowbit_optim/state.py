@@ -241,7 +241,7 @@ class StateTensor(Tensor):
                 parts.append(inspect.getsource(fn))
             except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
                 parts.append(fn.__qualname__)
-        parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max")))
+        parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max", "inner_names", "inner_dtypes")))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def __repr__(self):
@@ -270,6 +270,9 @@ class OptimState(StateTensor):
     bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+    # whether each block is stored apart from the others, so that a slice on block boundaries is a
+    # state of its own (the compiled step cuts large parameters so, base._pieces)
+    independent_blocks: ClassVar[bool] = True
 
     codes: Tensor
     scale: Tensor
@@ -321,14 +324,19 @@ class OptimState(StateTensor):
     def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
         """A state of logical ``shape`` holding zeros (all-zero scales)."""
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
+        return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
+
+    @classmethod
+    def _zero_blocks(cls, numel: int, signed: bool, block_size: int | None, device) -> tuple[Tensor, Tensor, int]:
+        """(codes, scale, block_size) of ``numel`` zeros."""
         block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
-        blocks = quant.num_blocks(shape.numel(), block_size)
+        blocks = quant.num_blocks(numel, block_size)
         codes = cls.encode(torch.zeros(block_size, dtype=torch.float32, device=device), signed)  # zero's code, once
         codes = codes.repeat(blocks)
         if cls.bits == 4:
             codes = quant.pack_nibbles(codes)
-        scale = torch.zeros(blocks, dtype=torch.float32, device=device)
-        return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
+        return codes, torch.zeros(blocks, dtype=torch.float32, device=device), block_size
 
     def _meta(self) -> tuple:
         return (self.block_size, self.signed)

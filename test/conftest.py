@@ -50,8 +50,9 @@ class FormatInfo:
 
     @property
     def blockwise(self) -> bool:
-        """Codes and a scale per block (an OptimState)."""
-        return is_blockwise(self.fmt)
+        """Codes and a scale per block of the values themselves (an OptimState whose blocks are
+        independent; not 8bit-lowrank, whose codes hold a residual: test_lowrank.py)."""
+        return is_blockwise(self.fmt) and self.fmt.independent_blocks
 
     @property
     def block_size(self):
@@ -121,7 +122,7 @@ class FormatInfo:
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
 BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "fp8", "factored"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "fp8", "factored", "8bit-lowrank"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])

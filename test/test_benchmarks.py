@@ -182,8 +182,8 @@ def test_step_time_muon_smoke(eager_lowbit_step, monkeypatch):
     step_time = import_script("benchmarks/step_time")
     monkeypatch.setattr(step_time.torch, "compile", lambda fn, **kwargs: fn)
     args = step_time.parse_args(["--optimizer", "muon", "--layers", "1", "--d", "32", "--vocab", "64", "--ctx", "16", "--steps", "1",
-                                 "--warmup", "0", "--only", "torch-muon,lowbit-8bit,newton-schulz"])  # fmt: skip
+                                 "--warmup", "0", "--only", "torch-muon,lowbit-8bit,lowbit-8bit-lowrank,newton-schulz"])  # fmt: skip
     results = {r.label: r for r in step_time.main(args)}
-    assert set(results) == {"torch-muon", "lowbit-8bit", "newton-schulz"} and results["torch-muon"].ratio_to_fused == 1.0
+    assert set(results) == {"torch-muon", "lowbit-8bit", "lowbit-8bit-lowrank", "newton-schulz"} and results["torch-muon"].ratio_to_fused == 1.0
     assert all(r.median_step_s > 0 for r in results.values()), [r.note for r in results.values()]
     assert results["newton-schulz"].state_bytes_per_param == 0 and results["lowbit-8bit"].state_bytes_per_param > 0

@@ -34,6 +34,7 @@ from conftest import (
 from lowbit_optim import quant
 from lowbit_optim.factored import factor_shape
 from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
+from lowbit_optim.lowrank import LowRankState
 from lowbit_optim.state import CodebookState, OptimState, StateTensor
 
 BUILTIN_BLOCKWISE = [name for name in BUILTIN_FORMAT_NAMES if is_blockwise(get_format(name))]
@@ -241,7 +242,7 @@ def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> 
     reproduces it."""
     fmt, block_size = info.fmt, info.block_size
     g = torch.Generator().manual_seed(seed)
-    if not info.blockwise:
+    if not is_blockwise(fmt):
         rows, cols = factor_shape(torch.Size(shape))
         state = fmt(torch.rand(rows, generator=g) + 0.5, torch.rand(cols, generator=g) + 0.5, torch.Size(shape), signed)
     else:
@@ -250,7 +251,13 @@ def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> 
         codes = fmt.encode(normalized * (fmt.scale_max / 2), signed)
         if fmt.bits == 4:
             codes = quant.pack_nibbles(codes)
-        state = fmt(codes, torch.rand(blocks, generator=g) + 0.5, torch.Size(shape), block_size, signed)
+        scale = torch.rand(blocks, generator=g) + 0.5
+        if issubclass(fmt, LowRankState):  # and factors that are not the subspace iteration's
+            zero = fmt.zeros(shape, signed, block_size)
+            left, right = (torch.randn(t.numel(), generator=g).to(t.dtype) for t in (zero.left, zero.right))
+            state = fmt(codes, scale, left, right, torch.Size(shape), block_size, signed, zero.rank)
+        else:
+            state = fmt(codes, scale, torch.Size(shape), block_size, signed)
     requantized = fmt.from_float(state.dequantize(), signed, block_size)
     assert not all(torch.equal(t, getattr(state, n)) for n, t in requantized._inner().items()), "test setup: requantizing should change it"
     return state
@@ -713,10 +720,11 @@ def test_in_place_ops_write_back(info, signed, op):
     same state object."""
     state = info.fmt.from_float(sample((3, 100), signed), signed)
     x = sample((3, 100), signed, seed=1)
-    expected = op(state.dequantize(), x)
+    expected = copy.deepcopy(state)  # copy_ into it: a format may start from what it holds (8bit-lowrank)
+    expected.copy_(op(state.dequantize(), x))
     assert op(state, x) is state
     assert type(state) is info.fmt
-    assert_same_state(state, info.fmt.from_float(expected, signed))
+    assert_same_state(state, expected)
 
 
 VIEW_OPS = {
@@ -890,7 +898,13 @@ fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   last:  0.785714, 0.857143, 0.928571, 1
 fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
-  last:  0.785714, 0.857143, 0.928571, 1""")
+  last:  0.785714, 0.857143, 0.928571, 1
+8bit-lowrank signed: n=255 min=-1 max=1 smallest_positive=0.00787402
+  first: -1, -0.992126, -0.984252, -0.976378
+  last:  0.976378, 0.984252, 0.992126, 1
+8bit-lowrank unsigned: n=256 min=0.00390625 max=1 smallest_positive=0.00390625
+  first: 0.00390625, 0.0078125, 0.0117188, 0.015625
+  last:  0.988281, 0.992188, 0.996094, 1""")
 
     def test_4bit_codebooks(self):
         rendered = "\n".join(
@@ -937,7 +951,8 @@ OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torc
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState8bitSR(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
-FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)""")
+FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)
+OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype=torch.float32, device=cpu)""")
 
     def test_builtin_bytes_per_element(self):
         """Memory of the inner tensors (codes + scales, or factors) of a 256 x 256 state with the
@@ -957,7 +972,8 @@ nf4: 0.53125
 4bit: 0.53125
 8bit-sr: 1.015625
 fp8: 1.015625
-factored: 0.03125""")
+factored: 0.03125
+8bit-lowrank: 2.015625""")
 
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:

@@ -1,0 +1,162 @@
+"""LowRankState: a matrix state as a low-rank part in fp32 plus 8-bit codes of what that part misses.
+
+Made for Muon's momentum. Newton-Schulz orthogonalization brings every singular value of the
+momentum near 1, so the quantization noise of a blockwise 8-bit state, white and spread over all
+directions, is lifted to full strength in the directions where the momentum itself is weak; and the
+momentum's average carries that noise from step to step. On the MLP task of
+``benchmarks/convergence.py`` plain 8-bit momentum costs Muon +18 % training loss, and fresh
+Gaussian noise of the same size costs the same, so it is the noise's size, not rounding bias.
+
+A momentum matrix M (rows x cols) is mostly a few strong directions. This state keeps
+
+    M = left @ right.T + residual
+
+with ``left`` (rows x rank, orthonormal columns) and ``right`` (cols x rank) in fp32 and the residual
+in 8-bit blockwise codes on an even grid. Each write (``copy_``) runs one step of subspace iteration,
+warm-started from the previous ``right``: left = orth(M @ orth(right)), right = M.T @ left, so the
+low-rank part follows M's strongest directions across steps at the cost of two small QRs and two
+(rows x cols x rank) products. The residual holds the weak directions, so its codes' noise is a
+fraction of theirs rather than of the strongest values (benchmarks/results/convergence_mlp_muon.md).
+
+Costs: (rows + cols) * rank * 4 bytes on top of 1 byte per element; at rank 32 that is 0.06 bytes
+per element of a 4096 x 4096 matrix, and a whole byte of a 256 x 256 one. (bf16 factors were as
+accurate on the MLP task, but their rounding turns fp32 round-off between the compiled and the eager
+step into different residual codes.) States of fewer than 2 dimensions and nonnegative states
+(second moments: a low-rank part could read negative) keep no low-rank part, only the codes, on the
+even grid without zero of ``int8-linear``, so that a small v never reads as 0. The state's matrix is
+(shape[0], numel // shape[0]); a view keeps its owner's factors. It takes the compiled step (no
+fused kernel). It cannot be cut into row slices (the low-rank part spans every row), so
+torch.distributed.checkpoint refuses it (distributed.py) and FSDP2 runs are untested; torch.save of
+the optimizer's state_dict holds it whole.
+"""
+
+import functools
+import hashlib
+import inspect
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from . import quant
+from .state import CodebookState, _format_name
+
+
+def start_basis(cols: int, rank: int, device) -> Tensor:
+    """A fixed dense (cols x rank) matrix to start the subspace iteration from when there is no
+    previous one: values of an integer hash, so that it has no zero rows (no column of the state is
+    missed), draws nothing from the random stream, and is the same number eager and compiled."""
+    i = torch.arange(cols, dtype=torch.int64, device=device)[:, None]
+    j = torch.arange(1, rank + 1, dtype=torch.int64, device=device)[None, :]
+    return ((i * 7919 + j * 104729) % 65521).float() / 65521 - 0.5
+
+
+class LowRankState(CodebookState):
+    """A state as ``left @ right.T`` plus blockwise codes of the residual (module docstring).
+    Subclasses set ``name``, ``rank`` and the residual's ``codebook``."""
+
+    inner_names = ("codes", "scale", "left", "right")
+    inner_dtypes = (torch.uint8, torch.float32, torch.float32, torch.float32)
+    independent_blocks = False  # the low-rank part spans the whole matrix
+    rank: ClassVar[int] = 32  # the most directions the low-rank part keeps
+
+    left: Tensor
+    right: Tensor
+
+    @staticmethod
+    def __new__(cls, codes, scale, left, right, shape, block_size: int, signed: bool, rank: int, dtype=torch.float32):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes, scale, left, right, shape, block_size: int, signed: bool, rank: int, dtype=torch.float32):
+        super().__init__(codes, scale, shape, block_size, signed, dtype)
+        self.left, self.right = left, right
+        self.rank = rank
+
+    @classmethod
+    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
+        rows = shape[0] if len(shape) >= 2 else 0
+        cols = shape.numel() // rows if rows else 0
+        rank = min(cls.rank, rows, cols) if signed else 0
+        left = torch.zeros(rows * rank, dtype=torch.float32, device=device)
+        right = torch.zeros(cols * rank, dtype=torch.float32, device=device)
+        return cls(codes, scale, left, right, shape, block_size, signed, rank, dtype or torch.float32)
+
+    def _meta(self) -> tuple:
+        return (self.block_size, self.signed, self.rank)
+
+    def _matrix_shape(self) -> tuple[int, int]:
+        return self.left.numel() // self.rank, self.right.numel() // self.rank
+
+    def _check_sizes(self) -> None:
+        super()._check_sizes()
+        rank = self.rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank is {rank!r}, not an int >= 0")
+        if rank == 0 and self.left.numel() + self.right.numel():
+            raise ValueError(f"rank 0 keeps no factors, but left has {self.left.numel()} and right {self.right.numel()} elements")
+        if rank:
+            rows, cols = self._matrix_shape()
+            if rows * rank != self.left.numel() or cols * rank != self.right.numel() or rows * cols != self.numel() or rank > min(rows, cols):
+                raise ValueError(
+                    f"left has {self.left.numel()} and right {self.right.numel()} elements: not the rank-{rank} factors of a "
+                    f"matrix of {self.numel()} elements"
+                )
+
+    def _describe(self) -> dict:
+        return super()._describe() | {"rank": self.rank}
+
+    @classmethod
+    @functools.cache
+    def _numerics_fingerprint(cls, signed: bool) -> str:
+        # the subspace iteration's start lives outside the methods the base hashes
+        text = inspect.getsource(start_basis) + inspect.getsource(LowRankState._low_rank)
+        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+
+    def quantize_(self, x: Tensor) -> None:
+        values = x.float()
+        if self.rank:
+            rows, cols = self._matrix_shape()
+            matrix = values.reshape(rows, cols)
+            previous = self.right.view(cols, self.rank).float()
+            start = torch.where(previous.abs().sum() > 0, previous, start_basis(cols, self.rank, x.device))
+            left = torch.linalg.qr(matrix @ torch.linalg.qr(start).Q).Q
+            self.left.copy_(left.reshape(-1))
+            self.right.copy_((matrix.T @ left).reshape(-1))
+            # the residual of the product as dequantize computes it, the factors' bf16 rounding included
+            values = values - self._low_rank()
+        super().quantize_(values)
+
+    def _low_rank(self) -> Tensor:
+        rows, cols = self._matrix_shape()
+        return (self.left.view(rows, self.rank).float() @ self.right.view(cols, self.rank).float().T).view(self.shape)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        values = super().dequantize(torch.float32)
+        if self.rank:
+            values = values + self._low_rank()
+        return values.to(dtype or self.dtype)
+
+    def _rows(self, start: int, end: int) -> "LowRankState":
+        if self.rank:
+            raise NotImplementedError(
+                f"{_format_name(self)} of shape {tuple(self.shape)} cannot be cut into rows [{start}:{end}]: its rank-{self.rank} "
+                "part spans every row. Call .dequantize() first, or use a blockwise format where states are resharded"
+            )
+        return super()._rows(start, end)
+
+
+class OptimState8bitLowRank(LowRankState):
+    """``8bit-lowrank``: a rank-32 fp32 part plus 8-bit codes on an even grid (255 signed values with
+    an exact zero; nonnegative states 1/256, ..., 1), blocks of 256. For Muon's momentum (module
+    docstring); a subclass with another ``rank`` and ``name`` is another format."""
+
+    name = "8bit-lowrank"
+    bits = 8
+    default_block_size = 256
+    rank = 32
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.linear_codebook(8) if signed else quant.linear_codebook_without_zero(8)

@@ -1,0 +1,133 @@
+"""8bit-lowrank against float64 references: what it stores (a subspace iteration's low-rank part plus
+nearest codes of the residual), how closely it follows a matrix, and what it costs. Its tensor
+behaviour (copies, views, checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
+
+import expecttest
+import pytest
+import torch
+
+import lowbit_optim
+import lowbit_optim.distributed  # noqa: F401  (registers the DCP views)
+from conftest import CUSTOM_FORMAT_EXAMPLE
+from lowbit_optim import LowRankState, OptimState8bitLowRank
+from lowbit_optim.lowrank import start_basis
+
+FMT = OptimState8bitLowRank
+
+
+def decaying(rows: int, cols: int, seed: int = 0, decay: float = 0.85) -> torch.Tensor:
+    """A matrix whose singular values fall geometrically (decay**k), as a momentum's do."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(rows, rows, generator=g, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(cols, cols, generator=g, dtype=torch.float64)).Q
+    k = min(rows, cols)
+    return (u[:, :k] * decay ** torch.arange(k, dtype=torch.float64)) @ v[:, :k].T
+
+
+def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: int, block_size: int = 256):
+    """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
+    residual rounded to the nearest of the 255 codes k/127 of its block's absmax."""
+    x = x.double()
+    start = start_basis(x.shape[1], rank, x.device).double() if previous_right is None else previous_right.double()
+    left = torch.linalg.qr(x @ torch.linalg.qr(start).Q).Q
+    right = x.T @ left
+    residual = (x - left @ right.T).reshape(-1)
+    blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block_size)).view(-1, block_size)
+    scale = blocks.abs().amax(dim=1, keepdim=True)
+    codes = torch.round(blocks / torch.where(scale > 0, scale, 1) * 127)
+    rounded = (codes / 127 * scale).reshape(-1)[: residual.numel()].view(x.shape)
+    return left @ right.T + rounded, right, scale.max().item() / 127
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (64, 96), (40, 33), (300, 20)])
+def test_writes_follow_the_float64_reference(shape):
+    """Each write of a sequence (a moving matrix, as a momentum) reads back as the float64 reference's
+    subspace step from the state's previous factors plus nearest residual codes, within a residual
+    code step and fp32 round-off."""
+    state = FMT.zeros(shape)
+    rank = min(FMT.rank, *shape)
+    base = decaying(*shape)
+    for step in range(4):
+        x = (base + 0.05 * step * decaying(*shape, seed=step + 1)).float()
+        previous = state.right.view(-1, rank).clone() if step else None  # each write starts from the state's own
+        state.copy_(x)
+        expected, _, code_step = reference_write(x, previous, rank)
+        error = (state.dequantize().double() - expected).abs().max().item()
+        assert error <= code_step + 1e-5 * x.abs().max().item(), (step, error, code_step)
+        assert state.rank == min(FMT.rank, *shape)
+
+
+def test_a_matrix_of_low_rank_is_stored_to_round_off():
+    x = (torch.randn(128, 8, dtype=torch.float64) @ torch.randn(8, 200, dtype=torch.float64)).float()
+    state = FMT.from_float(x)
+    assert (state.dequantize() - x).abs().max() <= 1e-5 * x.abs().max()
+
+
+def test_repeated_writes_converge_to_the_best_low_rank_part():
+    """Writing one matrix again and again is subspace iteration: the low-rank part tends to the
+    truncated SVD (Eckart-Young), and the residual the codes hold shrinks to what that misses."""
+    x = decaying(256, 128).float()
+    state = FMT.from_float(x)
+    first = (x - state.left.view(256, -1) @ state.right.view(128, -1).T).norm()
+    for _ in range(30):
+        state.copy_(x)
+    low_rank = state.left.view(256, -1) @ state.right.view(128, -1).T
+    u, s, vh = torch.linalg.svd(x.double())
+    best = (x.double() - (u[:, :32] * s[:32]) @ vh[:32]).norm().item()
+    assert (x - low_rank).norm().item() <= 1.01 * best < first.item()
+
+
+def test_much_less_error_than_plain_8bit_on_a_decaying_spectrum():
+    x = decaying(256, 256).float()
+    lowrank = (FMT.from_float(x).dequantize() - x).norm()
+    plain = (lowbit_optim.get_format("8bit").from_float(x).dequantize() - x).norm()
+    assert lowrank < plain / 10
+
+
+@pytest.mark.parametrize("shape, signed", [((1000,), True), ((64, 64), False)])
+def test_vectors_and_nonnegative_states_keep_only_int8_linear_codes(shape, signed):
+    """No low-rank part where a state is 1-D or nonnegative (a low-rank part could read negative):
+    the same codes as examples/custom_format.py's int8-linear."""
+    x = torch.rand(shape) if not signed else torch.randn(shape)
+    state = FMT.from_float(x, signed)
+    assert state.rank == 0 and state.left.numel() == state.right.numel() == 0
+    example = CUSTOM_FORMAT_EXAMPLE.OptimStateInt8Linear.from_float(x, signed)
+    assert torch.equal(state.codes, example.codes) and torch.equal(state.scale, example.scale)
+
+
+def test_bytes_count_the_factors():
+    model = torch.nn.Linear(256, 512, bias=False)
+    opt = lowbit_optim.Muon(model.parameters(), state_format="8bit-lowrank")
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    state = opt.state[model.weight]["momentum_buffer"]
+    assert type(state) is FMT and state.rank == 32
+    codes, scales, factors = 512 * 256, 512 * 256 // 256 * 4, (512 + 256) * 32 * 4
+    assert lowbit_optim.bytes_per_param(opt) == pytest.approx((codes + scales + factors) / (512 * 256), rel=0.01)
+
+
+def test_compiled_graphs_are_keyed_on_the_factor_dtype():
+    """A format whose inner tensors change dtype must not reuse graphs compiled for the old ones
+    (torch.compile's cache keys a state by its numerics fingerprint)."""
+
+    class Bf16Factors(LowRankState):
+        inner_dtypes = (torch.uint8, torch.float32, torch.bfloat16, torch.bfloat16)
+        codebook = FMT.codebook
+
+    assert Bf16Factors._numerics_fingerprint(True) != FMT._numerics_fingerprint(True)
+
+
+class TestMessages(expecttest.TestCase):
+    def test_row_slices_are_refused(self):
+        with self.assertRaises(NotImplementedError) as caught:
+            FMT.zeros((64, 48))[0:32]
+        self.assertExpectedInline(str(caught.exception), """OptimState8bitLowRank ('8bit-lowrank' state format) of shape (64, 48) cannot be cut into rows [0:32]: its rank-32 part spans every row. Call .dequantize() first, or use a blockwise format where states are resharded""")
+
+    def test_distributed_checkpoints_are_refused(self):
+        # DCP reads states through views of codes and scales, which would drop the low-rank part
+        with self.assertRaises(NotImplementedError) as caught:
+            FMT.zeros((64, 48)).__get_tensor_shard__(0)
+        self.assertExpectedInline(str(caught.exception), """OptimState8bitLowRank ('8bit-lowrank' state format) cannot be saved or loaded through torch.distributed.checkpoint: its values are not codes and block scales alone. Use torch.save of optimizer.state_dict(), or a blockwise format such as '8bit'""")
+
+    def test_repr(self):
+        self.assertExpectedInline(repr(FMT.zeros((64, 48))), """OptimState8bitLowRank(shape=(64, 48), signed=True, block_size=256, rank=32, dtype=torch.float32, device=cpu)""")
