@@ -183,6 +183,8 @@ OPTIMIZERS = {
 # the lowbit_optim formats of each --optimizer comparison: 4bit rounds stochastically, 4bit-calibrated
 # is the same codebooks with nearest rounding (the 4-bit recipe before it)
 OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
+# Muon's too: bf16, and 8bit-lowrank, the 8-bit recipe for Muon's momentum (lowbit_optim/lowrank.py)
+MUON_FORMATS = ("bf16", "8bit-lowrank")
 
 
 def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
@@ -196,7 +198,7 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
 
     formats = OPTIMIZER_FORMATS + (("8bit-sr",) if args.with_8bit_sr else ())
     if args.optimizer == "muon":
-        return muon_specs(kwargs, formats)
+        return muon_specs(kwargs, formats + MUON_FORMATS)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
     try:
         import bitsandbytes

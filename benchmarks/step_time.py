@@ -223,7 +223,7 @@ class NewtonSchulzOnly(torch.optim.Optimizer):
 def muon_factories() -> list[tuple[str, Callable]]:
     return [
         ("torch-muon", lambda params: torch.optim.Muon(params, lr=1e-3)),
-        *[(f"lowbit-{f}", lambda params, f=f: lowbit_optim.Muon(params, lr=1e-3, state_format=f)) for f in ("fp32", "8bit", "4bit")],
+        *[(f"lowbit-{f}", lambda params, f=f: lowbit_optim.Muon(params, lr=1e-3, state_format=f)) for f in ("fp32", "8bit", "8bit-lowrank", "4bit")],
         ("newton-schulz", NewtonSchulzOnly),
     ]
 
