@@ -41,7 +41,7 @@ def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor],
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on ``model``'s hidden matrices and AdamW on the rest (``muon_split``), in one optimizer::
 
-        opt = MuonWithAdamW(model, muon=dict(lr=0.02), adamw=dict(lr=3e-4, betas=(0.9, 0.95)), state_format="8bit")
+        opt = MuonWithAdamW(model, muon=dict(lr=0.02, state_format="8bit-lowrank"), adamw=dict(lr=3e-4, betas=(0.9, 0.95)), state_format="8bit")
 
     ``options`` (``state_format``, ``min_quantize_numel``, ``compile``, ...) go to both; ``muon`` and
     ``adamw`` hold each one's own keywords and override them. ``param_groups`` lists the Muon groups,

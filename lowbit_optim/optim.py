@@ -168,7 +168,8 @@ class Muon(LowBitOptimizer):
     Like torch.optim.Muon it steps matrices only: give embeddings, the output head, biases and norms
     to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). Under FSDP2
     each matrix's update is gathered to one rank, orthogonalized once and scattered back
-    (muon_fsdp.py). It takes the compiled step (no fused kernel).
+    (muon_fsdp.py). It takes the compiled step (no fused kernel). For 8-bit momentum use
+    ``state_format="8bit-lowrank"`` (lowrank.py): plain 8-bit codes lose much of Muon's accuracy.
     """
 
     step_function = staticmethod(functional.muon_step)

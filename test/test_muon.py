@@ -79,12 +79,13 @@ def test_muon_split_head_by_name():
 
 
 def test_recipe_trains_with_8bit_states():
-    """The recipe of the README: Muon on the hidden matrices, AdamW on the rest, both 8-bit."""
+    """The recipe of the README: Muon on the hidden matrices with 8bit-lowrank momentum, AdamW on the
+    rest with 8bit states."""
     torch.manual_seed(0)
     model = TinyLM()
     tokens = torch.randint(0, 50, (8, 12))
     matrices, rest = lowbit_optim.muon_split(model)
-    opts = [lowbit_optim.Muon(matrices, lr=0.02, state_format="8bit", min_quantize_numel=0, compile=False),
+    opts = [lowbit_optim.Muon(matrices, lr=0.02, state_format="8bit-lowrank", min_quantize_numel=0, compile=False),
             lowbit_optim.AdamW(rest, lr=3e-3, state_format="8bit", min_quantize_numel=0, compile=False)]  # fmt: skip
     losses = []
     for _ in range(20):
@@ -95,7 +96,8 @@ def test_recipe_trains_with_8bit_states():
             opt.step()
             opt.zero_grad()
     assert losses[-1] < 0.7 * losses[0], losses
-    assert isinstance(opts[0].state[matrices[0]]["momentum_buffer"], lowbit_optim.OptimState8bit)
+    assert isinstance(opts[0].state[matrices[0]]["momentum_buffer"], lowbit_optim.OptimState8bitLowRank)
+    assert isinstance(opts[1].state[rest[0]]["exp_avg"], lowbit_optim.OptimState8bit)
 
 
 def _lm_steps(optimizers, model, steps: int, schedulers=()) -> list[float]:
