@@ -77,6 +77,19 @@ def test_repeated_writes_converge_to_the_best_low_rank_part():
     assert (x - low_rank).norm().item() <= 1.01 * best < first.item()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_poisons_the_matrix_until_a_finite_write(bad):
+    """An inf or NaN reaches every element through the low-rank part (as a factored state's sums
+    spread it); the next finite write starts the iteration afresh and reads back finite."""
+    x = torch.randn(64, 48)
+    x[3, 5] = bad
+    state = FMT.from_float(x)
+    assert not torch.isfinite(state.dequantize()).any()
+    y = decaying(64, 48).float()
+    state.copy_(y)
+    assert (state.dequantize() - y).abs().max() <= 0.01 * y.abs().max()  # within the residual's codes
+
+
 def test_much_less_error_than_plain_8bit_on_a_decaying_spectrum():
     x = decaying(256, 256).float()
     lowrank = (FMT.from_float(x).dequantize() - x).norm()
