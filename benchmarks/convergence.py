@@ -63,7 +63,9 @@ bitsandbytes' 8-bit and 32-bit versions (``bitsandbytes 8bit`` / ``32bit``, when
 number of steps (warm-ups as long as the run, as in the paper), peak lr 2e-3; AdamW as above. No weight
 decay, the same warmup and cosine schedule. Written to benchmarks/results/convergence_mlp_<optimizer>.md
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``: the 8bit codebook rounded stochastically, as ``4bit`` is
-(measured as an experiment of this script, since registered as the format ``8bit-sr``). SGD, Lion and AdEMAMix took
+(measured as an experiment of this script, since registered as the format ``8bit-sr``). ``--with-8bit-lowrank``
+adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second moments in ``8bit-sr``
+(``lowrank_momenta``; Muon's rows always include ``8bit-lowrank`` and ``bf16``). SGD, Lion and AdEMAMix took
 the compiled step when these were measured (the fused CPU kernel now steps them too): 2-12 ms per step on one thread (the
 stochastic 4bit the slowest); one --optimizer comparison took 2-8 minutes on a shared 2-core
 machine, the four 21 minutes.
@@ -187,6 +189,12 @@ OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
 MUON_FORMATS = ("bf16", "8bit-lowrank")
 
 
+def lowrank_momenta(cls) -> dict:
+    """``--with-8bit-lowrank``'s state_format: 8bit-lowrank for the optimizer's momenta (signed
+    states), 8bit-sr for its second moments (8bit-lowrank keeps no low-rank part of those)."""
+    return {state.name: "8bit-lowrank" if state.signed else "8bit-sr" for state in cls.states if state.follows is None}
+
+
 def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     """``--optimizer``'s rows: lowbit_optim's version in OPTIMIZER_FORMATS, then bitsandbytes'."""
     info = OPTIMIZERS[args.optimizer]
@@ -200,6 +208,8 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     if args.optimizer == "muon":
         return muon_specs(kwargs, formats + MUON_FORMATS)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
+    if args.with_8bit_lowrank:
+        specs.append(OptimizerSpec("lowbit 8bit-lowrank", lowbit(lowrank_momenta(cls)), True))
     try:
         import bitsandbytes
     except ImportError:  # optional (the "bench" extra)
@@ -750,13 +760,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-md", default=str(RESULTS / "stability.md"))
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="mlp: compare this optimizer's formats and bitsandbytes' versions")
     p.add_argument("--with-8bit-sr", action="store_true", help="--optimizer: add the 8bit-sr row (8-bit codes, stochastic rounding)")
+    p.add_argument("--with-8bit-lowrank", action="store_true", help="--optimizer: add the 8bit-lowrank row (momenta 8bit-lowrank, second moments 8bit-sr)")
     p.add_argument("--list", action="store_true", help="print the optimizer labels and exit")
     args = p.parse_args(argv)
     mlp = args.task == "mlp"
     if args.optimizer and not mlp:
         raise SystemExit("--optimizer runs on the MLP task: add --task mlp")
-    if args.with_8bit_sr and not args.optimizer:
-        raise SystemExit("--with-8bit-sr adds a row to an --optimizer comparison: add --task mlp --optimizer ...")
+    for flag in ("with_8bit_sr", "with_8bit_lowrank"):
+        if getattr(args, flag) and not args.optimizer:
+            raise SystemExit(f"--{flag.replace('_', '-')} adds a row to an --optimizer comparison: add --task mlp --optimizer ...")
     results = f"convergence_mlp_{args.optimizer}" if args.optimizer else ("convergence_mlp" if mlp else "convergence")
     defaults = {
         "steps": 3000 if mlp else 300,

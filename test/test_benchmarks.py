@@ -128,6 +128,19 @@ def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
     assert "train gap vs fp32 SGD" in md.read_text()
 
 
+def test_convergence_lowrank_row(convergence):
+    """--with-8bit-lowrank: the momenta in 8bit-lowrank, the second moments in 8bit-sr."""
+    import lowbit_optim
+
+    assert convergence.lowrank_momenta(lowbit_optim.AdEMAMix) == {"exp_avg": "8bit-lowrank", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
+    assert convergence.lowrank_momenta(lowbit_optim.AdamW) == {"exp_avg": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}  # amsgrad's follows
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "lion", "--with-8bit-lowrank"])
+    labels = [spec.label for spec in convergence.optimizer_comparison_specs(args)]
+    assert "lowbit 8bit-lowrank" in labels
+    with pytest.raises(SystemExit, match="--with-8bit-lowrank adds a row"):
+        convergence.parse_args(["--with-8bit-lowrank"])
+
+
 def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
     """--optimizer muon: MuonWithAdamW per momentum format and AdamW alone, each group at its own
     peak lr through the schedule (the AdamW parts at the AdamW comparison's 2e-3)."""

@@ -363,6 +363,20 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
     return out
 
 
+def _muon_lowrank_scenario(rank: int, world: int) -> dict:
+    """Muon with 8bit-lowrank momentum, sharded: each rank keeps the low-rank part of its own rows."""
+    model, opt = _build("8bit-lowrank", True, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)
+    out = {"losses": _train(model, opt, 0, STEPS + MORE, rank, world)}
+    out["state_kinds"] = sorted({type(_local(s["momentum_buffer"])).__name__ for s in opt.state.values()})
+    out["final_full"] = {n: p.detach().full_tensor() for n, p in _params(model).items()}  # collective: every rank
+    if rank == 0:
+        ref_model, ref_opt = _build("8bit-lowrank", False, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)
+        out["ref_losses"] = _train(ref_model, ref_opt, 0, STEPS + MORE, 0, 1)
+        out["ref_final"] = {n: p.detach().clone() for n, p in _params(ref_model).items()}
+    dist.barrier()
+    return out
+
+
 def _step_in_backward_scenario(rank: int, world: int) -> dict:
     """4bit AdamW on FSDP2 twice, stepping after backward and in it (each hook sees its reduced local
     shard), with 2 micro-batches per step: the local parameters and states must be the same bits."""
@@ -449,10 +463,11 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
             raise  # the ranks may now disagree on which collective comes next: stop here
         results[fmt]["seconds"] = time.perf_counter() - start
         torch.save(results, path)
-    for name in [*OTHER_OPTIMIZERS, "step_in_backward"]:
+    special = {"step_in_backward": _step_in_backward_scenario, "muon_lowrank": _muon_lowrank_scenario}
+    for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
         try:
-            results[name] = _step_in_backward_scenario(rank, world) if name == "step_in_backward" else _other_optimizer_scenario(name, rank, world, workdir)
+            results[name] = special[name](rank, world) if name in special else _other_optimizer_scenario(name, rank, world, workdir)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
             torch.save(results, path)
@@ -678,6 +693,22 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
         torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=atol, msg=n)
     assert losses[0] == pytest.approx(rank0["ref_losses"][0], rel=1e-6)
     assert losses == pytest.approx(rank0["ref_losses"], rel=1e-2)  # observed within 2e-4
+
+
+@needs_gloo
+def test_muon_with_lowrank_momentum_trains_sharded(job):
+    """Muon with 8bit-lowrank momentum under fully_shard on 2 ranks: each rank's momentum rows are a
+    low-rank part of their own plus codes (not one process's factors), so the parameters stay within
+    a few lr of one process's, as where a shard boundary cuts an 8bit block."""
+    results = [found.get("muon_lowrank") for found in job]
+    for rank, result in enumerate(results):
+        if result is None or "error" in result:
+            pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
+    rank0, rank1 = results
+    assert rank0["losses"] == rank1["losses"] and rank0["state_kinds"] == ["OptimState8bitLowRank"]
+    for n, reference in rank0["ref_final"].items():
+        torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["Muon"]["lr"], msg=n)
+    assert rank0["losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
 
 
 @needs_gloo
