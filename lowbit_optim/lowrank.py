@@ -26,8 +26,8 @@ step into different residual codes.) States of fewer than 2 dimensions and nonne
 even grid without zero of ``int8-linear``, so that a small v never reads as 0. The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. It takes the compiled step (no
 fused kernel). It cannot be cut into row slices (the low-rank part spans every row), so
-torch.distributed.checkpoint refuses it (distributed.py) and FSDP2 runs are untested; torch.save of
-the optimizer's state_dict holds it whole.
+torch.distributed.checkpoint refuses it (distributed.py); torch.save of the optimizer's state_dict
+holds it whole. Under FSDP2 each rank's state is its own rows, with a low-rank part of its own.
 """
 
 import functools
