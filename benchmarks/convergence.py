@@ -65,7 +65,8 @@ decay, the same warmup and cosine schedule. Written to benchmarks/results/conver
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``: the 8bit codebook rounded stochastically, as ``4bit`` is
 (measured as an experiment of this script, since registered as the format ``8bit-sr``). ``--with-8bit-lowrank``
 adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second moments in ``8bit-sr``
-(``lowrank_momenta``; Muon's rows always include ``8bit-lowrank`` and ``bf16``). SGD, Lion and AdEMAMix took
+(``lowrank_momenta``; Muon's rows always include ``8bit-lowrank`` and ``bf16``); ``--with-4bit-lowrank`` adds
+``lowbit 4bit-lowrank``: momenta in ``4bit-lowrank``, second moments in ``4bit``. SGD, Lion and AdEMAMix took
 the compiled step when these were measured (the fused CPU kernel now steps them too): 2-12 ms per step on one thread (the
 stochastic 4bit the slowest); one --optimizer comparison took 2-8 minutes on a shared 2-core
 machine, the four 21 minutes.
@@ -185,14 +186,16 @@ OPTIMIZERS = {
 # the lowbit_optim formats of each --optimizer comparison: 4bit rounds stochastically, 4bit-calibrated
 # is the same codebooks with nearest rounding (the 4-bit recipe before it)
 OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
-# Muon's too: bf16, and 8bit-lowrank, the 8-bit recipe for Muon's momentum (lowbit_optim/lowrank.py)
-MUON_FORMATS = ("bf16", "8bit-lowrank")
+# Muon's too: bf16, 8bit-lowrank (the 8-bit recipe for Muon's momentum, lowbit_optim/lowrank.py), 4bit-lowrank
+MUON_FORMATS = ("bf16", "8bit-lowrank", "4bit-lowrank")
 
 
-def lowrank_momenta(cls) -> dict:
+def lowrank_momenta(cls, bits: int = 8) -> dict:
     """``--with-8bit-lowrank``'s state_format: 8bit-lowrank for the optimizer's momenta (signed
-    states), 8bit-sr for its second moments (8bit-lowrank keeps no low-rank part of those)."""
-    return {state.name: "8bit-lowrank" if state.signed else "8bit-sr" for state in cls.states if state.follows is None}
+    states), 8bit-sr for its second moments (a low-rank format keeps no low-rank part of those);
+    ``--with-4bit-lowrank``'s (bits=4): 4bit-lowrank and the stochastic 4bit."""
+    momenta, second = ("8bit-lowrank", "8bit-sr") if bits == 8 else ("4bit-lowrank", "4bit")
+    return {state.name: momenta if state.signed else second for state in cls.states if state.follows is None}
 
 
 def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
@@ -208,8 +211,7 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     if args.optimizer == "muon":
         return muon_specs(kwargs, formats + MUON_FORMATS)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
-    if args.with_8bit_lowrank:
-        specs.append(OptimizerSpec("lowbit 8bit-lowrank", lowbit(lowrank_momenta(cls)), True))
+    specs += [OptimizerSpec(f"lowbit {bits}bit-lowrank", lowbit(lowrank_momenta(cls, bits)), True) for bits in (8, 4) if getattr(args, f"with_{bits}bit_lowrank")]
     try:
         import bitsandbytes
     except ImportError:  # optional (the "bench" extra)
@@ -761,12 +763,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="mlp: compare this optimizer's formats and bitsandbytes' versions")
     p.add_argument("--with-8bit-sr", action="store_true", help="--optimizer: add the 8bit-sr row (8-bit codes, stochastic rounding)")
     p.add_argument("--with-8bit-lowrank", action="store_true", help="--optimizer: add the 8bit-lowrank row (momenta 8bit-lowrank, second moments 8bit-sr)")
+    p.add_argument("--with-4bit-lowrank", action="store_true", help="--optimizer: add the 4bit-lowrank row (momenta 4bit-lowrank, second moments 4bit)")
     p.add_argument("--list", action="store_true", help="print the optimizer labels and exit")
     args = p.parse_args(argv)
     mlp = args.task == "mlp"
     if args.optimizer and not mlp:
         raise SystemExit("--optimizer runs on the MLP task: add --task mlp")
-    for flag in ("with_8bit_sr", "with_8bit_lowrank"):
+    for flag in ("with_8bit_sr", "with_8bit_lowrank", "with_4bit_lowrank"):
         if getattr(args, flag) and not args.optimizer:
             raise SystemExit(f"--{flag.replace('_', '-')} adds a row to an --optimizer comparison: add --task mlp --optimizer ...")
     results = f"convergence_mlp_{args.optimizer}" if args.optimizer else ("convergence_mlp" if mlp else "convergence")

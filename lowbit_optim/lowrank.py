@@ -160,3 +160,19 @@ class OptimState8bitLowRank(LowRankState):
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
         return quant.linear_codebook(8) if signed else quant.linear_codebook_without_zero(8)
+
+
+class OptimState4bitLowRank(LowRankState):
+    """``4bit-lowrank``: a rank-64 fp32 part plus 4-bit codes on an even grid (15 signed values k / 7;
+    nonnegative states 1/16, ..., 1), blocks of 128. 4-bit codes are 16 times coarser, so the low-rank
+    part must hold more: Lion's momentum on the MLP task is within 0.6 % of fp32 at rank 64 (3 % at
+    rank 32), where the NF4 ``4bit`` state is +241 %. The factors cost (rows + cols) * 64 * 4 bytes."""
+
+    name = "4bit-lowrank"
+    bits = 4
+    default_block_size = 128
+    rank = 64
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.linear_codebook(4) if signed else quant.linear_codebook_without_zero(4)

@@ -129,14 +129,16 @@ def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
 
 
 def test_convergence_lowrank_row(convergence):
-    """--with-8bit-lowrank: the momenta in 8bit-lowrank, the second moments in 8bit-sr."""
+    """--with-8bit-lowrank: the momenta in 8bit-lowrank, the second moments in 8bit-sr (4bit-lowrank
+    and 4bit with --with-4bit-lowrank)."""
     import lowbit_optim
 
     assert convergence.lowrank_momenta(lowbit_optim.AdEMAMix) == {"exp_avg": "8bit-lowrank", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
     assert convergence.lowrank_momenta(lowbit_optim.AdamW) == {"exp_avg": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}  # amsgrad's follows
-    args = convergence.parse_args(["--task", "mlp", "--optimizer", "lion", "--with-8bit-lowrank"])
+    assert convergence.lowrank_momenta(lowbit_optim.AdamW, bits=4) == {"exp_avg": "4bit-lowrank", "exp_avg_sq": "4bit"}
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "lion", "--with-8bit-lowrank", "--with-4bit-lowrank"])
     labels = [spec.label for spec in convergence.optimizer_comparison_specs(args)]
-    assert "lowbit 8bit-lowrank" in labels
+    assert "lowbit 8bit-lowrank" in labels and "lowbit 4bit-lowrank" in labels
     with pytest.raises(SystemExit, match="--with-8bit-lowrank adds a row"):
         convergence.parse_args(["--with-8bit-lowrank"])
 

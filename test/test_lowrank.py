@@ -1,4 +1,4 @@
-"""8bit-lowrank against float64 references: what it stores (a subspace iteration's low-rank part plus
+"""8bit-lowrank and 4bit-lowrank against float64 references: what it stores (a subspace iteration's low-rank part plus
 nearest codes of the residual), how closely it follows a matrix, and what it costs. Its tensor
 behaviour (copies, views, checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
 
@@ -9,10 +9,11 @@ import torch
 import lowbit_optim
 import lowbit_optim.distributed  # noqa: F401  (registers the DCP views)
 from conftest import CUSTOM_FORMAT_EXAMPLE
-from lowbit_optim import LowRankState, OptimState8bitLowRank
+from lowbit_optim import LowRankState, OptimState4bitLowRank, OptimState8bitLowRank
 from lowbit_optim.lowrank import start_basis
 
 FMT = OptimState8bitLowRank
+LOW_RANK_FORMATS = pytest.mark.parametrize("fmt", [OptimState8bitLowRank, OptimState4bitLowRank], ids=lambda f: f.name)
 
 
 def decaying(rows: int, cols: int, seed: int = 0, decay: float = 0.85) -> torch.Tensor:
@@ -24,9 +25,11 @@ def decaying(rows: int, cols: int, seed: int = 0, decay: float = 0.85) -> torch.
     return (u[:, :k] * decay ** torch.arange(k, dtype=torch.float64)) @ v[:, :k].T
 
 
-def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: int, block_size: int = 256):
+def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: int, block_size: int, bits: int):
     """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
-    residual rounded to the nearest of the 255 codes k/127 of its block's absmax."""
+    residual rounded to the nearest of the even codes k/n of its block's absmax (n = 127 for 8 bits,
+    7 for 4)."""
+    n = 2 ** (bits - 1) - 1
     x = x.double()
     start = start_basis(x.shape[1], rank, x.device).double() if previous_right is None else previous_right.double()
     left = torch.linalg.qr(x @ torch.linalg.qr(start).Q).Q
@@ -34,46 +37,50 @@ def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: 
     residual = (x - left @ right.T).reshape(-1)
     blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block_size)).view(-1, block_size)
     scale = blocks.abs().amax(dim=1, keepdim=True)
-    codes = torch.round(blocks / torch.where(scale > 0, scale, 1) * 127)
-    rounded = (codes / 127 * scale).reshape(-1)[: residual.numel()].view(x.shape)
-    return left @ right.T + rounded, right, scale.max().item() / 127
+    codes = torch.round(blocks / torch.where(scale > 0, scale, 1) * n)
+    rounded = (codes / n * scale).reshape(-1)[: residual.numel()].view(x.shape)
+    return left @ right.T + rounded, right, scale.max().item() / n
 
 
-@pytest.mark.parametrize("shape", [(96, 64), (64, 96), (40, 33), (300, 20)])
-def test_writes_follow_the_float64_reference(shape):
+@LOW_RANK_FORMATS
+@pytest.mark.parametrize("shape", [(96, 64), (64, 96), (40, 33), (300, 20), (200, 150)])
+def test_writes_follow_the_float64_reference(fmt, shape):
     """Each write of a sequence (a moving matrix, as a momentum) reads back as the float64 reference's
     subspace step from the state's previous factors plus nearest residual codes, within a residual
     code step and fp32 round-off."""
-    state = FMT.zeros(shape)
-    rank = min(FMT.rank, *shape)
+    state = fmt.zeros(shape)
+    rank = min(fmt.rank, *shape)
     base = decaying(*shape)
     for step in range(4):
         x = (base + 0.05 * step * decaying(*shape, seed=step + 1)).float()
         previous = state.right.view(-1, rank).clone() if step else None  # each write starts from the state's own
         state.copy_(x)
-        expected, _, code_step = reference_write(x, previous, rank)
+        expected, _, code_step = reference_write(x, previous, rank, fmt.default_block_size, fmt.bits)
         error = (state.dequantize().double() - expected).abs().max().item()
         assert error <= code_step + 1e-5 * x.abs().max().item(), (step, error, code_step)
-        assert state.rank == min(FMT.rank, *shape)
+        assert state.rank == rank
 
 
-def test_a_matrix_of_low_rank_is_stored_to_round_off():
+@LOW_RANK_FORMATS
+def test_a_matrix_of_low_rank_is_stored_to_round_off(fmt):
     x = (torch.randn(128, 8, dtype=torch.float64) @ torch.randn(8, 200, dtype=torch.float64)).float()
-    state = FMT.from_float(x)
+    state = fmt.from_float(x)
     assert (state.dequantize() - x).abs().max() <= 1e-5 * x.abs().max()
 
 
-def test_repeated_writes_converge_to_the_best_low_rank_part():
+@LOW_RANK_FORMATS
+def test_repeated_writes_converge_to_the_best_low_rank_part(fmt):
     """Writing one matrix again and again is subspace iteration: the low-rank part tends to the
     truncated SVD (Eckart-Young), and the residual the codes hold shrinks to what that misses."""
-    x = decaying(256, 128).float()
-    state = FMT.from_float(x)
+    x = decaying(256, 128, decay=0.9).float()
+    state = fmt.from_float(x)
     first = (x - state.left.view(256, -1) @ state.right.view(128, -1).T).norm()
     for _ in range(30):
         state.copy_(x)
     low_rank = state.left.view(256, -1) @ state.right.view(128, -1).T
     u, s, vh = torch.linalg.svd(x.double())
-    best = (x.double() - (u[:, :32] * s[:32]) @ vh[:32]).norm().item()
+    r = fmt.rank
+    best = (x.double() - (u[:, :r] * s[:r]) @ vh[:r]).norm().item()
     assert (x - low_rank).norm().item() <= 1.01 * best < first.item()
 
 
@@ -90,10 +97,11 @@ def test_a_non_finite_value_poisons_the_matrix_until_a_finite_write(bad):
     assert (state.dequantize() - y).abs().max() <= 0.01 * y.abs().max()  # within the residual's codes
 
 
-def test_much_less_error_than_plain_8bit_on_a_decaying_spectrum():
+@pytest.mark.parametrize("fmt, plain", [(OptimState8bitLowRank, "8bit"), (OptimState4bitLowRank, "4bit-calibrated")], ids=["8bit", "4bit"])
+def test_much_less_error_than_plain_codes_on_a_decaying_spectrum(fmt, plain):
     x = decaying(256, 256).float()
-    lowrank = (FMT.from_float(x).dequantize() - x).norm()
-    plain = (lowbit_optim.get_format("8bit").from_float(x).dequantize() - x).norm()
+    lowrank = (fmt.from_float(x).dequantize() - x).norm()
+    plain = (lowbit_optim.get_format(plain).from_float(x).dequantize() - x).norm()
     assert lowrank < plain / 10
 
 
@@ -108,14 +116,16 @@ def test_vectors_and_nonnegative_states_keep_only_int8_linear_codes(shape, signe
     assert torch.equal(state.codes, example.codes) and torch.equal(state.scale, example.scale)
 
 
-def test_bytes_count_the_factors():
+@LOW_RANK_FORMATS
+def test_bytes_count_the_factors(fmt):
     model = torch.nn.Linear(256, 512, bias=False)
-    opt = lowbit_optim.Muon(model.parameters(), state_format="8bit-lowrank")
+    opt = lowbit_optim.Muon(model.parameters(), state_format=fmt.name)
     model(torch.randn(4, 256)).sum().backward()
     opt.step()
     state = opt.state[model.weight]["momentum_buffer"]
-    assert type(state) is FMT and state.rank == 32
-    codes, scales, factors = 512 * 256, 512 * 256 // 256 * 4, (512 + 256) * 32 * 4
+    assert type(state) is fmt and state.rank == fmt.rank
+    n = 512 * 256
+    codes, scales, factors = n * fmt.bits // 8, n // fmt.default_block_size * 4, (512 + 256) * fmt.rank * 4
     assert lowbit_optim.bytes_per_param(opt) == pytest.approx((codes + scales + factors) / (512 * 256), rel=0.01)
 
 

@@ -347,7 +347,8 @@ class TestStateBytes(expecttest.TestCase):
 8bit-sr: 2.0313
   fp8: 2.0313
 4bit+factored: 0.5508
-8bit-lowrank: 2.6563""",
+8bit-lowrank: 2.6563
+4bit-lowrank: 2.3125""",
         )
 
 
