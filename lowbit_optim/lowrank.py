@@ -53,7 +53,8 @@ def start_basis(cols: int, rank: int, device) -> Tensor:
 
 class LowRankState(CodebookState):
     """A state as ``left @ right.T`` plus blockwise codes of the residual (module docstring).
-    Subclasses set ``name``, ``rank`` and the residual's ``codebook``."""
+    Subclasses set ``name``, ``bits``, ``default_block_size`` and ``rank``; the residual's codebook is
+    the even grid of ``bits`` (without zero for nonnegative states), or their own ``codebook``."""
 
     inner_names = ("codes", "scale", "left", "right")
     inner_dtypes = (torch.uint8, torch.float32, torch.float32, torch.float32)
@@ -103,6 +104,10 @@ class LowRankState(CodebookState):
                     f"left has {self.left.numel()} and right {self.right.numel()} elements: not the rank-{rank} factors of a "
                     f"matrix of {self.numel()} elements"
                 )
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.linear_codebook(cls.bits) if signed else quant.linear_codebook_without_zero(cls.bits)
 
     def _describe(self) -> dict:
         return super()._describe() | {"rank": self.rank}
@@ -157,10 +162,6 @@ class OptimState8bitLowRank(LowRankState):
     default_block_size = 256
     rank = 32
 
-    @classmethod
-    def codebook(cls, signed: bool) -> list[float]:
-        return quant.linear_codebook(8) if signed else quant.linear_codebook_without_zero(8)
-
 
 class OptimState4bitLowRank(LowRankState):
     """``4bit-lowrank``: a rank-64 fp32 part plus 4-bit codes on an even grid (15 signed values k / 7;
@@ -172,7 +173,3 @@ class OptimState4bitLowRank(LowRankState):
     bits = 4
     default_block_size = 128
     rank = 64
-
-    @classmethod
-    def codebook(cls, signed: bool) -> list[float]:
-        return quant.linear_codebook(4) if signed else quant.linear_codebook_without_zero(4)
