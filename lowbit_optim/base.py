@@ -47,7 +47,15 @@ def compiled_step(step_function):
     """``step_function`` under torch.compile, one compiled function per step function, shared by
     every optimizer instance and format. Shapes are dynamic, so the number of graphs depends on the
     formats and flags in use, never on the number of distinct parameter shapes."""
-    return torch.compile(step_function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+    compiled = torch.compile(step_function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+
+    def step(*args, **kwargs):
+        # sizes that happen to be equal (a square matrix's low-rank factors) must not be assumed
+        # equal: a graph cached so in one process failed another's oblong matrix
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return step
 
 
 def _inductor_options(step_function) -> dict | None:

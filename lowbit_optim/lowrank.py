@@ -1,4 +1,4 @@
-"""LowRankState: a matrix state as a low-rank part in fp32 plus 8-bit codes of what that part misses.
+"""LowRankState: a matrix state as a low-rank part in fp32 plus 8- or 4-bit codes of what that part misses.
 
 Made for Muon's momentum. Newton-Schulz orthogonalization brings every singular value of the
 momentum near 1, so the quantization noise of a blockwise 8-bit state, white and spread over all
@@ -14,16 +14,18 @@ A momentum matrix M (rows x cols) is mostly a few strong directions. This state 
 with ``left`` (rows x rank, orthonormal columns) and ``right`` (cols x rank) in fp32 and the residual
 in 8-bit blockwise codes on an even grid. Each write (``copy_``) runs one step of subspace iteration,
 warm-started from the previous ``right``: left = orth(M @ orth(right)), right = M.T @ left, so the
-low-rank part follows M's strongest directions across steps at the cost of two small QRs and two
-(rows x cols x rank) products. The residual holds the weak directions, so its codes' noise is a
+low-rank part follows M's strongest directions across steps at the cost of two small QRs and three
+(rows x cols x rank) products per write, one per read. The residual holds the weak directions, so its codes' noise is a
 fraction of theirs rather than of the strongest values (benchmarks/results/convergence_mlp_muon.md).
 
-Costs: (rows + cols) * rank * 4 bytes on top of 1 byte per element; at rank 32 that is 0.06 bytes
+Costs: (rows + cols) * rank * 4 bytes on top of the codes (1 byte per element for 8 bits); at rank 32 that is 0.06 bytes
 per element of a 4096 x 4096 matrix, and a whole byte of a 256 x 256 one. (bf16 factors were as
 accurate on the MLP task, but their rounding turns fp32 round-off between the compiled and the eager
 step into different residual codes.) States of fewer than 2 dimensions and nonnegative states
-(second moments: a low-rank part could read negative) keep no low-rank part, only the codes, on the
-even grid without zero of ``int8-linear``, so that a small v never reads as 0. The state's matrix is
+(second moments: a low-rank part could read negative) keep no low-rank part, only the codes; a
+nonnegative state's grid has no zero (as ``int8-linear``'s), so that a small v never reads as 0.
+Under FSDP2 the rank applies to each rank's rows, so the factors' share grows with the world size
+(4096 x 11008 at rank 32: 1.06 B/param on one rank, 2.03 on 32). The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. It takes the compiled step (no
 fused kernel). It cannot be cut into row slices (the low-rank part spans every row), so
 torch.distributed.checkpoint refuses it (distributed.py); torch.save of the optimizer's state_dict
@@ -95,6 +97,8 @@ class LowRankState(CodebookState):
         rank = self.rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank is {rank!r}, not an int >= 0")
+        if rank and not self.signed:
+            raise ValueError(f"a nonnegative state keeps no low-rank part, but this one has rank {rank}")
         if rank == 0 and self.left.numel() + self.right.numel():
             raise ValueError(f"rank 0 keeps no factors, but left has {self.left.numel()} and right {self.right.numel()} elements")
         if rank:
@@ -129,7 +133,7 @@ class LowRankState(CodebookState):
             left = torch.linalg.qr(matrix @ torch.linalg.qr(start).Q).Q
             self.left.copy_(left.reshape(-1))
             self.right.copy_((matrix.T @ left).reshape(-1))
-            # the residual of the product as dequantize computes it, the factors' bf16 rounding included
+            # the residual of the product exactly as dequantize computes it, its rounding included
             values = values - self._low_rank()
         super().quantize_(values)
 

@@ -129,6 +129,26 @@ def test_bytes_count_the_factors(fmt):
     assert lowbit_optim.bytes_per_param(opt) == pytest.approx((codes + scales + factors) / (512 * 256), rel=0.01)
 
 
+def test_square_and_oblong_matrices_share_the_compiled_step():
+    """Sizes that are equal for one matrix (a square one's two factors) are not assumed equal by the
+    compiled step: with duck sizing a graph cached from a square matrix failed another process's
+    oblong one. One graph serves every shape."""
+    from torch._dynamo.utils import counters
+
+    def step(shape):
+        param = torch.nn.Parameter(torch.randn(shape))
+        spec = {"exp_avg": "8bit-lowrank", "exp_avg_sq": "8bit"}
+        opt = lowbit_optim.AdamW([param], state_format=spec, compile=True, fused=False, min_quantize_numel=0)
+        param.grad = torch.randn(shape)
+        opt.step()
+
+    step((96, 96))
+    graphs = counters["stats"]["unique_graphs"]
+    step((192, 96))
+    step((96, 32))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compiled_graphs_are_keyed_on_the_factor_dtype():
     """A format whose inner tensors change dtype must not reuse graphs compiled for the old ones
     (torch.compile's cache keys a state by its numerics fingerprint)."""
