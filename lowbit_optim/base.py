@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import OptimState, StateTensor, check_block_size, describe_tensor
+from .state import StateTensor, check_block_size, describe_tensor
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -47,15 +47,21 @@ def compiled_step(step_function):
     """``step_function`` under torch.compile, one compiled function per step function, shared by
     every optimizer instance and format. Shapes are dynamic, so the number of graphs depends on the
     formats and flags in use, never on the number of distinct parameter shapes."""
-    compiled = torch.compile(step_function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+    return _compiled(step_function, step_function)
 
-    def step(*args, **kwargs):
-        # sizes that happen to be equal (a square matrix's low-rank factors) must not be assumed
-        # equal: a graph cached so in one process failed another's oblong matrix
+
+def _compiled(function, step_function):
+    """``function`` under torch.compile with dynamic shapes and ``step_function``'s inductor options.
+    It runs without duck sizing: sizes that happen to be equal in one call (a square matrix's two
+    low-rank factors, two parameters of a foreach chunk) must not be assumed equal in the next, or
+    a graph traced or cached so would be retraced per arrangement of shapes, or fail another's."""
+    compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+
+    def run(*args, **kwargs):
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return compiled(*args, **kwargs)
 
-    return step
+    return run
 
 
 def _inductor_options(step_function) -> dict | None:
@@ -80,15 +86,7 @@ def compiled_foreach_step(step_function):
         for arguments, param_update in zip(calls, param_updates):
             step_function(*arguments, *numbers, **flags, param_update=param_update)
 
-    compiled = torch.compile(step_each, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
-
-    def step_chunk(*args):
-        # sizes that happen to be equal within one chunk must not be assumed equal in the next,
-        # or each arrangement of shapes would trace a graph of its own
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(*args)
-
-    return step_chunk
+    return _compiled(step_each, step_function)
 
 
 def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
@@ -122,7 +120,7 @@ def _pieces(call: tuple) -> list[tuple]:
     unit = 1
     for a, sliced in zip(call, cut):
         if sliced and isinstance(a, StateTensor):
-            if not (isinstance(a, OptimState) and a.independent_blocks):
+            if not a.independent_blocks:
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(COMPILED_CHUNK // unit, 1) * unit

@@ -128,7 +128,7 @@ class LowRankState(CodebookState):
         if self.rank:
             rows, cols = self._matrix_shape()
             matrix = values.reshape(rows, cols)
-            previous = self.right.view(cols, self.rank).float()
+            previous = self.right.view(cols, self.rank)
             start = torch.where(previous.abs().sum() > 0, previous, start_basis(cols, self.rank, x.device))
             left = torch.linalg.qr(matrix @ torch.linalg.qr(start).Q).Q
             self.left.copy_(left.reshape(-1))
@@ -139,7 +139,7 @@ class LowRankState(CodebookState):
 
     def _low_rank(self) -> Tensor:
         rows, cols = self._matrix_shape()
-        return (self.left.view(rows, self.rank).float() @ self.right.view(cols, self.rank).float().T).view(self.shape)
+        return (self.left.view(rows, self.rank) @ self.right.view(cols, self.rank).T).view(self.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         values = super().dequantize(torch.float32)

@@ -82,6 +82,10 @@ class StateTensor(Tensor):
     inner_names: ClassVar[tuple[str, ...]] = ()
     inner_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # of the inner tensors, in inner_names' order
     holds_signed: ClassVar[bool] = True  # False: only nonnegative states (second moments)
+    # whether the state is blocks of codes stored apart from each other, so that a slice on block
+    # boundaries is a state of its own (the compiled step cuts large parameters so, base._pieces; DCP
+    # reshards so, distributed.py): OptimState's are, factored sums and low-rank parts are not
+    independent_blocks: ClassVar[bool] = False
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
     format_version: ClassVar[int] = 1
@@ -270,9 +274,7 @@ class OptimState(StateTensor):
     bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
-    # whether each block is stored apart from the others, so that a slice on block boundaries is a
-    # state of its own (the compiled step cuts large parameters so, base._pieces)
-    independent_blocks: ClassVar[bool] = True
+    independent_blocks = True
 
     codes: Tensor
     scale: Tensor
