@@ -356,11 +356,15 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
         {n: _local(p).detach() for n, p in _params(resumed_model).items()}, final_params
     )
     if rank == 0:
-        ref_model, ref_opt = _build_other(name, fsdp=False)
-        out["ref_losses"] = _train(ref_model, ref_opt, 0, STEPS + MORE, 0, 1)
-        out["ref_final"] = {n: p.detach().clone() for n, p in _params(ref_model).items()}
+        out.update(_one_process(*_build_other(name, fsdp=False)))
     dist.barrier()
     return out
+
+
+def _one_process(model, opt) -> dict:
+    """The reference: STEPS + MORE steps in one process, its losses and final parameters."""
+    losses = _train(model, opt, 0, STEPS + MORE, 0, 1)
+    return {"ref_losses": losses, "ref_final": {n: p.detach().clone() for n, p in _params(model).items()}}
 
 
 def _muon_lowrank_scenario(rank: int, world: int) -> dict:
@@ -370,9 +374,7 @@ def _muon_lowrank_scenario(rank: int, world: int) -> dict:
     out["state_kinds"] = sorted({type(_local(s["momentum_buffer"])).__name__ for s in opt.state.values()})
     out["final_full"] = {n: p.detach().full_tensor() for n, p in _params(model).items()}  # collective: every rank
     if rank == 0:
-        ref_model, ref_opt = _build("8bit-lowrank", False, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)
-        out["ref_losses"] = _train(ref_model, ref_opt, 0, STEPS + MORE, 0, 1)
-        out["ref_final"] = {n: p.detach().clone() for n, p in _params(ref_model).items()}
+        out.update(_one_process(*_build("8bit-lowrank", False, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)))
     dist.barrier()
     return out
 
