@@ -30,6 +30,51 @@ static inline void store_low_bytes(uint8_t *dst, __m256i x) {
 }
 #endif
 
+/* How many of 15 ascending numbers t[0..14] (a 4-bit codebook's decision thresholds, or its values)
+ * are <= v, for a vector of values: a 4-step binary search that probes t[7]; t[3] or t[11]; one of
+ * t[1, 5, 9, 13]; one of the even ones. The 15 numbers fit in registers, so each probe is a
+ * broadcast, a blend or a permute, never a gather. NaN numbers (unused codes, at the end) count as
+ * above every v, and v = NaN is above none. */
+#ifdef __AVX512F__
+typedef struct {
+    __m512 t, odd, t3, t7, t11;  /* odd[c] = t[c + 1] */
+} search16_t;
+
+static inline search16_t search16(const float *t) {
+    __m512 all = _mm512_loadu_ps(t);
+    __m512i next = _mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 15);
+    return (search16_t){all, _mm512_permutexvar_ps(next, all), _mm512_set1_ps(t[3]), _mm512_set1_ps(t[7]), _mm512_set1_ps(t[11])};
+}
+
+static inline __m512i count16(const search16_t *s, __m512 v) {
+    __mmask16 up8 = _mm512_cmp_ps_mask(v, s->t7, _CMP_GE_OQ);
+    __m512i count = _mm512_maskz_mov_epi32(up8, _mm512_set1_epi32(8));
+    count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, _mm512_mask_blend_ps(up8, s->t3, s->t11), _CMP_GE_OQ), count, _mm512_set1_epi32(4));
+    count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(count, s->odd), _CMP_GE_OQ), count, _mm512_set1_epi32(2));
+    return _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(count, s->t), _CMP_GE_OQ), count, _mm512_set1_epi32(1));
+}
+#elif defined(AVX2_ONLY)
+typedef struct {
+    __m256 t3, t7, t11, odd, even;  /* odd: t[1, 5, 9, 13]; even: t[0, 2, ..., 14] */
+} search8_t;
+
+static inline search8_t search8(const float *t) {
+    return (search8_t){_mm256_set1_ps(t[3]), _mm256_set1_ps(t[7]), _mm256_set1_ps(t[11]), _mm256_setr_ps(t[1], t[5], t[9], t[13], 0, 0, 0, 0),
+                       _mm256_setr_ps(t[0], t[2], t[4], t[6], t[8], t[10], t[12], t[14])};
+}
+
+static inline __m256i count8(const search8_t *s, __m256 v) {
+    __m256 up8 = _mm256_cmp_ps(v, s->t7, _CMP_GE_OQ);
+    __m256 up4 = _mm256_cmp_ps(v, _mm256_blendv_ps(s->t3, s->t11, up8), _CMP_GE_OQ);
+    __m256i count = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(up8), _mm256_set1_epi32(8)),
+                                    _mm256_and_si256(_mm256_castps_si256(up4), _mm256_set1_epi32(4)));
+    __m256 up2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->odd, _mm256_srli_epi32(count, 2)), _CMP_GE_OQ);
+    count = _mm256_or_si256(count, _mm256_and_si256(_mm256_castps_si256(up2), _mm256_set1_epi32(2)));
+    __m256 up1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->even, _mm256_srli_epi32(count, 1)), _CMP_GE_OQ);
+    return _mm256_or_si256(count, _mm256_and_si256(_mm256_castps_si256(up1), _mm256_set1_epi32(1)));
+}
+#endif
+
 /* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block; value_bytes
  * (8-bit codes) holds the codebook's values byte by byte */
 static void decode_block(const uint8_t *c, int bits, const float *codebook, const uint8_t *value_bytes, float scale, int64_t m, float *out) {
@@ -149,6 +194,13 @@ static inline void store_product(const calibration_t *cal, int64_t i, float v, u
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
 
+/* a codebook's nearest code for v from its tables: base_code, plus one where v reaches the bucket's
+ * threshold (bucket: v's top 16 bits) */
+static inline int32_t nearest_code(const state_t *s, float v) {
+    uint32_t bucket = bits_of(v) >> 16;
+    return s->base_code[bucket] + (v >= s->threshold[bucket]);
+}
+
 /* codes (one byte each) of the values x / scale: the exact nearest codebook value, or e4m3 rounding;
  * for a codebook, where normalized is given, also the values x / scale themselves (stochastic
  * rounding starts from them: dividing once saves a division per element). Inlined into each caller,
@@ -175,18 +227,11 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
     } else if (s->bits == 4) {
         __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
         __m512 values = _mm512_loadu_ps(s->codebook);
-        /* 15 thresholds fit in a register: the code is how many are <= v, found by a 4-step binary
-         * search with permutes (the tables' answer, without their two gathers) */
-        __m512 thresholds = _mm512_loadu_ps(s->thresholds);
+        search16_t thresholds = search16(s->thresholds);  /* the code is how many are <= v */
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
-            __m512i code = _mm512_setzero_si512();
-            for (int step = 8; step >= 1; step /= 2) {
-                __m512i probe = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
-                __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(probe, thresholds), _CMP_GE_OQ);
-                code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(step));
-            }
+            __m512i code = count16(&thresholds, v);
             __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), low15);
             code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
@@ -224,25 +269,13 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(e4m3_values, code, 4));
         }
     } else if (s->kind == KIND_CODEBOOK && s->bits == 4) {
-        /* the AVX-512 loop's binary search for how many thresholds are <= v: step k probes one of
-         * 2**k thresholds (t[7]; t[3] or t[11]; t[1, 5, 9, 13]; the even ones), a permute away */
-        const float *t = s->thresholds;
-        __m256 t7 = _mm256_set1_ps(t[7]), t3 = _mm256_set1_ps(t[3]), t11 = _mm256_set1_ps(t[11]);
-        __m256 odd = _mm256_setr_ps(t[1], t[5], t[9], t[13], 0, 0, 0, 0);
-        __m256 even = _mm256_setr_ps(t[0], t[2], t[4], t[6], t[8], t[10], t[12], t[14]);
+        search8_t thresholds = search8(s->thresholds);  /* the code is how many are <= v */
         __m256 q_low = _mm256_loadu_ps(s->codebook), q_high = _mm256_loadu_ps(s->codebook + 8);
         __m256i nan_code = _mm256_set1_epi32(s->nan_code), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
         for (; i + 8 <= bs; i += 8) {
             __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
             if (normalized) _mm256_storeu_ps(normalized + i, v);
-            __m256 up8 = _mm256_cmp_ps(v, t7, _CMP_GE_OQ);
-            __m256 up4 = _mm256_cmp_ps(v, _mm256_blendv_ps(t3, t11, up8), _CMP_GE_OQ);
-            __m256i code = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(up8), _mm256_set1_epi32(8)),
-                                           _mm256_and_si256(_mm256_castps_si256(up4), _mm256_set1_epi32(4)));
-            __m256 up2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(odd, _mm256_srli_epi32(code, 2)), _CMP_GE_OQ);
-            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up2), _mm256_set1_epi32(2)));
-            __m256 up1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(even, _mm256_srli_epi32(code, 1)), _CMP_GE_OQ);
-            code = _mm256_or_si256(code, _mm256_and_si256(_mm256_castps_si256(up1), _mm256_set1_epi32(1)));
+            __m256i code = count8(&thresholds, v);
             __m256i non_finite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), _mm256_set1_epi32(0x7F7FFFFF));
             code = _mm256_blendv_epi8(code, nan_code, non_finite);
             store_low_bytes(codes + i, code);
@@ -270,11 +303,10 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
     if (s->kind == KIND_E4M3) {
         #pragma omp simd
         for (int64_t j = first; j < bs; j++) codes[j] = f32_to_e4m3(x[j] / scale);
-    } else {  /* the nearest-code tables: base_code, plus one where v reaches the bucket's threshold */
+    } else {
         for (int64_t j = first; j < bs; j++) {
             float v = x[j] / scale;
-            uint32_t bucket = bits_of(v) >> 16;
-            codes[j] = (uint8_t)(s->base_code[bucket] + (v >= s->threshold[bucket]));
+            codes[j] = (uint8_t)nearest_code(s, v);
             if (normalized) normalized[j] = v;
         }
     }
@@ -289,6 +321,10 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
 static void encode_block(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
     if (!s->stochastic || s->kind != KIND_CODEBOOK) {  /* (fused_cpu gives stochastic codebooks only) */
         encode_nearest(s, x, scale, bs, codes, cal, NULL);
+        return;
+    }
+    if (s->bits == 4) {
+        encode_stochastic4(s, x, scale, bs, codes, cal);
         return;
     }
     float normalized[bs];

@@ -1,7 +1,8 @@
-/* Stochastic rounding (quant.dither, quant.encode_stochastic): a second pass over a block's nearest
- * codes. Each value goes to one of the two codes around it, the upper one with probability
- * (v - a) / (b - a), drawn from a hash of its bits and its place in the block: the compiled step's
- * codes exactly, in each of the three paths. */
+/* Stochastic rounding (quant.dither, quant.encode_stochastic). Each value goes to one of the two
+ * codes around it, the upper one with probability (v - a) / (b - a), drawn from a hash of its bits
+ * and its place in the block: the compiled step's codes exactly, in each of the three paths. 4-bit
+ * codes are found in one pass (encode_stochastic4); 8-bit ones as a second pass over the nearest
+ * codes (round_stochastically). */
 #ifndef DITHER_DROPPED_BITS
 #error "build with -DDITHER_DROPPED_BITS=<quant.DITHER_DROPPED_BITS>, as kernel_build.py does (the hash must stay quant.dither's)"
 #endif
@@ -20,77 +21,150 @@ static inline float dither(float v, uint32_t j) {
     return (float)(int32_t)(h >> 8) * 0x1p-24f;
 }
 
-/* quant.encode_stochastic over a block of normalized values v whose nearest codes are in codes: low
- * is the code at or below v, (a, b) the pair of codes around it; up where (v - a) > u * (b - a).
- * Outside the codebook's range, next to an unused (NaN) code, and for NaN, the nearest code stays. */
-static void round_stochastically(const state_t *s, const float *restrict v_in, int64_t bs, uint8_t *restrict codes) {
-    const float *q = s->codebook;
-    int32_t top = (1 << s->bits) - 2;  /* the last pair's lower code */
-    int64_t i = 0;
+/* The first step of quant.dither for the 16 (8) places first, first + 1, ... of a block: j * 0x61C88647,
+ * kept as a vector that each next group of places adds 16 (8) * 0x61C88647 to (no multiplication) */
+#define DITHER_PLACE 0x61C88647u
 #ifdef __AVX512F__
-    if (s->bits == 4) {  /* the loop below, with the 16 code values in a register: permutes, not gathers */
-        __m512 values = _mm512_loadu_ps(q);
-        __m512i one = _mm512_set1_epi32(1), last = _mm512_set1_epi32(top);
-        __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (; i + 16 <= bs; i += 16) {
-            __m512 v = _mm512_loadu_ps(v_in + i);
-            __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
-            __m512i low = _mm512_mask_sub_epi32(k, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(k, values), v, _CMP_GT_OQ), k, one);
-            __m512i pair = _mm512_min_epi32(_mm512_max_epi32(low, _mm512_setzero_si512()), last);
-            __m512 a = _mm512_permutexvar_ps(pair, values), b = _mm512_permutexvar_ps(_mm512_add_epi32(pair, one), values);
-            /* dither(v, j) */
-            __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lanes);
-            __m512i h = _mm512_xor_si512(_mm512_srli_epi32(_mm512_castps_si512(v), DITHER_DROPPED_BITS), _mm512_mullo_epi32(j, _mm512_set1_epi32(0x61C88647)));
-            h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-            h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x7FEB352D));
-            h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-            h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x5BD1E995));
-            h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
-            __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(v, a), _mm512_mul_ps(u, _mm512_sub_ps(b, a)), _CMP_GT_OQ);
-            __mmask16 inside = _mm512_cmpeq_epi32_mask(low, pair) & _mm512_cmp_ps_mask(b, b, _CMP_ORD_Q);
-            __m512i code = _mm512_mask_mov_epi32(k, inside, _mm512_mask_add_epi32(pair, up, pair, one));
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-        }
-    }
-#elif defined(AVX2_ONLY)
-    if (s->bits == 4) {  /* the same on 8 lanes: lookup16 for the code values */
-        __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8);
-        __m256i one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(top), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (; i + 8 <= bs; i += 8) {
-            __m256 v = _mm256_loadu_ps(v_in + i);
-            __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
-            __m256 above = _mm256_cmp_ps(lookup16(q_low, q_high, k), v, _CMP_GT_OQ);
-            __m256i low = _mm256_add_epi32(k, _mm256_castps_si256(above));  /* k - 1 where above */
-            __m256i pair = _mm256_min_epi32(_mm256_max_epi32(low, _mm256_setzero_si256()), last);
-            __m256 a = lookup16(q_low, q_high, pair), b = lookup16(q_low, q_high, _mm256_add_epi32(pair, one));
-            /* dither(v, j) */
-            __m256i j = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), lanes);
-            __m256i h = _mm256_xor_si256(_mm256_srli_epi32(_mm256_castps_si256(v), DITHER_DROPPED_BITS), _mm256_mullo_epi32(j, _mm256_set1_epi32(0x61C88647)));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-            h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7FEB352D));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-            h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x5BD1E995));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
-            __m256 up = _mm256_cmp_ps(_mm256_sub_ps(v, a), _mm256_mul_ps(u, _mm256_sub_ps(b, a)), _CMP_GT_OQ);
-            __m256i inside = _mm256_and_si256(_mm256_cmpeq_epi32(low, pair), _mm256_castps_si256(_mm256_cmp_ps(b, b, _CMP_ORD_Q)));
-            __m256i moved = _mm256_sub_epi32(pair, _mm256_castps_si256(up));  /* pair + 1 where up */
-            store_low_bytes(codes + i, _mm256_blendv_epi8(k, moved, inside));
-        }
-    }
-#endif
-    for (int64_t j = i; j < bs; j++) {  /* compilers vectorize it (gathers where the target has them) */
-        float v = v_in[j];
-        int32_t k = codes[j];
-        int32_t low = k - (q[k] > v);
-        int32_t pair = low < 0 ? 0 : low;  /* clamped in two steps: GCC then vectorizes the loop */
-        pair = pair > top ? top : pair;
-        float a = q[pair], b = q[pair + 1];
-        int32_t up = (v - a) > dither(v, (uint32_t)j) * (b - a);
-        /* inside: low in [0, top] and b a used code; a mask, as a ternary keeps GCC's loop scalar */
-        uint32_t inside = (0u - (low == pair)) & (0u - (b == b));
-        codes[j] = (uint8_t)(k + ((pair + up - k) & inside));
-    }
+static inline __m512i dither_places16(int64_t first) {
+    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)first), lanes), _mm512_set1_epi32((int32_t)DITHER_PLACE));
 }
 
+/* quant.dither of 16 values v times 2**24 (an integer below 2**24, exact), places: dither_places16
+ * of their places */
+static inline __m512 dither_draws16(__m512 v, __m512i places) {
+    __m512i h = _mm512_xor_si512(_mm512_srli_epi32(_mm512_castps_si512(v), DITHER_DROPPED_BITS), places);
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x7FEB352D));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x5BD1E995));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8));
+}
+#elif defined(AVX2_ONLY)
+static inline __m256i dither_places8(int64_t first) {
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32((int32_t)first), lanes), _mm256_set1_epi32((int32_t)DITHER_PLACE));
+}
+
+static inline __m256 dither_draws8(__m256 v, __m256i places) {
+    __m256i h = _mm256_xor_si256(_mm256_srli_epi32(_mm256_castps_si256(v), DITHER_DROPPED_BITS), places);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7FEB352D));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x5BD1E995));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    return _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8));
+}
+#endif
+
+/* quant.encode_stochastic for value v at place j of its block, k its nearest code, q the codebook
+ * (top: its last pair's lower code): low is the code at or below v, (a, b) the pair of codes around
+ * it; up where (v - a) > u * (b - a). Outside the codebook's range, next to an unused (NaN) code, and
+ * for NaN, the nearest code stays. The reference: the vector loops below compute exactly this. */
+static inline __attribute__((always_inline)) int32_t stochastic_code(const float *q, int32_t top, float v, uint32_t j, int32_t k) {
+    int32_t low = k - (q[k] > v);
+    int32_t pair = low < 0 ? 0 : low;  /* clamped in two steps: GCC then vectorizes the loop */
+    pair = pair > top ? top : pair;
+    float a = q[pair], b = q[pair + 1];
+    int32_t up = (v - a) > dither(v, j) * (b - a);
+    /* inside: low in [0, top] and b a used code; a mask, as a ternary keeps GCC's loop scalar */
+    uint32_t inside = (0u - (low == pair)) & (0u - (b == b));
+    return k + ((pair + up - k) & inside);
+}
+
+/* Stochastic rounding as a second pass over a block's nearest codes (8-bit codes): v_in holds the
+ * normalized values, codes their nearest codes, replaced by the rounded ones. */
+static void round_stochastically(const state_t *s, const float *restrict v_in, int64_t bs, uint8_t *restrict codes) {
+    const float *q = s->codebook;  /* locals: a store to codes (bytes) could change s */
+    int32_t top = (1 << s->bits) - 2;
+    for (int64_t j = 0; j < bs; j++)  /* compilers vectorize it (gathers where the target has them) */
+        codes[j] = (uint8_t)stochastic_code(q, top, v_in[j], (uint32_t)j, codes[j]);
+}
+
+/* 4-bit stochastic codes of the values x / scale in one pass (and a calibrated format's products).
+ * For a finite v, encode_stochastic's low is the number of codebook values <= v, less one, whatever
+ * v's nearest code is (that is low or low + 1). The vector loops find that number by a binary search
+ * over the 16 values in registers, as encode_nearest searches the thresholds, and never compute the
+ * nearest code: v rounds between low and low + 1 where low is in [0, last_pair] (b a used code);
+ * elsewhere (below the codebook, at or above its last used value) the nearest code is max(low, 0).
+ * A vector of values with a NaN or an infinity takes the reference. */
+static void encode_stochastic4(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
+    const float *q = s->codebook;
+    int32_t last_pair = 14;
+    while (last_pair >= 0 && q[last_pair + 1] != q[last_pair + 1]) last_pair--;  /* unused codes (NaN) at the end */
+    /* u * (b - a) is taken as draw * width: u = draw * 2**-24 (dither_draws) and width = (b - a) *
+     * 2**-24 per pair, the same real product, so the same rounded one, wherever width is exact (a
+     * normal number). For a codebook that holds (pairs 2**-102 apart or closer do not) the vector
+     * loops run. */
+    uint32_t pair_lanes = last_pair >= 0 ? (2u << last_pair) - 1 : 0;  /* lanes 0 .. last_pair */
+    int64_t i = 0;
+#ifdef __AVX512F__
+    divisor_t d = exact_divisor(scale);
+    search16_t search = search16(q);  /* over q[0..14]; q[15] apart */
+    __m512 values = search.t, q15 = _mm512_set1_ps(q[15]);
+    __m512 widths = _mm512_mul_ps(_mm512_sub_ps(search.odd, values), _mm512_set1_ps(0x1p-24f));
+    int vectors = last_pair >= 0 && (_mm512_cmp_ps_mask(_mm512_abs_ps(widths), _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ) & pair_lanes) == pair_lanes;
+    __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(last_pair + 1);
+    __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
+    __m512i places = dither_places16(0), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
+    for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
+        __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+        if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
+            for (int64_t j = i; j < i + 16; j++) codes[j] = (uint8_t)stochastic_code(q, 14, x[j] / scale, (uint32_t)j, nearest_code(s, x[j] / scale));
+            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i))), values));
+            continue;
+        }
+        __m512i count = count16(&search, v);
+        /* low = count - 1, plus one where v reaches q[15] */
+        __m512i low = _mm512_mask_mov_epi32(_mm512_sub_epi32(count, one), _mm512_cmp_ps_mask(v, q15, _CMP_GE_OQ), count);
+        /* a permute reads an index's low 4 bits: outside [0, last_pair], a and its width are never used */
+        __m512 a = _mm512_permutexvar_ps(low, values), width = _mm512_permutexvar_ps(low, widths);
+        __mmask16 inside = _mm512_cmplt_epu32_mask(low, pairs);
+        __mmask16 up = _mm512_mask_cmp_ps_mask(inside, _mm512_sub_ps(v, a), _mm512_mul_ps(dither_draws16(v, places), width), _CMP_GT_OQ);
+        __m512i nearest = _mm512_max_epi32(low, zero);
+        __m512i code = _mm512_mask_add_epi32(nearest, up, nearest, one);
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
+    }
+#elif defined(AVX2_ONLY)
+    /* the same on 8 lanes, lookup16 for the code values */
+    __m256 divisor = _mm256_set1_ps(scale), q15 = _mm256_set1_ps(q[15]);
+    search8_t search = search8(q);
+    __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), scaled = _mm256_set1_ps(0x1p-24f);
+    __m256 w_low = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q + 1), q_low), scaled);
+    __m256 w_high = _mm256_mul_ps(_mm256_sub_ps(_mm256_permutevar8x32_ps(q_high, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7)), q_high), scaled);
+    __m256 smallest = _mm256_set1_ps(FLT_MIN), magnitude_ps = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    uint32_t exact = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_low, magnitude_ps), smallest, _CMP_GE_OQ)) |
+                     (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_high, magnitude_ps), smallest, _CMP_GE_OQ)) << 8;
+    int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
+    __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), pairs = _mm256_set1_epi32(last_pair);
+    __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), largest = _mm256_set1_epi32(0x7F7FFFFF);
+    __m256i places = dither_places8(0), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
+    for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+        if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), largest))) {
+            for (int64_t j = i; j < i + 8; j++) codes[j] = (uint8_t)stochastic_code(q, 14, x[j] / scale, (uint32_t)j, nearest_code(s, x[j] / scale));
+            if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)))));
+            continue;
+        }
+        __m256i count = count8(&search, v);
+        /* low = count - 1, plus one where v reaches q[15] (a mask is -1) */
+        __m256i low = _mm256_sub_epi32(_mm256_sub_epi32(count, one), _mm256_castps_si256(_mm256_cmp_ps(v, q15, _CMP_GE_OQ)));
+        /* lookup16 reads an index's low 4 bits: outside [0, last_pair], a and its width are never used */
+        __m256 a = lookup16(q_low, q_high, low), pair_width = lookup16(w_low, w_high, low);
+        __m256i nearest = _mm256_max_epi32(low, zero);
+        __m256i inside = _mm256_cmpeq_epi32(_mm256_min_epi32(nearest, pairs), low);  /* 0 <= low <= last_pair */
+        __m256 up = _mm256_cmp_ps(_mm256_sub_ps(v, a), _mm256_mul_ps(dither_draws8(v, places), pair_width), _CMP_GT_OQ);
+        __m256i code = _mm256_sub_epi32(nearest, _mm256_and_si256(_mm256_castps_si256(up), inside));  /* + 1 where up inside */
+        store_low_bytes(codes + i, code);
+        if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, code));
+    }
+#endif
+    (void)pair_lanes;
+    for (; i < bs; i++) {  /* the rest (all of it elsewhere) */
+        float v = x[i] / scale;
+        codes[i] = (uint8_t)stochastic_code(q, 14, v, (uint32_t)i, nearest_code(s, v));
+        if (cal->vv) store_product(cal, i, v, codes[i]);
+    }
+}
