@@ -8,11 +8,13 @@
 #endif
 
 
+#define DITHER_PLACE 0x61C88647u  /* quant.dither's multiplier of a value's place */
+
 /* quant.dither for value v at place j of its block: the Python's int64 arithmetic masked to 32 bits
  * is uint32 arithmetic. The top 24 bits of the hash, a number in [0, 1) exact in fp32 (converted as
  * int32: AVX2 has no unsigned conversion). */
 static inline float dither(float v, uint32_t j) {
-    uint32_t h = (bits_of(v) >> DITHER_DROPPED_BITS) ^ (j * 0x61C88647u);
+    uint32_t h = (bits_of(v) >> DITHER_DROPPED_BITS) ^ (j * DITHER_PLACE);
     h ^= h >> 16;
     h *= 0x7FEB352Du;
     h ^= h >> 15;
@@ -21,17 +23,16 @@ static inline float dither(float v, uint32_t j) {
     return (float)(int32_t)(h >> 8) * 0x1p-24f;
 }
 
-/* The first step of quant.dither for the 16 (8) places first, first + 1, ... of a block: j * 0x61C88647,
- * kept as a vector that each next group of places adds 16 (8) * 0x61C88647 to (no multiplication) */
-#define DITHER_PLACE 0x61C88647u
+/* The first step of quant.dither for places 0..15 (0..7) of a block: j * 0x61C88647, a vector that
+ * each next group of places adds 16 (8) * 0x61C88647 to (no multiplication in the loops) */
 #ifdef __AVX512F__
-static inline __m512i dither_places16(int64_t first) {
+static inline __m512i dither_places16(void) {
     __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)first), lanes), _mm512_set1_epi32((int32_t)DITHER_PLACE));
+    return _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int32_t)DITHER_PLACE));
 }
 
-/* quant.dither of 16 values v times 2**24 (an integer below 2**24, exact), places: dither_places16
- * of their places */
+/* quant.dither of 16 (8) values v times 2**24 (an integer below 2**24, exact); places: their first
+ * step (dither_places16) */
 static inline __m512 dither_draws16(__m512 v, __m512i places) {
     __m512i h = _mm512_xor_si512(_mm512_srli_epi32(_mm512_castps_si512(v), DITHER_DROPPED_BITS), places);
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
@@ -42,9 +43,8 @@ static inline __m512 dither_draws16(__m512 v, __m512i places) {
     return _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8));
 }
 #elif defined(AVX2_ONLY)
-static inline __m256i dither_places8(int64_t first) {
-    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32((int32_t)first), lanes), _mm256_set1_epi32((int32_t)DITHER_PLACE));
+static inline __m256i dither_places8(void) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)DITHER_PLACE));
 }
 
 static inline __m256 dither_draws8(__m256 v, __m256i places) {
@@ -107,7 +107,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     int vectors = last_pair >= 0 && (_mm512_cmp_ps_mask(_mm512_abs_ps(widths), _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ) & pair_lanes) == pair_lanes;
     __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(last_pair + 1);
     __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
-    __m512i places = dither_places16(0), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
+    __m512i places = dither_places16(), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
         __m512 v = divide(_mm512_loadu_ps(x + i), &d);
         if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
@@ -140,7 +140,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
     __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), pairs = _mm256_set1_epi32(last_pair);
     __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), largest = _mm256_set1_epi32(0x7F7FFFFF);
-    __m256i places = dither_places8(0), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
+    __m256i places = dither_places8(), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
         if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), largest))) {
