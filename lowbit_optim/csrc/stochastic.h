@@ -82,6 +82,13 @@ static void round_stochastically(const state_t *s, const float *restrict v_in, i
         codes[j] = (uint8_t)stochastic_code(q, top, v_in[j], (uint32_t)j, codes[j]);
 }
 
+/* encode_stochastic4 for element i alone (the reference): its code, and a calibrated format's products */
+static inline void encode_stochastic_one(const state_t *s, const float *restrict x, float scale, int64_t i, uint8_t *restrict codes, const calibration_t *cal) {
+    float v = x[i] / scale;
+    codes[i] = (uint8_t)stochastic_code(s->codebook, 14, v, (uint32_t)i, nearest_code(s, v));
+    if (cal->vv) store_product(cal, i, v, codes[i]);
+}
+
 /* 4-bit stochastic codes of the values x / scale in one pass (and a calibrated format's products).
  * For a finite v, encode_stochastic's low is the number of codebook values <= v, less one, whatever
  * v's nearest code is (that is low or low + 1). The vector loops find that number by a binary search
@@ -111,8 +118,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
         __m512 v = divide(_mm512_loadu_ps(x + i), &d);
         if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
-            for (int64_t j = i; j < i + 16; j++) codes[j] = (uint8_t)stochastic_code(q, 14, x[j] / scale, (uint32_t)j, nearest_code(s, x[j] / scale));
-            if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i))), values));
+            for (int64_t j = i; j < i + 16; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;
         }
         __m512i count = count16(&search, v);
@@ -138,14 +144,13 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     uint32_t exact = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_low, magnitude_ps), smallest, _CMP_GE_OQ)) |
                      (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_high, magnitude_ps), smallest, _CMP_GE_OQ)) << 8;
     int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
-    __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), pairs = _mm256_set1_epi32(last_pair);
+    __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(last_pair);
     __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), largest = _mm256_set1_epi32(0x7F7FFFFF);
     __m256i places = dither_places8(), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
         if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), largest))) {
-            for (int64_t j = i; j < i + 8; j++) codes[j] = (uint8_t)stochastic_code(q, 14, x[j] / scale, (uint32_t)j, nearest_code(s, x[j] / scale));
-            if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)))));
+            for (int64_t j = i; j < i + 8; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;
         }
         __m256i count = count8(&search, v);
@@ -154,7 +159,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
         /* lookup16 reads an index's low 4 bits: outside [0, last_pair], a and its width are never used */
         __m256 a = lookup16(q_low, q_high, low), pair_width = lookup16(w_low, w_high, low);
         __m256i nearest = _mm256_max_epi32(low, zero);
-        __m256i inside = _mm256_cmpeq_epi32(_mm256_min_epi32(nearest, pairs), low);  /* 0 <= low <= last_pair */
+        __m256i inside = _mm256_cmpeq_epi32(_mm256_min_epi32(nearest, last), low);  /* 0 <= low <= last_pair */
         __m256 up = _mm256_cmp_ps(_mm256_sub_ps(v, a), _mm256_mul_ps(dither_draws8(v, places), pair_width), _CMP_GT_OQ);
         __m256i code = _mm256_sub_epi32(nearest, _mm256_and_si256(_mm256_castps_si256(up), inside));  /* + 1 where up inside */
         store_low_bytes(codes + i, code);
@@ -162,9 +167,5 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     }
 #endif
     (void)pair_lanes;
-    for (; i < bs; i++) {  /* the rest (all of it elsewhere) */
-        float v = x[i] / scale;
-        codes[i] = (uint8_t)stochastic_code(q, 14, v, (uint32_t)i, nearest_code(s, v));
-        if (cal->vv) store_product(cal, i, v, codes[i]);
-    }
+    for (; i < bs; i++) encode_stochastic_one(s, x, scale, i, codes, cal);  /* the rest (all of it elsewhere) */
 }
