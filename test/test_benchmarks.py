@@ -128,6 +128,24 @@ def test_convergence_optimizer_smoke(convergence, tmp_path, eager_lowbit_step):
     assert "train gap vs fp32 SGD" in md.read_text()
 
 
+def test_convergence_optimizer_on_the_char_gpt(convergence, tmp_path, eager_lowbit_step):
+    """--optimizer without --task mlp: that optimizer's rows on the char GPT, val-loss gaps against
+    its own fp32 state, the table named after it; Muon's comparison is refused there."""
+    md, png = tmp_path / "convergence_gpt_ademamix.md", tmp_path / "convergence_gpt_ademamix.png"
+    out = convergence.main(
+        [*TINY, "--optimizer", "ademamix", "--steps", "4", "--seeds", "0", "--eval-every", "2", "--eval-batches", "2",
+         "--smooth", "2", "--only", "lowbit fp32,lowbit 8bit", "--out-md", str(md), "--out-png", str(png)]
+    )  # fmt: skip
+    rows = {r["label"]: r for r in out["rows"]}
+    assert set(rows) == {"lowbit fp32", "lowbit 8bit"}
+    assert rows["lowbit fp32"]["gap_mean"] == 0.0 and math.isfinite(rows["lowbit 8bit"]["gap_mean"])
+    assert rows["lowbit 8bit"]["bytes_per_param"] < 4 < rows["lowbit fp32"]["bytes_per_param"]  # three states, 8-bit
+    assert "gap vs fp32 AdEMAMix" in md.read_text() and "t_beta3 4" in md.read_text()
+    assert convergence.parse_args(["--optimizer", "lion"]).out_md.endswith("convergence_gpt_lion.md")
+    with pytest.raises(SystemExit, match="--task mlp"):
+        convergence.parse_args(["--optimizer", "muon"])
+
+
 def test_convergence_lowrank_row(convergence):
     """--with-8bit-lowrank: the momenta in 8bit-lowrank, the second moments in 8bit-sr (4bit-lowrank
     and 4bit with --with-4bit-lowrank)."""
