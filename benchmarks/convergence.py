@@ -543,7 +543,7 @@ def _optimizer_title(args) -> str:
 def _optimizer_text(args) -> str:
     """The optimizer and its hyper-parameters besides lr and weight decay, for the table's caption."""
     if not args.optimizer:
-        return "AdamW, betas (0.9, 0.999)"
+        return f"AdamW, betas {args.betas}"  # the task's: (0.9, 0.999) for the MLP, (0.9, 0.99) for the char GPT
     info = OPTIMIZERS[args.optimizer]
     return f"{info.title} ({', '.join(f'{k} {v}' for k, v in info.kwargs(args).items())})"
 

@@ -31,6 +31,7 @@ def test_convergence_smoke(convergence, tmp_path):
     assert rows["torch AdamW"]["bytes_per_param"] == pytest.approx(8, rel=0.01)  # two fp32 moments (+ steps)
     text = md.read_text()
     assert "| lowbit fp32 |" in text and "| torch AdamW |" in text and "Partial" not in text
+    assert "AdamW, betas (0.9, 0.99), peak lr" in text  # the char GPT's betas
     assert png.stat().st_size > 1000
 
 
