@@ -5,11 +5,12 @@ fp32, 8bit and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and fo
 ``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
 which torch lacks, are timed against bitsandbytes' 32-bit version. ``--optimizer muon`` steps the
 blocks' 2-D matrices only (Muon's part of the usual recipe) with ``torch.optim.Muon`` (the reference)
-and lowbit_optim's Muon with fp32, 8bit and 4bit momentum, and times the Newton-Schulz iterations
+and lowbit_optim's Muon with fp32, 8bit, 8bit-lowrank and 4bit momentum (on the CPU the momentum in
+the fused kernel; the ``-compiled`` rows in the compiled step), and times the Newton-Schulz iterations
 alone (``newton-schulz``: the compiled iterations on every matrix, no momentum, no update), the part
 of a Muon step that no state format changes. Hyper-parameters: SGD lr 1e-3,
-momentum 0.9; Lion and AdEMAMix their defaults. A lowbit_optim optimizer the fused CPU kernel does
-not step says so in the note column ("compiled step").
+momentum 0.9; Lion and AdEMAMix their defaults. A lowbit_optim optimizer whose states the fused CPU
+kernel does not step says so in the note column ("compiled step", with the reason).
 
 Compares torch.optim.AdamW (foreach, fused), torchao's AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes'
 AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format (on the CPU by default through
@@ -221,9 +222,14 @@ class NewtonSchulzOnly(torch.optim.Optimizer):
 
 
 def muon_factories() -> list[tuple[str, Callable]]:
+    def muon(state_format: str, fused: bool | None = None):
+        return lambda params: lowbit_optim.Muon(params, lr=1e-3, state_format=state_format, fused=fused)
+
     return [
         ("torch-muon", lambda params: torch.optim.Muon(params, lr=1e-3)),
-        *[(f"lowbit-{f}", lambda params, f=f: lowbit_optim.Muon(params, lr=1e-3, state_format=f)) for f in ("fp32", "8bit", "8bit-lowrank", "4bit")],
+        *[(f"lowbit-{f}", muon(f)) for f in ("fp32", "8bit", "8bit-lowrank", "4bit")],
+        # the momentum in the compiled step, as on a GPU, rather than in the fused CPU kernel
+        *[(f"lowbit-{f}-compiled", muon(f, fused=False)) for f in ("8bit", "4bit")],
         ("newton-schulz", NewtonSchulzOnly),
     ]
 
@@ -389,9 +395,17 @@ def measure(label: str, make: Callable, params, args, device: torch.device) -> R
     result.floor_bytes_per_param = floor_bytes_per_param(params[0].element_size(), result.state_bytes_per_param)
     result.floor_gb_per_s = result.floor_bytes_per_param * numel / result.median_step_s / 1e9
     result.peak_mem_delta_bytes = memory.peak_delta()
-    if isinstance(optimizer, lowbit_optim.LowBitOptimizer) and optimizer._fused_step is None and device.type == "cpu":
-        result.note = "compiled step (the fused CPU kernel does not step it)"
+    if isinstance(optimizer, lowbit_optim.LowBitOptimizer) and device.type == "cpu":
+        result.note = stepper_note(optimizer)
     return result
+
+
+def stepper_note(optimizer: lowbit_optim.LowBitOptimizer) -> str:
+    """Where a lowbit_optim optimizer on the CPU did not take the fused kernel, and why."""
+    if optimizer._fused_step is None:
+        return "compiled step (the fused CPU kernel does not step it)"
+    refusals = {reason for _, _, reason in optimizer.__dict__.get("_kernel_verdicts", {}).values() if reason}
+    return f"compiled step ({'; '.join(sorted(refusals))})" if refusals else ""
 
 
 # ------------------------------------------------------------------------------------------------

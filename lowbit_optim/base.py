@@ -167,7 +167,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
       ``bf16_stochastic_round=True`` is torchao's spelling of ``param_update="stochastic"``.
     - ``compile=False`` runs the same step function eagerly (slow; for debugging).
     - ``fused`` (as in torch.optim): for optimizers with an update in the fused CPU kernel (Adam,
-      AdamW, SGD, Lion, AdEMAMix), None steps every CPU parameter it can take in the kernel, True
+      AdamW, SGD, Lion, AdEMAMix; Muon's momentum), None steps every CPU parameter it can take in the kernel, True
       requires it, False never uses it;
       the others always take the compiled step (None or False; True is an error).
     - ``foreach`` (as in torch.optim, a choice of implementation, never of numbers): True runs the
@@ -305,7 +305,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
         if group["fused"] and self._fused_step is None:
             raise ValueError(
-                f"fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion and AdEMAMix only; {self._family} "
+                f"fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only; {self._family} "
                 "takes the compiled step. Pass fused=None (the default) or False"
             )
         if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling

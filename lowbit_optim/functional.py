@@ -265,7 +265,7 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
     return x.T if tall else x
 
 
-# the parts compiled alone (muon_fsdp.py) compile with muon_step's options
+# the parts compiled alone (muon_parts.py) compile with muon_step's options
 newton_schulz.inductor_options = muon_momentum.inductor_options = muon_apply.inductor_options = muon_step.inductor_options
 
 

@@ -20,6 +20,7 @@ An optimizer with an update in the kernel (csrc/update.h) calls ``step(name, ite
 its hyper-parameters by the C struct's field names; ``adam_step``, ``sgd_step``, ``lion_step`` and
 ``ademamix_step`` are Adam's, SGD's, Lion's and AdEMAMix's; each takes the parameters'
 int8-corrections beside its items (``corrections``, None where a parameter has none).
+``muon_momentum`` is Muon's part before its Newton-Schulz iterations, which it leaves to the caller.
 """
 
 import torch
@@ -150,6 +151,14 @@ def ademamix_step(items: list[tuple], group: dict, corrections=None) -> None:
         schedule_beta3=t_beta3 is not None,
     )
     step("ademamix", items, hyper, corrections)
+
+
+def muon_momentum(items: list[tuple], group: dict) -> None:
+    """Muon's momentum (functional.muon_momentum's numbers) for every (output, grad, step,
+    momentum_buffer) of ``group``: the kernel updates the buffer and writes into ``output`` (bf16
+    where the iterations are to start from it) what the Newton-Schulz iterations orthogonalize."""
+    momentum = group["momentum"]
+    step("muon", items, dict(momentum=momentum, one_minus_momentum=1 - momentum, nesterov=group["nesterov"]))
 
 
 def _adam_moment_hyper(group: dict, beta1: float, beta2: float) -> dict:

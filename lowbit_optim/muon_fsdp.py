@@ -11,16 +11,15 @@ all gathers are in flight before any iteration starts, and all scatters after th
 are those of one process: the same functions on the same values.
 """
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from . import functional, precision
-from .base import compiled_step, param_update_of
+from . import precision
+from .base import param_update_of
 from .distributed import local
+from .muon_parts import MuonParts
 
 
 def check_sharding(param) -> None:
@@ -35,7 +34,7 @@ def check_sharding(param) -> None:
 def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
     """One Muon step of each (DTensor parameter, its tensor to update, gradient) of ``group``."""
     (lr, decay, momentum, one_minus_momentum), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
-    parts = _parts(optimizer._compile)
+    parts = MuonParts(optimizer._compile)
     place = {id(p): i for i, p in enumerate(group["params"])}
     jobs = []
     for p, tensor, grad in items:
@@ -98,18 +97,3 @@ class _Job:
     def result(self) -> Tensor:
         self.work.wait()
         return self.mine[: self.rows.shape[0]]
-
-
-class _Parts:
-    """The three parts of functional.muon_step, compiled as the optimizer's step is (or eager)."""
-
-    def __init__(self, compile: bool):
-        part = compiled_step if compile else (lambda fn: fn)
-        self.momentum = part(functional.muon_momentum)
-        self.newton_schulz = part(functional.newton_schulz)
-        self.apply = part(functional.muon_apply)
-
-
-@functools.cache
-def _parts(compile: bool) -> _Parts:
-    return _Parts(compile)

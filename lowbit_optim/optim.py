@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
+from .muon_parts import MuonParts
 from .base import LowBitOptimizer, State, check_betas, check_nonnegative
 from .distributed import is_dtensor, local
 from .state import StateTensor
@@ -168,7 +169,8 @@ class Muon(LowBitOptimizer):
     Like torch.optim.Muon it steps matrices only: give embeddings, the output head, biases and norms
     to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). Under FSDP2
     each matrix's update is gathered to one rank, orthogonalized once and scattered back
-    (muon_fsdp.py). It takes the compiled step (no fused kernel). For 8-bit momentum use
+    (muon_fsdp.py). On the CPU its momentum takes the fused kernel, the iterations the compiled step
+    (``_fused_step``). For 8-bit momentum use
     ``state_format="8bit-lowrank"`` (lowrank.py): plain 8-bit codes lose much of Muon's accuracy.
     """
 
@@ -229,6 +231,19 @@ class Muon(LowBitOptimizer):
         flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
                      eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"])  # fmt: skip
         return (lr64, decay.float(), momentum, 1 - momentum), flags
+
+    def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
+        """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
+        in bf16 (the rounding the iterations start with: the same numbers), then each matrix's
+        iterations and apply, compiled (muon_parts.py)."""
+        starts = [torch.empty(param.shape, dtype=torch.bfloat16) for param, *_ in items]
+        fused_cpu.muon_momentum([(start, *item[1:]) for start, item in zip(starts, items)], group)
+        (lr, decay, _, _), flags = self._tensor_arguments(group, torch.device("cpu"))
+        parts = MuonParts(self._compile)
+        for (param, *_), start, correction in zip(items, starts, corrections):
+            orthogonal = parts.newton_schulz(start, flags["ns_coefficients"], flags["ns_steps"], flags["eps"])
+            mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
+            parts.apply(param, correction, orthogonal, lr, decay, shape=tuple(param.shape), adjust_lr_fn=flags["adjust_lr_fn"], param_update=mode)
 
 
 class AdEMAMix(LowBitOptimizer):

@@ -123,8 +123,9 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-SGD, LION, ADEMAMIX = lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix
+SGD, LION, ADEMAMIX, MUON = lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix, lowbit_optim.Muon
 BF16 = torch.bfloat16
+MATRICES = [(71, 64), (64, 96), (20, 10)]  # Muon's: matrices only, the last one below min_quantize_numel
 
 # SGD, Lion and AdEMAMix, each an update of its own in the kernel (csrc/update_*.h): every option,
 # the formats' kinds (codebook 8/4-bit stochastic, fp8, bf16 in place; the 200-element shape keeps
@@ -146,29 +147,38 @@ OTHER_OPTIMIZER_CASES = {
     "SGD 4bit, int8-correction": dict(cls=SGD, momentum=0.9, state_format="4bit", dtype=BF16, param_update="int8-correction"),
     "Lion 8bit, int8-correction": dict(cls=LION, state_format="8bit", dtype=BF16, param_update="int8-correction"),
     "AdEMAMix 8bit, int8-correction": dict(cls=ADEMAMIX, state_format="8bit", dtype=BF16, param_update="int8-correction"),
+    # Muon: the kernel's momentum, then the compiled iterations and apply
+    "Muon 8bit": dict(cls=MUON, state_format="8bit", shapes=MATRICES),
+    "Muon 4bit, no nesterov, bf16 params": dict(cls=MUON, state_format="4bit", nesterov=False, dtype=BF16, shapes=MATRICES),
+    "Muon fp8, momentum <= 0.5, adjusted lr": dict(cls=MUON, state_format="fp8", momentum=0.3, adjust_lr_fn="match_rms_adamw", shapes=MATRICES),
+    "Muon bf16 states, int8-correction": dict(cls=MUON, state_format="bf16", dtype=BF16, param_update="int8-correction", shapes=MATRICES),
 }
 
 
 @pytest.mark.parametrize("case", OTHER_OPTIMIZER_CASES, ids=list(OTHER_OPTIMIZER_CASES))
 def test_other_optimizers_match_compiled(case):
-    """SGD, Lion and AdEMAMix in the kernel (fused=True) give their compiled step's bits (AdEMAMix's
-    warm-ups of alpha and beta3 computed in float64 in the kernel's prepare, as in the graph)."""
+    """SGD, Lion, AdEMAMix and Muon's momentum in the kernel (fused=True) give their compiled step's
+    bits (AdEMAMix's warm-ups of alpha and beta3 computed in float64 in the kernel's prepare, as in
+    the graph; Muon's iterations start from the kernel's bf16 output as from the graph's)."""
     kwargs = OTHER_OPTIMIZER_CASES[case]
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-@pytest.mark.parametrize("cls, kwargs", [(SGD, dict(momentum=0.9, nesterov=True)), (LION, {}), (ADEMAMIX, dict(t_alpha=3, t_beta3=3))], ids=["SGD", "Lion", "AdEMAMix"])
+@pytest.mark.parametrize(
+    "cls, kwargs", [(SGD, dict(momentum=0.9, nesterov=True)), (LION, {}), (ADEMAMIX, dict(t_alpha=3, t_beta3=3)), (MUON, {})], ids=["SGD", "Lion", "AdEMAMix", "Muon"]
+)
 def test_other_optimizers_non_finite_gradients(cls, kwargs):
-    """A NaN and an inf in the gradient (Lion: the sign of NaN and of inf) give the compiled step's
-    values, with fp32 states."""
+    """A NaN and an inf in the gradient (Lion: the sign of NaN and of inf; Muon: a whole matrix
+    turns NaN) give the compiled step's values, with fp32 states."""
 
     def poisoned(fused):
         torch.manual_seed(0)
-        param = torch.nn.Parameter(torch.randn(300))
+        param = torch.nn.Parameter(torch.randn((20, 15) if cls is MUON else 300))
         opt = cls([param], lr=1e-2, fused=fused, state_format="fp32", **kwargs)
         for _ in range(2):
             param.grad = torch.randn_like(param)
-            param.grad[3], param.grad[40] = float("nan"), float("inf")
+            flat = param.grad.view(-1)
+            flat[3], flat[40] = float("nan"), float("inf")
             opt.step()
         return [param.detach(), *(v for k, v in opt.state[param].items())]
 

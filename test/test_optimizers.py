@@ -320,12 +320,12 @@ def test_bf16_params_train(opt_info, param_update):
 
 @matrix_optimizers
 def test_fused(opt_info):
-    """An optimizer with an update in the fused CPU kernel (Adam/AdamW, SGD, Lion, AdEMAMix) steps
+    """An optimizer with an update in the fused CPU kernel (Adam/AdamW, SGD, Lion, AdEMAMix, Muon) steps
     with it under fused=True and fused=None (the default), the same bits as the compiled step
     (fused=False; test_fused_cpu.py covers the formats and options); one without is refused
     fused=True with the reason, and fused=None takes the compiled step."""
     if opt_info.cls._fused_step is None:
-        with pytest.raises(ValueError, match="the fused CPU kernel steps Adam, AdamW, SGD, Lion and AdEMAMix only"):
+        with pytest.raises(ValueError, match="the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only"):
             opt_info.make(opt_info.mlp().parameters(), fused=True)
         choices = (None, False)
     else:
@@ -467,7 +467,7 @@ class TestBadInput(expecttest.TestCase):
                 make()
             rows.append(f"{name}: {type(caught.exception).__name__}: {caught.exception}")
         self.assertExpectedInline("\n".join(rows), """\
-RMSprop(fused=True): ValueError: fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion and AdEMAMix only; RMSprop takes the compiled step. Pass fused=None (the default) or False
+RMSprop(fused=True): ValueError: fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only; RMSprop takes the compiled step. Pass fused=None (the default) or False
 SGD(nesterov=True): ValueError: nesterov=True needs momentum > 0 and dampening=0, got momentum=0.0 and dampening=0.0
 SGD(momentum=-1): ValueError: invalid momentum -1: momentum must be >= 0
 SGD(state_format="factored"): ValueError: the 'factored' state format holds nonnegative states only, and SGD's momentum_buffer can be negative: pick another format

@@ -50,6 +50,7 @@
 #include "update_sgd.h"
 #include "update_lion.h"
 #include "update_ademamix.h"
+#include "update_muon.h"
 #include "scheduler.h"
 #include "test_hooks.h"
 
@@ -60,7 +61,8 @@
     OPTIMIZER(adam, adam_hyper_t, ADAM_HYPER_FIELDS, "exp_avg,exp_avg_sq,max_exp_avg_sq", 2, 1, adam_scalars_t, adam_prepare, adam_update) \
     OPTIMIZER(sgd, sgd_hyper_t, SGD_HYPER_FIELDS, "momentum_buffer", 0, 1, sgd_scalars_t, sgd_prepare, sgd_update) \
     OPTIMIZER(lion, lion_hyper_t, LION_HYPER_FIELDS, "exp_avg", 1, 1, lion_scalars_t, lion_prepare, lion_update) \
-    OPTIMIZER(ademamix, ademamix_hyper_t, ADEMAMIX_HYPER_FIELDS, "exp_avg,exp_avg_slow,exp_avg_sq", 3, 1, ademamix_scalars_t, ademamix_prepare, ademamix_update)
+    OPTIMIZER(ademamix, ademamix_hyper_t, ADEMAMIX_HYPER_FIELDS, "exp_avg,exp_avg_slow,exp_avg_sq", 3, 1, ademamix_scalars_t, ademamix_prepare, ademamix_update) \
+    OPTIMIZER(muon, muon_hyper_t, MUON_HYPER_FIELDS, "momentum_buffer", 1, 1, muon_scalars_t, muon_prepare, muon_update)
 
 #define OPTIMIZER_ROW(name, hyper, FIELDS, states, required, bf16, scalars, prepare, update) \
     {#name, #hyper, states, required, bf16, sizeof(scalars), prepare, update},
