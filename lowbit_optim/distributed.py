@@ -21,6 +21,12 @@ as they are (no size overhead). Copying a saved window into a wanted one:
   elements all share one scale takes their codes and that scale (exact values again), a block that
   mixes saved blocks is requantized from the exact saved values (at most half a code step of error;
   no single-scale block can hold values from two scales exactly).
+
+A state whose blocks are not independent (``8bit-lowrank``: a low-rank part spans every row) is
+loaded whole instead: from the same state saved whole (an unchanged world size) it copies every inner
+tensor, bit-exact; otherwise its saved values are staged until every element has come, then written
+``WHOLE_STATE_WRITES`` times (each write one more step of the low-rank part's subspace iteration on
+those values, so the part settles on their strongest directions, as the saved states' had).
 """
 
 import sys
@@ -33,6 +39,9 @@ from . import quant
 from .state import OptimState, StateTensor, slice_bounds
 
 aten = torch.ops.aten
+
+# writes of a resharded low-rank state's values: subspace-iteration steps from a fixed start
+WHOLE_STATE_WRITES = 8
 
 
 def _dtensor_class():
@@ -107,7 +116,13 @@ class ShardView(Tensor):
     def values(self) -> Tensor:
         """The window's dequantized fp32 values, flat."""
         first, last = self.elements
+        if not self.state.independent_blocks:
+            return self.state.dequantize(torch.float32).reshape(-1)[first:last]
         return _element_values(self.state, first, last)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == _rows(self.state)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -138,12 +153,6 @@ torch.serialization.add_safe_globals([ShardView])  # DCP loads checkpoints with 
 def _shard_view(state: OptimState, index) -> ShardView:
     # needed by dcp.save / dcp.load (also through DTensor, which asks its local tensor): they read and
     # write the state through a view that can be cut at any row, so checkpoints reshard
-    if not state.independent_blocks:  # a view of codes and scales alone would drop the rest silently
-        raise NotImplementedError(
-            f"{type(state).__name__} ({state.name!r} state format) cannot be saved or loaded through "
-            "torch.distributed.checkpoint: its values are not codes and block scales alone. Use torch.save of "
-            "optimizer.state_dict(), or a blockwise format such as '8bit'"
-        )
     return ShardView(state)
 
 
@@ -201,6 +210,9 @@ def _copy_into(dst, src) -> None:
     t0, t1 = dst.elements
     if t1 == t0:
         return
+    if not state.independent_blocks:
+        _copy_into_whole(dst, src)
+        return
     if not isinstance(src, ShardView):  # a plain checkpoint (e.g. torch.optim.AdamW's fp32 state)
         _stage(state, t0, t1, src.detach().reshape(-1).float(), None, None)
         return
@@ -223,6 +235,33 @@ def _copy_into(dst, src) -> None:
             begin = min(end_block * bs, t1)
             s0 += begin - t0
     _stage_source(state, begin, end, source, s0)
+
+
+def _copy_into_whole(dst: ShardView, src) -> None:
+    """``_copy_into`` for a state whose blocks are not independent (module doc): its inner tensors from
+    the same state saved whole, else its values written whole once they have all come."""
+    state = dst.state
+    if isinstance(src, ShardView) and dst.whole and src.whole and type(src.state) is type(state):
+        source = src.state
+        if source.shape == state.shape and source._meta() == state._meta():
+            for name in state.inner_names:
+                getattr(state, name).copy_(getattr(source, name))
+            return
+    first, last = dst.elements
+    values = src.values() if isinstance(src, ShardView) else src.detach().reshape(-1).float()
+    staging = getattr(state, "_dcp_staging", None)
+    if staging is None:
+        n = state.numel()
+        staging = state._dcp_staging = {
+            "values": torch.zeros(n, dtype=torch.float32, device=state.device),
+            "covered": torch.zeros(n, dtype=torch.bool, device=state.device),
+        }
+    staging["values"][first:last] = values
+    staging["covered"][first:last] = True
+    if bool(staging["covered"].all()):
+        del state._dcp_staging
+        for _ in range(WHOLE_STATE_WRITES):
+            state.quantize_(staging["values"].view(state.shape))
 
 
 def _stage_source(state: OptimState, first: int, last: int, source: OptimState, source_first: int) -> None:

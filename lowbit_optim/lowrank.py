@@ -28,8 +28,9 @@ Under FSDP2 the rank applies to each rank's rows, so the factors' share grows wi
 (4096 x 11008 at rank 32: 1.06 B/param on one rank, 2.03 on 32). The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. It takes the compiled step (no
 fused kernel). It cannot be cut into row slices (the low-rank part spans every row), so
-torch.distributed.checkpoint refuses it (distributed.py); torch.save of the optimizer's state_dict
-holds it whole. Under FSDP2 each rank's state is its own rows, with a low-rank part of its own.
+torch.distributed.checkpoint loads it whole (distributed.py: bit-exact on the same world size,
+rewritten from the saved values when resharded). Under FSDP2 each rank's state is its own rows, with
+a low-rank part of its own.
 """
 
 import functools

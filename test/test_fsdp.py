@@ -329,14 +329,14 @@ OTHER_OPTIMIZERS = {"SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "
 ALIGNED_PARAM_ATOL = 1e-6
 
 
-def _build_other(name: str, fsdp: bool):
-    return _build("8bit", fsdp, name, **OTHER_OPTIMIZERS[name], compile=False)
+def _build_other(name: str, fsdp: bool, fmt: str = "8bit"):
+    return _build(fmt, fsdp, name, **OTHER_OPTIMIZERS[name], compile=False)
 
 
-def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
+def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib.Path, fmt: str = "8bit") -> dict:
     out = {}
-    checkpoint = str(workdir / f"{name}-fsdp")
-    model, opt = _build_other(name, fsdp=True)
+    checkpoint = str(workdir / f"{name}-{fmt}-fsdp")
+    model, opt = _build_other(name, True, fmt)
     out["losses"] = _train(model, opt, 0, STEPS, rank, world)
     out["state_kinds"] = {
         n: {key: [type(v).__name__, type(_local(v)).__name__] for key, v in opt.state.get(p, {}).items() if key != "step"} for n, p in _params(model).items()
@@ -348,7 +348,7 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
     final_params = {n: _local(p).detach().clone() for n, p in _params(model).items()}
     out["final_full"] = {n: p.detach().full_tensor() for n, p in _params(model).items()}  # collective: every rank
 
-    resumed_model, resumed = _build_other(name, fsdp=True)
+    resumed_model, resumed = _build_other(name, True, fmt)
     _load(resumed_model, resumed, checkpoint)
     out["loaded_exact"] = _same_tree(_local_states(resumed_model, resumed), saved_local)
     out["resume_losses"] = _train(resumed_model, resumed, STEPS, MORE, rank, world)
@@ -356,7 +356,7 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
         {n: _local(p).detach() for n, p in _params(resumed_model).items()}, final_params
     )
     if rank == 0:
-        out.update(_one_process(*_build_other(name, fsdp=False)))
+        out.update(_one_process(*_build_other(name, False, fmt)))
     dist.barrier()
     return out
 
@@ -365,18 +365,6 @@ def _one_process(model, opt) -> dict:
     """The reference: STEPS + MORE steps in one process, its losses and final parameters."""
     losses = _train(model, opt, 0, STEPS + MORE, 0, 1)
     return {"ref_losses": losses, "ref_final": {n: p.detach().clone() for n, p in _params(model).items()}}
-
-
-def _muon_lowrank_scenario(rank: int, world: int) -> dict:
-    """Muon with 8bit-lowrank momentum, sharded: each rank keeps the low-rank part of its own rows."""
-    model, opt = _build("8bit-lowrank", True, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)
-    out = {"losses": _train(model, opt, 0, STEPS + MORE, rank, world)}
-    out["state_kinds"] = sorted({type(_local(s["momentum_buffer"])).__name__ for s in opt.state.values()})
-    out["final_full"] = {n: p.detach().full_tensor() for n, p in _params(model).items()}  # collective: every rank
-    if rank == 0:
-        out.update(_one_process(*_build("8bit-lowrank", False, "Muon", **OTHER_OPTIMIZERS["Muon"], compile=False)))
-    dist.barrier()
-    return out
 
 
 def _step_in_backward_scenario(rank: int, world: int) -> dict:
@@ -465,7 +453,11 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
             raise  # the ranks may now disagree on which collective comes next: stop here
         results[fmt]["seconds"] = time.perf_counter() - start
         torch.save(results, path)
-    special = {"step_in_backward": _step_in_backward_scenario, "muon_lowrank": _muon_lowrank_scenario}
+    special = {
+        "step_in_backward": _step_in_backward_scenario,
+        # Muon with 8bit-lowrank momentum: each rank keeps the low-rank part of its own rows
+        "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank"),
+    }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
         try:
@@ -698,19 +690,25 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
 
 
 @needs_gloo
-def test_muon_with_lowrank_momentum_trains_sharded(job):
+def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
     """Muon with 8bit-lowrank momentum under fully_shard on 2 ranks: each rank's momentum rows are a
     low-rank part of their own plus codes (not one process's factors), so the parameters stay within
-    a few lr of one process's, as where a shard boundary cuts an 8bit block."""
+    a few lr of one process's, as where a shard boundary cuts an 8bit block; a DCP checkpoint loads
+    each rank's state whole (codes, scales and factors) and resumes bit-exactly."""
     results = [found.get("muon_lowrank") for found in job]
     for rank, result in enumerate(results):
         if result is None or "error" in result:
             pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
     rank0, rank1 = results
-    assert rank0["losses"] == rank1["losses"] and rank0["state_kinds"] == ["OptimState8bitLowRank"]
+    for found in results:
+        kinds = {tuple(kind) for param, states in found["state_kinds"].items() for kind in states.values()}
+        assert kinds == {("DTensor", "OptimState8bitLowRank")}, found["state_kinds"]
+        assert found["loaded_exact"] and found["resume_final_exact"]
+        assert found["resume_losses"] == found["more_losses"]
+    assert rank0["losses"] == rank1["losses"]
     for n, reference in rank0["ref_final"].items():
         torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["Muon"]["lr"], msg=n)
-    assert rank0["losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
+    assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
 
 
 @needs_gloo
