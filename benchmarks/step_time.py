@@ -20,6 +20,8 @@ parameters get fixed random gradients once, and each optimizer in turn steps the
 after another (the previous one freed) in one process: read the ratios between rows, not absolute
 times. On a shared machine other load still shifts rows unevenly; the JSON keeps every step's time
 (the minimum is the least disturbed) and a repeated run with ``--only`` settles a doubtful row.
+``--interleave`` builds every optimizer first and steps them in turn, one step each per round, so that
+a passing load falls on every row alike (the optimizers then coexist: no peak-memory figure).
 
 Columns:
   first s      the first step: state allocation plus torch.compile (torchao, lowbit -compiled rows and
@@ -81,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--interleave", action="store_true", help="build every optimizer, then step them in turn (rounds): no peak-memory column")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -385,19 +388,55 @@ def measure(label: str, make: Callable, params, args, device: torch.device) -> R
             timed_step(optimizer, device)
         result.step_times_s = [timed_step(optimizer, device) for _ in range(args.steps)]
     except Exception as exc:  # e.g. bnb / torchao unsupported on this device: one row says so, the rest run
-        traceback.print_exc(file=sys.stderr)
-        message = (str(exc).splitlines() or [""])[0][:120]
-        result.note = f"skipped: {type(exc).__name__}: {message}"
+        skipped(result, exc)
         return result
+    summarize(result, optimizer, params, device)
+    result.peak_mem_delta_bytes = memory.peak_delta()
+    return result
+
+
+def measure_interleaved(factories: list[tuple[str, Callable]], params, args, device: torch.device) -> list[Result]:
+    """``--interleave``: every optimizer built at once, then stepped in turn, one step each per round,
+    so that a load coming and going on a shared machine falls on every row alike. The optimizers
+    coexist, so there is no peak-memory column."""
+    results, optimizers = [], []
+    for label, make in factories:
+        result, optimizer = Result(label), None
+        try:
+            optimizer = make(params)
+            result.first_step_s = timed_step(optimizer, device)
+            for _ in range(args.warmup):
+                timed_step(optimizer, device)
+        except Exception as exc:
+            skipped(result, exc)
+            optimizer = None
+        results.append(result)
+        optimizers.append(optimizer)
+    for _ in range(args.steps):
+        for result, optimizer in zip(results, optimizers):
+            if optimizer is not None:
+                result.step_times_s.append(timed_step(optimizer, device))
+    for result, optimizer in zip(results, optimizers):
+        if optimizer is not None:
+            summarize(result, optimizer, params, device)
+    return results
+
+
+def skipped(result: Result, exc: Exception) -> None:
+    traceback.print_exc(file=sys.stderr)
+    message = (str(exc).splitlines() or [""])[0][:120]
+    result.note = f"skipped: {type(exc).__name__}: {message}"
+
+
+def summarize(result: Result, optimizer: torch.optim.Optimizer, params, device: torch.device) -> None:
+    """The row's figures from its timed steps and its optimizer's state."""
     numel = sum(p.numel() for p in params)
     result.median_step_s = statistics.median(result.step_times_s)
     result.state_bytes_per_param = state_bytes_per_param(optimizer, numel)
     result.floor_bytes_per_param = floor_bytes_per_param(params[0].element_size(), result.state_bytes_per_param)
     result.floor_gb_per_s = result.floor_bytes_per_param * numel / result.median_step_s / 1e9
-    result.peak_mem_delta_bytes = memory.peak_delta()
     if isinstance(optimizer, lowbit_optim.LowBitOptimizer) and device.type == "cpu":
         result.note = stepper_note(optimizer)
-    return result
 
 
 def stepper_note(optimizer: lowbit_optim.LowBitOptimizer) -> str:
@@ -490,17 +529,23 @@ def main(args: argparse.Namespace) -> list[Result]:
     print(
         f"{numel:,} parameters in {len(shapes)} tensors ({args.dtype}) on {env['device']}; "
         f"torch {torch.__version__}, {env['torch_threads']} threads; "
-        f"{args.warmup} warmup + {args.steps} timed steps; {args.optimizer}, ratios to {REFERENCES[args.optimizer]}"
+        f"{args.warmup} warmup + {args.steps} timed steps{' (interleaved)' if args.interleave else ''}; {args.optimizer}, ratios to {REFERENCES[args.optimizer]}"
     )
     print(progress_line(columns(args.optimizer)))
 
-    results = []
-    for label, make in factories:
-        result = measure(label, make, params, args, device)
-        results.append(result)
-        _release_freed_memory()  # the optimizer is gone with measure()'s frame; drop its state now
+    if args.interleave:
+        results = measure_interleaved(factories, params, args, device)
         add_ratios(results, REFERENCES[args.optimizer])
-        print(progress_line(row_cells(result)), flush=True)
+        for result in results:
+            print(progress_line(row_cells(result)), flush=True)
+    else:
+        results = []
+        for label, make in factories:
+            result = measure(label, make, params, args, device)
+            results.append(result)
+            _release_freed_memory()  # the optimizer is gone with measure()'s frame; drop its state now
+            add_ratios(results, REFERENCES[args.optimizer])
+            print(progress_line(row_cells(result)), flush=True)
 
     print()
     print(markdown_table(results, args.optimizer))
