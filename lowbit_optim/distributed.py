@@ -216,6 +216,9 @@ def _copy_into(dst, src) -> None:
     if not isinstance(src, ShardView):  # a plain checkpoint (e.g. torch.optim.AdamW's fp32 state)
         _stage(state, t0, t1, src.detach().reshape(-1).float(), None, None)
         return
+    if not src.state.independent_blocks:  # a low-rank checkpoint: its values, not its codes alone
+        _stage(state, t0, t1, src.values(), None, None)
+        return
     source = src.state
     s0, _ = src.elements
     bs = state.block_size

@@ -156,6 +156,11 @@ def test_distributed_checkpoints_load_whole(fmt):
         assert (got - want).norm() < (plain.from_float(want).dequantize() - want).norm() / 5
     assert not any(hasattr(t, "_dcp_staging") for t in (joined, *split))  # every state was written
 
+    blockwise = plain.zeros(x.shape)  # into another format: the saved values, low-rank part included
+    ShardView(blockwise)[:72].copy_(ShardView(one)[:72])
+    ShardView(blockwise)[72:].copy_(ShardView(one)[72:])
+    assert torch.equal(blockwise.dequantize(), plain.from_float(one.dequantize()).dequantize())
+
 
 def test_square_and_oblong_matrices_share_the_compiled_step():
     """Sizes that are equal for one matrix (a square one's two factors) are not assumed equal by the
