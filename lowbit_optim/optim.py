@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
-from .muon_parts import MuonParts
 from .base import LowBitOptimizer, State, check_betas, check_nonnegative
 from .distributed import is_dtensor, local
+from .muon_parts import MuonParts
 from .state import StateTensor
 
 
