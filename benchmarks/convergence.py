@@ -192,8 +192,9 @@ OPTIMIZERS = {
 # the lowbit_optim formats of each --optimizer comparison: 4bit rounds stochastically, 4bit-calibrated
 # is the same codebooks with nearest rounding (the 4-bit recipe before it)
 OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
-# Muon's too: bf16, 8bit-lowrank (the 8-bit recipe for Muon's momentum, lowbit_optim/lowrank.py), 4bit-lowrank
-MUON_FORMATS = ("bf16", "8bit-lowrank", "4bit-lowrank")
+# Muon's too: bf16, 8bit-lowrank and 4bit-lowrank-mulaw (the 8- and 4-bit recipes for Muon's momentum,
+# lowbit_optim/lowrank.py), 4bit-lowrank (its even grid)
+MUON_FORMATS = ("bf16", "8bit-lowrank", "4bit-lowrank-mulaw", "4bit-lowrank")
 
 
 def lowrank_momenta(cls, bits: int = 8) -> dict:

@@ -249,7 +249,7 @@ class OptimStateFp8(OptimState):
 
 
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
-from .lowrank import LowRankState, OptimState4bitLowRank, OptimState8bitLowRank  # noqa: E402
+from .lowrank import LowRankState, OptimState4bitLowRank, OptimState4bitLowRankMuLaw, OptimState8bitLowRank  # noqa: E402
 
 
 __all__ = [
@@ -258,6 +258,7 @@ __all__ = [
     "FP32",
     "LowRankState",
     "OptimState4bitLowRank",
+    "OptimState4bitLowRankMuLaw",
     "OptimState8bitLowRank",
     "OptimState8bit",
     "OptimState4bit",

@@ -12,7 +12,8 @@ A momentum matrix M (rows x cols) is mostly a few strong directions. This state 
     M = left @ right.T + residual
 
 with ``left`` (rows x rank, orthonormal columns) and ``right`` (cols x rank) in fp32 and the residual
-in 8-bit blockwise codes on an even grid. Each write (``copy_``) runs one step of subspace iteration,
+in 8-bit blockwise codes on an even grid (``4bit-lowrank``: 4-bit, rank 64; ``4bit-lowrank-mulaw``: 4-bit on a
+mu-law grid, Muon's 4-bit format). Each write (``copy_``) runs one step of subspace iteration,
 warm-started from the previous ``right``: left = orth(M @ orth(right)), right = M.T @ left, so the
 low-rank part follows M's strongest directions across steps at the cost of two small QRs and three
 (rows x cols x rank) products per write, one per read. The residual holds the weak directions, so its codes' noise is a
@@ -178,3 +179,28 @@ class OptimState4bitLowRank(LowRankState):
     bits = 4
     default_block_size = 128
     rank = 64
+
+
+class OptimState4bitLowRankMuLaw(OptimState4bitLowRank):
+    """``4bit-lowrank-mulaw``, **Muon's 4-bit format**: ``4bit-lowrank``'s rank-64 part, with the
+    signed residual on a mu-law grid (mu = 15: 0, +-0.032, +-0.081, +-0.152, +-0.258, +-0.416,
+    +-0.651, +-1 of the block's absmax), rounded to the nearest code in mu-law space
+    (``quant.mu_law``), in blocks of 64. Once the low-rank part holds the strong directions, the
+    residual is mostly small values beside a few large ones; the even grid rounds the small ones to 0
+    or +-1/7 of the block's largest, and Newton-Schulz lifts what they lose to full strength. Fine
+    codes near zero and small blocks keep them (MLP task, 3 seeds: even grid +11.2 %, mu-law in blocks
+    of 128 +0.9 %, of 64 -0.8 %). Lion's momentum wants the opposite: with the mu-law grid it was
+    +318 % from fp32 against the even grid's +0.6 % (one 3-seed run), so Lion and SGD stay on
+    ``4bit-lowrank``. Blocks of 64 cost 0.03 B/param more scale than 128."""
+
+    name = "4bit-lowrank-mulaw"
+    default_block_size = 64
+    mu = 15.0
+
+    @classmethod
+    def codebook(cls, signed: bool) -> list[float]:
+        return quant.mu_law_codebook(cls.bits, cls.mu) if signed else super().codebook(signed)
+
+    @classmethod
+    def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
+        return quant.mu_law(values, cls.mu) if signed else values

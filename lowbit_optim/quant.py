@@ -70,6 +70,21 @@ def normal_float_codebook(total_bits: int) -> list[float]:
     return sorted((values / values.abs().max()).float().tolist())
 
 
+def mu_law(x: Tensor, mu: float) -> Tensor:
+    """The mu-law compander sign(x) ln(1 + mu |x|) / ln(1 + mu): strictly increasing on [-1, 1], it
+    stretches small values and squeezes large ones."""
+    return torch.sign(x) * torch.log1p(mu * x.abs()) / math.log1p(mu)
+
+
+def mu_law_codebook(total_bits: int, mu: float) -> list[float]:
+    """The even grid of ``linear_codebook`` expanded by the inverse of ``mu_law``: levels dense near
+    zero and sparse near +-1, an exact zero, symmetric. With 4 bits and mu = 15: 0, +-0.032, +-0.081,
+    +-0.152, +-0.258, +-0.416, +-0.651, +-1. Encoded nearest in ``mu_law`` space, it is the uniform
+    quantizer of the companded value (as in G.711 telephony)."""
+    even = torch.tensor(linear_codebook(total_bits), dtype=torch.float64)
+    return (torch.sign(even) * torch.expm1(even.abs() * math.log1p(mu)) / mu).tolist()
+
+
 def squared_linear_codebook_without_zero(total_bits: int) -> list[float]:
     """(1/n)**2, (2/n)**2, ..., 1: a second-moment codebook that is linear in sqrt(v), the quantity
     the update divides by. Its smallest code is 1/n**2 of the block's absmax (1/256 for 4 bits,

@@ -910,6 +910,12 @@ fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   last:  0.571429, 0.714286, 0.857143, 1
 4bit-lowrank unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
   first: 0.0625, 0.125, 0.1875, 0.25
+  last:  0.8125, 0.875, 0.9375, 1
+4bit-lowrank-mulaw signed: n=15 min=-1 max=1 smallest_positive=0.0323996
+  first: -1, -0.651147, -0.416386, -0.258404
+  last:  0.258404, 0.416386, 0.651147, 1
+4bit-lowrank-mulaw unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
+  first: 0.0625, 0.125, 0.1875, 0.25
   last:  0.8125, 0.875, 0.9375, 1""")
 
     def test_4bit_codebooks(self):
@@ -933,7 +939,9 @@ nf4 unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0
 4bit signed: -1, -0.696192801, -0.525072932, -0.394917428, -0.284441322, -0.1847734, -0.0910499766, 0, 0.0795803145, 0.160930142, 0.246112257, 0.337915123, 0.44070974, 0.562616885, 0.722956657, 1
 4bit unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1
 4bit-lowrank signed: -1, -0.857142866, -0.714285731, -0.571428597, -0.428571433, -0.285714298, -0.142857149, 0, 0.142857149, 0.285714298, 0.428571433, 0.571428597, 0.714285731, 0.857142866, 1
-4bit-lowrank unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1""")
+4bit-lowrank unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1
+4bit-lowrank-mulaw signed: -1, -0.65114677, -0.416385949, -0.258403629, -0.152089432, -0.080545269, -0.0323996209, 0, 0.0323996209, 0.080545269, 0.152089432, 0.258403629, 0.416385949, 0.65114677, 1
+4bit-lowrank-mulaw unsigned: 0.0625, 0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875, 0.9375, 1""")
 
     def test_8bit_codebook_ends(self):
         info = format_info("8bit")
@@ -961,7 +969,8 @@ OptimState8bitSR(shape=(3, 100), signed=True, block_size=256, dtype=torch.float3
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)
 OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype=torch.float32, device=cpu)
-OptimState4bitLowRank(shape=(3, 100), signed=True, block_size=128, rank=3, dtype=torch.float32, device=cpu)""")
+OptimState4bitLowRank(shape=(3, 100), signed=True, block_size=128, rank=3, dtype=torch.float32, device=cpu)
+OptimState4bitLowRankMuLaw(shape=(3, 100), signed=True, block_size=64, rank=3, dtype=torch.float32, device=cpu)""")
 
     def test_builtin_bytes_per_element(self):
         """Memory of the inner tensors (codes + scales, or factors) of a 256 x 256 state with the
@@ -983,7 +992,8 @@ nf4: 0.53125
 fp8: 1.015625
 factored: 0.03125
 8bit-lowrank: 2.015625
-4bit-lowrank: 2.53125""")
+4bit-lowrank: 2.53125
+4bit-lowrank-mulaw: 2.5625""")
 
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:

@@ -1,4 +1,4 @@
-"""8bit-lowrank and 4bit-lowrank against float64 references: what it stores (a subspace iteration's low-rank part plus
+"""The low-rank formats (8bit-lowrank, 4bit-lowrank, 4bit-lowrank-mulaw) against float64 references: what it stores (a subspace iteration's low-rank part plus
 nearest codes of the residual), how closely it follows a matrix, and what it costs. Its tensor
 behaviour (copies, views, checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
 
@@ -9,11 +9,12 @@ import torch
 import lowbit_optim
 import lowbit_optim.distributed  # noqa: F401  (registers the DCP views)
 from conftest import CUSTOM_FORMAT_EXAMPLE
-from lowbit_optim import LowRankState, OptimState4bitLowRank, OptimState8bitLowRank
+from lowbit_optim import LowRankState, OptimState8bitLowRank
 from lowbit_optim.lowrank import start_basis
 
 FMT = OptimState8bitLowRank
-LOW_RANK_FORMATS = pytest.mark.parametrize("fmt", [OptimState8bitLowRank, OptimState4bitLowRank], ids=lambda f: f.name)
+LOW_RANK = [f for f in lowbit_optim.registered_formats().values() if isinstance(f, type) and issubclass(f, LowRankState)]
+LOW_RANK_FORMATS = pytest.mark.parametrize("fmt", LOW_RANK, ids=lambda f: f.name)
 
 
 def decaying(rows: int, cols: int, seed: int = 0, decay: float = 0.85) -> torch.Tensor:
@@ -25,11 +26,20 @@ def decaying(rows: int, cols: int, seed: int = 0, decay: float = 0.85) -> torch.
     return (u[:, :k] * decay ** torch.arange(k, dtype=torch.float64)) @ v[:, :k].T
 
 
-def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: int, block_size: int, bits: int):
-    """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
-    residual rounded to the nearest of the even codes k/n of its block's absmax (n = 127 for 8 bits,
-    7 for 4)."""
+def reference_codes(normalized: torch.Tensor, bits: int, mu: float | None) -> torch.Tensor:
+    """float64: the nearest of the even codes k/n (n = 127 for 8 bits, 7 for 4), or with ``mu`` the
+    value whose mu-law image sign(x) ln(1 + mu|x|) / ln(1 + mu) is the nearest k/n to x's."""
     n = 2 ** (bits - 1) - 1
+    if mu is None:
+        return torch.round(normalized * n) / n
+    companded = torch.round(torch.sign(normalized) * torch.log1p(mu * normalized.abs()) / torch.log1p(torch.tensor(mu, dtype=torch.float64)) * n) / n
+    return torch.sign(companded) * torch.expm1(companded.abs() * torch.log1p(torch.tensor(mu, dtype=torch.float64))) / mu
+
+
+def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, fmt):
+    """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
+    residual rounded to its block's nearest code (reference_codes); also the widest code step."""
+    rank, block_size, mu = min(fmt.rank, *x.shape), fmt.default_block_size, getattr(fmt, "mu", None)
     x = x.double()
     start = start_basis(x.shape[1], rank, x.device).double() if previous_right is None else previous_right.double()
     left = torch.linalg.qr(x @ torch.linalg.qr(start).Q).Q
@@ -37,9 +47,9 @@ def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, rank: 
     residual = (x - left @ right.T).reshape(-1)
     blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block_size)).view(-1, block_size)
     scale = blocks.abs().amax(dim=1, keepdim=True)
-    codes = torch.round(blocks / torch.where(scale > 0, scale, 1) * n)
-    rounded = (codes / n * scale).reshape(-1)[: residual.numel()].view(x.shape)
-    return left @ right.T + rounded, right, scale.max().item() / n
+    rounded = (reference_codes(blocks / torch.where(scale > 0, scale, 1), fmt.bits, mu) * scale).reshape(-1)[: residual.numel()].view(x.shape)
+    levels = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, mu).unique()
+    return left @ right.T + rounded, right, scale.max().item() * levels.diff().max().item()
 
 
 @LOW_RANK_FORMATS
@@ -55,7 +65,7 @@ def test_writes_follow_the_float64_reference(fmt, shape):
         x = (base + 0.05 * step * decaying(*shape, seed=step + 1)).float()
         previous = state.right.view(-1, rank).clone() if step else None  # each write starts from the state's own
         state.copy_(x)
-        expected, _, code_step = reference_write(x, previous, rank, fmt.default_block_size, fmt.bits)
+        expected, _, code_step = reference_write(x, previous, fmt)
         error = (state.dequantize().double() - expected).abs().max().item()
         assert error <= code_step + 1e-5 * x.abs().max().item(), (step, error, code_step)
         assert state.rank == rank
@@ -97,11 +107,11 @@ def test_a_non_finite_value_poisons_the_matrix_until_a_finite_write(bad):
     assert (state.dequantize() - y).abs().max() <= 0.01 * y.abs().max()  # within the residual's codes
 
 
-@pytest.mark.parametrize("fmt, plain", [(OptimState8bitLowRank, "8bit"), (OptimState4bitLowRank, "4bit-calibrated")], ids=["8bit", "4bit"])
-def test_much_less_error_than_plain_codes_on_a_decaying_spectrum(fmt, plain):
+@LOW_RANK_FORMATS
+def test_much_less_error_than_plain_codes_on_a_decaying_spectrum(fmt):
     x = decaying(256, 256).float()
     lowrank = (fmt.from_float(x).dequantize() - x).norm()
-    plain = (lowbit_optim.get_format(plain).from_float(x).dequantize() - x).norm()
+    plain = (lowbit_optim.get_format("8bit" if fmt.bits == 8 else "4bit-calibrated").from_float(x).dequantize() - x).norm()
     assert lowrank < plain / 10
 
 
