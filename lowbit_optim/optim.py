@@ -170,8 +170,8 @@ class Muon(LowBitOptimizer):
     to AdamW (``MuonWithAdamW`` does both in one object, ``muon_split`` splits a model). Under FSDP2
     each matrix's update is gathered to one rank, orthogonalized once and scattered back
     (muon_fsdp.py). On the CPU its momentum takes the fused kernel, the iterations the compiled step
-    (``_fused_step``). For 8-bit momentum use
-    ``state_format="8bit-lowrank"`` (lowrank.py): plain 8-bit codes lose much of Muon's accuracy.
+    (``_fused_step``). For 8-bit momentum use ``state_format="8bit-lowrank"``, for 4-bit
+    ``"4bit-lowrank-mulaw"`` (lowrank.py): plain 8- and 4-bit codes lose much of Muon's accuracy.
     """
 
     step_function = staticmethod(functional.muon_step)
