@@ -9,7 +9,7 @@ import torch
 import lowbit_optim
 import lowbit_optim.distributed  # noqa: F401  (registers the DCP views)
 from conftest import CUSTOM_FORMAT_EXAMPLE
-from lowbit_optim import LowRankState, OptimState8bitLowRank
+from lowbit_optim import CodebookState, LowRankState, OptimState8bitLowRank
 from lowbit_optim.lowrank import start_basis
 
 FMT = OptimState8bitLowRank
@@ -48,8 +48,8 @@ def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, fmt):
     blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block_size)).view(-1, block_size)
     scale = blocks.abs().amax(dim=1, keepdim=True)
     rounded = (reference_codes(blocks / torch.where(scale > 0, scale, 1), fmt.bits, mu) * scale).reshape(-1)[: residual.numel()].view(x.shape)
-    levels = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, mu).unique()
-    return left @ right.T + rounded, right, scale.max().item() * levels.diff().max().item()
+    gaps = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, mu).unique().diff()
+    return left @ right.T + rounded, right, scale.max().item() * gaps.max().item()
 
 
 @LOW_RANK_FORMATS
@@ -66,9 +66,25 @@ def test_writes_follow_the_float64_reference(fmt, shape):
         previous = state.right.view(-1, rank).clone() if step else None  # each write starts from the state's own
         state.copy_(x)
         expected, _, code_step = reference_write(x, previous, fmt)
-        error = (state.dequantize().double() - expected).abs().max().item()
-        assert error <= code_step + 1e-5 * x.abs().max().item(), (step, error, code_step)
+        errors = (state.dequantize().double() - expected).abs()
+        assert errors.max().item() <= code_step + 1e-5 * x.abs().max().item(), (step, errors.max().item(), code_step)
         assert state.rank == rank
+
+
+@LOW_RANK_FORMATS
+def test_residual_codes_are_the_reference_rounding(fmt):
+    """The codes hold the residual of the state's own low-rank part rounded as reference_codes does
+    (for 4bit-lowrank-mulaw: nearest in mu-law space, not in value), but where fp32 and float64
+    normalization fall on two sides of a decision boundary."""
+    x = (decaying(160, 96, decay=0.97) + 0.01 * torch.randn(160, 96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).float()
+    state = fmt.from_float(x)
+    residual = (x - state._low_rank()).reshape(-1)  # fp32, as quantize_ computes it
+    block = state.block_size
+    blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block)).view(-1, block).double()
+    scale = blocks.abs().amax(dim=1, keepdim=True)
+    expected = (reference_codes(blocks / scale, fmt.bits, getattr(fmt, "mu", None)) * scale).reshape(-1)[: residual.numel()]
+    stored = CodebookState.dequantize(state).reshape(-1).double()  # the codes alone, without the low-rank part
+    assert ((stored - expected).abs() > 1e-6 * scale.max()).double().mean().item() < 1e-3
 
 
 @LOW_RANK_FORMATS
