@@ -348,7 +348,8 @@ class TestStateBytes(expecttest.TestCase):
   fp8: 2.0313
 4bit+factored: 0.5508
 8bit-lowrank: 2.6563
-4bit-lowrank: 2.3125""",
+4bit-lowrank: 2.3125
+4bit-lowrank-mulaw: 2.3750""",
         )
 
 
