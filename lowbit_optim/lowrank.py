@@ -136,17 +136,20 @@ class LowRankState(CodebookState):
             self.left.copy_(left.reshape(-1))
             self.right.copy_((matrix.T @ left).reshape(-1))
             # the residual of the product exactly as dequantize computes it, its rounding included
-            values = values - self._low_rank()
+            values = values.reshape(-1) - self._low_rank()
         super().quantize_(values)
 
     def _low_rank(self) -> Tensor:
+        """``left @ right.T``, flattened. Flat, because under torch.compile's dynamic shapes the
+        factors' sizes and the state's shape are different symbols: a view of the product to the
+        state's shape made inductor index it with an integer division per element (4x slower steps)."""
         rows, cols = self._matrix_shape()
-        return (self.left.view(rows, self.rank) @ self.right.view(cols, self.rank).T).view(self.shape)
+        return (self.left.view(rows, self.rank) @ self.right.view(cols, self.rank).T).view(-1)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         values = super().dequantize(torch.float32)
         if self.rank:
-            values = values + self._low_rank()
+            values = (values.reshape(-1) + self._low_rank()).view(self.shape)
         return values.to(dtype or self.dtype)
 
     def _rows(self, start: int, end: int) -> "LowRankState":

@@ -78,7 +78,7 @@ def test_residual_codes_are_the_reference_rounding(fmt):
     normalization fall on two sides of a decision boundary."""
     x = (decaying(160, 96, decay=0.97) + 0.01 * torch.randn(160, 96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).float()
     state = fmt.from_float(x)
-    residual = (x - state._low_rank()).reshape(-1)  # fp32, as quantize_ computes it
+    residual = x.reshape(-1) - state._low_rank()  # fp32, as quantize_ computes it
     block = state.block_size
     blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block)).view(-1, block).double()
     scale = blocks.abs().amax(dim=1, keepdim=True)
