@@ -12,8 +12,8 @@ A momentum matrix M (rows x cols) is mostly a few strong directions. This state 
     M = left @ right.T + residual
 
 with ``left`` (rows x rank, orthonormal columns) and ``right`` (cols x rank) in fp32 and the residual
-in 8-bit blockwise codes on an even grid (``4bit-lowrank``: 4-bit, rank 64; ``4bit-lowrank-mulaw``: 4-bit on a
-mu-law grid, Muon's 4-bit format). Each write (``copy_``) runs one step of subspace iteration,
+in 8-bit blockwise codes on an even grid (``4bit-lowrank``: 4-bit, rank 64; ``4bit-lowrank-mulaw``:
+4-bit on a mu-law grid, Muon's 4-bit format). Each write (``copy_``) runs one step of subspace iteration,
 warm-started from the previous ``right``: left = orth(M @ orth(right)), right = M.T @ left, so the
 low-rank part follows M's strongest directions across steps at the cost of two small QRs and three
 (rows x cols x rank) products per write, one per read. The residual holds the weak directions, so its codes' noise is a

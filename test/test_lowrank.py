@@ -1,6 +1,9 @@
-"""The low-rank formats (8bit-lowrank, 4bit-lowrank, 4bit-lowrank-mulaw) against float64 references: what it stores (a subspace iteration's low-rank part plus
-nearest codes of the residual), how closely it follows a matrix, and what it costs. Its tensor
+"""The low-rank formats (8bit-lowrank, 4bit-lowrank, 4bit-lowrank-mulaw) against float64 references:
+what they store (a subspace iteration's low-rank part plus nearest codes of the residual), how
+closely they follow a matrix, and what they cost. Its tensor
 behaviour (copies, views, checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
+
+import math
 
 import expecttest
 import pytest
@@ -32,24 +35,32 @@ def reference_codes(normalized: torch.Tensor, bits: int, mu: float | None) -> to
     n = 2 ** (bits - 1) - 1
     if mu is None:
         return torch.round(normalized * n) / n
-    companded = torch.round(torch.sign(normalized) * torch.log1p(mu * normalized.abs()) / torch.log1p(torch.tensor(mu, dtype=torch.float64)) * n) / n
-    return torch.sign(companded) * torch.expm1(companded.abs() * torch.log1p(torch.tensor(mu, dtype=torch.float64))) / mu
+    log = math.log1p(mu)
+    companded = torch.round(torch.sign(normalized) * torch.log1p(mu * normalized.abs()) / log * n) / n
+    return torch.sign(companded) * torch.expm1(companded.abs() * log) / mu
+
+
+def reference_residual(residual: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64: flat ``residual`` in blocks of the format's size, each rounded to its nearest code of
+    the block's absmax (reference_codes); and the blocks' absmax."""
+    block_size = fmt.default_block_size
+    blocks = torch.nn.functional.pad(residual.double(), (0, -residual.numel() % block_size)).view(-1, block_size)
+    scale = blocks.abs().amax(dim=1, keepdim=True)
+    rounded = reference_codes(blocks / torch.where(scale > 0, scale, 1), fmt.bits, getattr(fmt, "mu", None)) * scale
+    return rounded.reshape(-1)[: residual.numel()], scale
 
 
 def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, fmt):
     """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
-    residual rounded to its block's nearest code (reference_codes); also the widest code step."""
-    rank, block_size, mu = min(fmt.rank, *x.shape), fmt.default_block_size, getattr(fmt, "mu", None)
+    residual rounded to its block's nearest code (reference_residual); also the widest code step."""
+    rank = min(fmt.rank, *x.shape)
     x = x.double()
     start = start_basis(x.shape[1], rank, x.device).double() if previous_right is None else previous_right.double()
     left = torch.linalg.qr(x @ torch.linalg.qr(start).Q).Q
     right = x.T @ left
-    residual = (x - left @ right.T).reshape(-1)
-    blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block_size)).view(-1, block_size)
-    scale = blocks.abs().amax(dim=1, keepdim=True)
-    rounded = (reference_codes(blocks / torch.where(scale > 0, scale, 1), fmt.bits, mu) * scale).reshape(-1)[: residual.numel()].view(x.shape)
-    gaps = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, mu).unique().diff()
-    return left @ right.T + rounded, right, scale.max().item() * gaps.max().item()
+    rounded, scale = reference_residual((x - left @ right.T).reshape(-1), fmt)
+    gaps = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, getattr(fmt, "mu", None)).unique().diff()
+    return left @ right.T + rounded.view(x.shape), right, scale.max().item() * gaps.max().item()
 
 
 @LOW_RANK_FORMATS
@@ -78,11 +89,7 @@ def test_residual_codes_are_the_reference_rounding(fmt):
     normalization fall on two sides of a decision boundary."""
     x = (decaying(160, 96, decay=0.97) + 0.01 * torch.randn(160, 96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).float()
     state = fmt.from_float(x)
-    residual = x.reshape(-1) - state._low_rank()  # fp32, as quantize_ computes it
-    block = state.block_size
-    blocks = torch.nn.functional.pad(residual, (0, -residual.numel() % block)).view(-1, block).double()
-    scale = blocks.abs().amax(dim=1, keepdim=True)
-    expected = (reference_codes(blocks / scale, fmt.bits, getattr(fmt, "mu", None)) * scale).reshape(-1)[: residual.numel()]
+    expected, scale = reference_residual(x.reshape(-1) - state._low_rank(), fmt)  # the fp32 residual quantize_ computes
     stored = CodebookState.dequantize(state).reshape(-1).double()  # the codes alone, without the low-rank part
     assert ((stored - expected).abs() > 1e-6 * scale.max()).double().mean().item() < 1e-3
 
