@@ -1,7 +1,7 @@
 """The low-rank formats (8bit-lowrank, 4bit-lowrank, 4bit-lowrank-mulaw) against float64 references:
 what they store (a subspace iteration's low-rank part plus nearest codes of the residual), how
-closely they follow a matrix, and what they cost. Its tensor
-behaviour (copies, views, checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
+closely they follow a matrix, and what they cost. Their tensor behaviour (copies, views,
+checkpoints, optimizers, compiled steps) runs in the registry-driven suite."""
 
 import math
 
