@@ -474,22 +474,27 @@ def assert_divides_exactly(a: torch.Tensor, divisor: float, *, root: bool = Fals
     assert bool(same.all()), f"{int((~same).sum())} quotients differ, e.g. {a[~same][:3].tolist()} / {divisor}"
 
 
+@build_flags
 @pytest.mark.parametrize("divisor", [1.0, 3.0, 0.1, 7e-13, 2.0**-126, 2.0**-130, 1.7e38, 2.0**126, 0.0, math.inf, math.nan])
-def test_division_by_a_shared_divisor_is_exact(divisor):
+def test_division_by_a_shared_divisor_is_exact(divisor, flag):
     """The kernel divides a block by its scale (and moments by bias corrections) as a
     multiplication plus an FMA correction, handing the lanes it cannot serve to a real division:
-    the result must be the correctly rounded quotient, torch's a / b, bit for bit."""
-    assert_divides_exactly(dividends(), divisor)
+    the result must be the correctly rounded quotient, torch's a / b, bit for bit, in each build
+    (16 lanes with AVX-512, 8 with AVX2)."""
+    with kernel_built_with(flag):
+        assert_divides_exactly(dividends(), divisor)
 
 
+@build_flags
 @pytest.mark.parametrize("divisor", [1.0, 0.0316, 0.5, 2.0**-34, 2.0**-40, 2.0**30, math.nan])
-def test_division_of_square_roots_is_exact(divisor):
+def test_division_of_square_roots_is_exact(divisor, flag):
     """sqrt(v) / sqrt(1 - beta2**t) checks its lanes for special values only (a square root of a
     float cannot be tiny or huge): every square root, zeros of both signs, infinities and NaN must
     still give torch's quotient, also for divisors where the kernel must check every lane."""
     special = torch.tensor([0.0, -0.0, math.inf, math.nan, 2.0**-74.5, 2.0**63.9]).repeat(3)  # vector lanes, not the tail
     roots = torch.cat([special, dividends().abs().sqrt()])
-    assert_divides_exactly(roots, divisor, root=True)
+    with kernel_built_with(flag):
+        assert_divides_exactly(roots, divisor, root=True)
 
 
 @build_flags

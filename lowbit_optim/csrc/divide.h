@@ -1,14 +1,15 @@
-/* Exact division by a shared divisor (AVX-512 only).
+/* Exact division by a shared divisor (the AVX-512 and AVX2 + FMA builds: vector.h).
  *
  * Every element of a block is divided by the block's scale, every first moment by the step's bias
  * correction. With y = RN(1 / b), q = RN(a * y) is within an ulp of a / b and the FMA correction
  * q + (a - q * b) * y rounds to exactly RN(a / b) (Markstein's theorem), provided the residual
  * a - q * b is exact: a and q normal and well inside the exponent range. Lanes outside that range
- * (tiny, huge, non-finite) take a real division; zero is exact as a * y. The other paths divide
- * (with AVX2, 8-lane divisions measured faster than the corrected products). */
-#ifdef __AVX512F__
+ * (tiny, huge, non-finite) take a real division; zero is exact as a * y.
+ *
+ * It pays where the divider is the bottleneck (Adam's update: a square root and three divisions per
+ * element), not where other work is (encoding: there the AVX2 build divides, measured faster). */
+#ifdef VECTOR_LANES
 #include <float.h>
-#include <immintrin.h>
 
 typedef struct {
     float b, y;
@@ -30,21 +31,20 @@ static divisor_t exact_divisor(float b) {
 }
 
 /* q = a * y and its FMA correction, the quotient wherever a is in the divisor's range */
-static inline __m512 corrected_quotient(__m512 a, const divisor_t *d, __m512 *q) {
-    __m512 y = _mm512_set1_ps(d->y);
-    *q = _mm512_mul_ps(a, y);
-    return _mm512_fmadd_ps(_mm512_fnmadd_ps(*q, _mm512_set1_ps(d->b), a), y, *q);
+static inline vec_t corrected_quotient(vec_t a, const divisor_t *d, vec_t *q) {
+    vec_t y = vec_set1(d->y);
+    *q = vec_mul(a, y);
+    return vec_fmadd(vec_fnmadd(*q, vec_set1(d->b), a), y, *q);
 }
 
-static inline __m512 divide(__m512 a, const divisor_t *d) {
-    __m512 b = _mm512_set1_ps(d->b), q;
-    if (d->span == 0) return _mm512_div_ps(a, b);  /* no reciprocal to use (b <= 0, tiny, huge, NaN) */
-    __m512 corrected = corrected_quotient(a, d, &q);
-    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF));
-    __mmask16 in_range = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32((int32_t)d->lo)), _mm512_set1_epi32((int32_t)d->span));
-    __mmask16 rest = (__mmask16)(~in_range & _mm512_test_epi32_mask(magnitude, magnitude));
-    __m512 out = _mm512_mask_blend_ps(in_range, q, corrected);
-    return rest ? _mm512_mask_div_ps(out, rest, a, b) : out;
+static inline vec_t divide(vec_t a, const divisor_t *d) {
+    vec_t b = vec_set1(d->b), q;
+    if (d->span == 0) return vec_div(a, b);  /* no reciprocal to use (b <= 0, tiny, huge, NaN) */
+    vec_t corrected = corrected_quotient(a, d, &q);
+    mask_t in_range = vec_magnitude_within(a, d->lo, d->span);
+    mask_t rest = mask_and_not(vec_nonzero(a), in_range);  /* +-0 is exact as q */
+    vec_t out = vec_select(in_range, corrected, q);
+    return mask_any(rest) ? vec_select(rest, vec_div(a, b), out) : out;
 }
 
 /* divide() for a = sqrt(v): a is NaN, +-0, +inf or in [2**-75, 2**64), so when that whole range
@@ -54,14 +54,9 @@ static inline int root_ready(const divisor_t *d) {
     return d->span != 0 && d->lo <= bits_of(0x1p-75f) && bits_of(0x1p64f) - d->lo < d->span;
 }
 
-static inline __m512 divide_root(__m512 a, const divisor_t *d, int ready) {
-#ifdef __AVX512DQ__
-    if (ready) {
-        __m512 q, corrected = corrected_quotient(a, d, &q);
-        return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(a, 0x9F), q);  /* NaN, zeros, infinities */
-    }
-#endif
-    (void)ready;
-    return divide(a, d);
+static inline vec_t divide_root(vec_t a, const divisor_t *d, int ready) {
+    if (!ready) return divide(a, d);
+    vec_t q, corrected = corrected_quotient(a, d, &q);
+    return vec_select(vec_zero_or_not_finite(a), q, corrected);
 }
 #endif

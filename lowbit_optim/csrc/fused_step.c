@@ -7,8 +7,9 @@
  * slow instructions, never from changing it.
  *
  * Three paths, one set of numbers: AVX-512 intrinsics; AVX2 intrinsics (8 lanes) for table lookups
- * (decoding, encoding), which compilers do not vectorize; and portable loops, the reference, which
- * compilers vectorize for whatever they target (updates, block absmax, fp8 encoding, bf16
+ * (decoding, encoding), which compilers do not vectorize, and for Adam's update with exact division
+ * (written once for both ISAs over vector.h); and portable loops, the reference, which compilers
+ * vectorize for whatever they target (the other updates, block absmax, fp8 encoding, bf16
  * conversion) and which serve as the other paths' tails. In those, a select is written as a mask or
  * a value choice, never as a branch around arithmetic: GCC will not if-convert a branch around an
  * operation that may trap, and the loop then stays scalar.
@@ -16,7 +17,8 @@
  * One concern per file, in the order they build on each other:
  *   abi.h        the structures Python fills, declared once, and their exported layout table
  *   convert.h    fp32 bits, bf16 and fp8 e4m3 conversions
- *   divide.h     exact division by a shared divisor (AVX-512)
+ *   vector.h     fp32 vectors of either ISA for the loops written by hand (AVX-512, AVX2)
+ *   divide.h     exact division by a shared divisor (with vector.h)
  *   codecs.h     one block: decode, block scale, nearest-code encoding, calibrated scales
  *   stochastic.h one block: stochastic rounding between codes
  *   factored.h   factored states: rows and columns summed in double, per task
@@ -41,6 +43,7 @@
 
 #include "abi.h"
 #include "convert.h"
+#include "vector.h"
 #include "divide.h"
 #include "codecs.h"
 #include "factored.h"

@@ -20,12 +20,12 @@ void lowbit_quantize(const state_t *s, float *x, int64_t n) { store_state(s, 0, 
  * divides square roots by sqrt(1 - beta2**t). */
 void lowbit_divide(const float *a, int64_t n, float b, int root, float *out) {
     int64_t i = 0;
-#ifdef __AVX512F__
+#ifdef VECTOR_LANES
     divisor_t d = exact_divisor(b);
     int ready = root && root_ready(&d);
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_loadu_ps(a + i);
-        _mm512_storeu_ps(out + i, root ? divide_root(x, &d, ready) : divide(x, &d));
+    for (; i + VECTOR_LANES <= n; i += VECTOR_LANES) {
+        vec_t x = vec_load(a + i);
+        vec_store(out + i, root ? divide_root(x, &d, ready) : divide(x, &d));
     }
 #endif
     (void)root;

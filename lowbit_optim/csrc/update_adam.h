@@ -86,38 +86,36 @@ static void adam_update(const void *hyper, const void *scalars, const chunk_t *c
         adam_rest(h, k, amsgrad, 1, 0, c);
         return;
     }
-#ifdef __AVX512F__
-    /* the same arithmetic 16 lanes at a time, dividing by the bias corrections exactly (divide.h) */
+#ifdef VECTOR_LANES
+    /* the same arithmetic a vector at a time, dividing by the bias corrections exactly (divide.h):
+     * the scalar loop divides three times per element, and the divider is what bounds it */
     float *p = c->param, *m = c->state[0], *v = c->state[1], *vmax = c->state[2];
     const float *g = c->grad;
     lerp_weight_t w1 = k->w1, w2 = k->w2;
     int high1 = w1.high, high2 = w2.high;
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
-    __m512 lr = _mm512_set1_ps(h->lr), lr_wd = _mm512_set1_ps(k->lr_times_wd), wd = _mm512_set1_ps(h->weight_decay);
-    __m512 eps = _mm512_set1_ps(h->eps), w_1 = _mm512_set1_ps(w1.coeff), w_2 = _mm512_set1_ps(w2.coeff), nan = _mm512_set1_ps(NAN);
-    __m512i flip = _mm512_set1_epi32(h->maximize ? (int32_t)0x80000000u : 0);
-    for (; i + 16 <= c->n; i += 16) {
-        __m512 P = _mm512_loadu_ps(p + i);
-        __m512 G = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), flip));
+    vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), wd = vec_set1(h->weight_decay);
+    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
+    uint32_t flip = h->maximize ? 0x80000000u : 0;
+    for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
+        vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
         if (h->decoupled_weight_decay)
-            P = _mm512_sub_ps(P, _mm512_mul_ps(lr_wd, P));
+            P = vec_sub(P, vec_mul(lr_wd, P));
         else
-            G = _mm512_add_ps(G, _mm512_mul_ps(wd, P));
-        __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i), G2 = _mm512_mul_ps(G, G);
-        M = _mm512_add_ps(high1 ? G : M, _mm512_mul_ps(w_1, _mm512_sub_ps(G, M)));
-        V = _mm512_add_ps(high2 ? G2 : V, _mm512_mul_ps(w_2, _mm512_sub_ps(G2, V)));
-        _mm512_storeu_ps(m + i, M);
-        _mm512_storeu_ps(v + i, V);
-        if (amsgrad) {
-            __m512 old = _mm512_loadu_ps(vmax + i);
-            __mmask16 either_nan = _mm512_cmp_ps_mask(old, V, _CMP_UNORD_Q);
-            V = _mm512_mask_mov_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, V, _CMP_LT_OQ), old, V), either_nan, nan);
-            _mm512_storeu_ps(vmax + i, V);
+            G = vec_add(G, vec_mul(wd, P));
+        vec_t M = vec_load(m + i), V = vec_load(v + i), G2 = vec_mul(G, G);
+        M = vec_add(high1 ? G : M, vec_mul(w_1, vec_sub(G, M)));
+        V = vec_add(high2 ? G2 : V, vec_mul(w_2, vec_sub(G2, V)));
+        vec_store(m + i, M);
+        vec_store(v + i, V);
+        if (amsgrad) {  /* torch.maximum, as in adam_elements */
+            vec_t old = vec_load(vmax + i);
+            V = vec_select(vec_unordered(old, V), nan, vec_select(vec_less(old, V), V, old));
+            vec_store(vmax + i, V);
         }
-        __m512 denom = _mm512_add_ps(divide_root(_mm512_sqrt_ps(V), &sbc2, root), eps);
-        P = _mm512_sub_ps(P, _mm512_div_ps(_mm512_mul_ps(lr, divide(M, &bc1)), denom));
-        _mm512_storeu_ps(p + i, P);
+        vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
+        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, divide(M, &bc1)), denom)));
     }
 #endif
     adam_rest(h, k, amsgrad, 0, i, c);

@@ -1,0 +1,81 @@
+/* fp32 vectors for the loops written by hand (divide.h, update_adam.h): one source for the AVX-512
+ * build (16 lanes, mask registers) and the AVX2 + FMA build (8 lanes, masks held in vectors).
+ * Elsewhere VECTOR_LANES is undefined and those loops are left to their portable versions.
+ *
+ * A mask_t selects lanes; vec_select(m, a, b) is a where m, b elsewhere. Comparisons are ordered
+ * (false where a NaN is involved) unless they say otherwise. */
+#if defined(__AVX512F__)
+#define VECTOR_LANES 16
+typedef __m512 vec_t;
+typedef __mmask16 mask_t;
+
+static inline vec_t vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, vec_t x) { _mm512_storeu_ps(p, x); }
+static inline vec_t vec_set1(float x) { return _mm512_set1_ps(x); }
+static inline vec_t vec_add(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
+static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm512_sub_ps(a, b); }
+static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm512_mul_ps(a, b); }
+static inline vec_t vec_div(vec_t a, vec_t b) { return _mm512_div_ps(a, b); }
+static inline vec_t vec_sqrt(vec_t a) { return _mm512_sqrt_ps(a); }
+static inline vec_t vec_fmadd(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }    /* a * b + c, rounded once */
+static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, rounded once */
+static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int32_t)bits))); }
+static inline mask_t vec_less(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+static inline vec_t vec_select(mask_t m, vec_t a, vec_t b) { return _mm512_mask_blend_ps(m, b, a); }
+static inline int mask_any(mask_t m) { return m != 0; }
+static inline mask_t mask_and_not(mask_t a, mask_t b) { return (mask_t)(a & ~b); }
+
+/* the lanes whose magnitude's bits lie in [lo, lo + span) (unsigned), and those not +-0 */
+static inline mask_t vec_magnitude_within(vec_t a, uint32_t lo, uint32_t span) {
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF));
+    return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32((int32_t)lo)), _mm512_set1_epi32((int32_t)span));
+}
+static inline mask_t vec_nonzero(vec_t a) { return _mm512_test_epi32_mask(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF)); }
+
+/* the lanes that are NaN, +-0 or +-infinity */
+static inline mask_t vec_zero_or_not_finite(vec_t a) {
+#ifdef __AVX512DQ__
+    return _mm512_fpclass_ps_mask(a, 0x9F);
+#else
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF));
+    return (mask_t)(~vec_nonzero(a) | _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(0x7F800000)));
+#endif
+}
+
+#elif defined(AVX2_ONLY) && defined(__FMA__)
+#define VECTOR_LANES 8
+typedef __m256 vec_t;
+typedef __m256 mask_t;  /* all ones in a selected lane */
+
+static inline vec_t vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, vec_t x) { _mm256_storeu_ps(p, x); }
+static inline vec_t vec_set1(float x) { return _mm256_set1_ps(x); }
+static inline vec_t vec_add(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
+static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm256_sub_ps(a, b); }
+static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm256_mul_ps(a, b); }
+static inline vec_t vec_div(vec_t a, vec_t b) { return _mm256_div_ps(a, b); }
+static inline vec_t vec_sqrt(vec_t a) { return _mm256_sqrt_ps(a); }
+static inline vec_t vec_fmadd(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)bits))); }
+static inline mask_t vec_less(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+static inline vec_t vec_select(mask_t m, vec_t a, vec_t b) { return _mm256_blendv_ps(b, a, m); }
+static inline int mask_any(mask_t m) { return _mm256_movemask_ps(m) != 0; }
+static inline mask_t mask_and_not(mask_t a, mask_t b) { return _mm256_andnot_ps(b, a); }
+
+static inline mask_t vec_magnitude_within(vec_t a, uint32_t lo, uint32_t span) {
+    /* unsigned x < span as signed: both with the top bit flipped (AVX2 compares signed only) */
+    __m256i top = _mm256_set1_epi32((int32_t)0x80000000u);
+    __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i offset = _mm256_xor_si256(_mm256_sub_epi32(magnitude, _mm256_set1_epi32((int32_t)lo)), top);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32((int32_t)span), top), offset));
+}
+static inline mask_t vec_nonzero(vec_t a) { return _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ); }
+
+static inline mask_t vec_zero_or_not_finite(vec_t a) {
+    __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);  /* NaN: not less than infinity */
+    return _mm256_or_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_EQ_OQ), _mm256_cmp_ps(magnitude, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+}
+#endif
