@@ -64,14 +64,15 @@ static inline search8_t search8(const float *t) {
 }
 
 static inline __m256i count8(const search8_t *s, __m256 v) {
-    __m256 up8 = _mm256_cmp_ps(v, s->t7, _CMP_GE_OQ);
-    __m256 up4 = _mm256_cmp_ps(v, _mm256_blendv_ps(s->t3, s->t11, up8), _CMP_GE_OQ);
-    __m256i count = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(up8), _mm256_set1_epi32(8)),
-                                    _mm256_and_si256(_mm256_castps_si256(up4), _mm256_set1_epi32(4)));
-    __m256 up2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->odd, _mm256_srli_epi32(count, 2)), _CMP_GE_OQ);
-    count = _mm256_or_si256(count, _mm256_and_si256(_mm256_castps_si256(up2), _mm256_set1_epi32(2)));
-    __m256 up1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->even, _mm256_srli_epi32(count, 1)), _CMP_GE_OQ);
-    return _mm256_or_si256(count, _mm256_and_si256(_mm256_castps_si256(up1), _mm256_set1_epi32(1)));
+    /* the count so far, doubled at each probe less its mask (-1 where v reaches the probe): after
+     * two probes it indexes odd, after three even */
+    __m256i up8 = _mm256_castps_si256(_mm256_cmp_ps(v, s->t7, _CMP_GE_OQ));
+    __m256i up4 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_blendv_ps(s->t3, s->t11, _mm256_castsi256_ps(up8)), _CMP_GE_OQ));
+    __m256i count = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(_mm256_add_epi32(up8, up8), up4));
+    __m256i up2 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->odd, count), _CMP_GE_OQ));
+    count = _mm256_sub_epi32(_mm256_add_epi32(count, count), up2);
+    __m256i up1 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->even, count), _CMP_GE_OQ));
+    return _mm256_sub_epi32(_mm256_add_epi32(count, count), up1);
 }
 #endif
 
