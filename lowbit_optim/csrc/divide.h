@@ -30,21 +30,20 @@ static divisor_t exact_divisor(float b) {
     return d;
 }
 
-/* q = a * y and its FMA correction, the quotient wherever a is in the divisor's range */
+/* q = a * y and its FMA correction q - (q * b - a) * y, the quotient wherever a is in the divisor's
+ * range, and for a = +-0 (the negated residual is +0, and q - +0 keeps q's sign) */
 static inline vec_t corrected_quotient(vec_t a, const divisor_t *d, vec_t *q) {
     vec_t y = vec_set1(d->y);
     *q = vec_mul(a, y);
-    return vec_fmadd(vec_fnmadd(*q, vec_set1(d->b), a), y, *q);
+    return vec_fnmadd(vec_fmsub(*q, vec_set1(d->b), a), y, *q);
 }
 
 static inline vec_t divide(vec_t a, const divisor_t *d) {
     vec_t b = vec_set1(d->b), q;
     if (d->span == 0) return vec_div(a, b);  /* no reciprocal to use (b <= 0, tiny, huge, NaN) */
     vec_t corrected = corrected_quotient(a, d, &q);
-    mask_t in_range = vec_magnitude_within(a, d->lo, d->span);
-    mask_t rest = mask_and_not(vec_nonzero(a), in_range);  /* +-0 is exact as q */
-    vec_t out = vec_select(in_range, corrected, q);
-    return mask_any(rest) ? vec_select(rest, vec_div(a, b), out) : out;
+    mask_t rest = mask_and_not(vec_nonzero(a), vec_magnitude_within(a, d->lo, d->span));
+    return mask_any(rest) ? vec_select(rest, vec_div(a, b), corrected) : corrected;
 }
 
 /* divide() for a = sqrt(v): a is NaN, +-0, +inf or in [2**-75, 2**64), so when that whole range

@@ -17,7 +17,7 @@ static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm512_sub_ps(a, b); }
 static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm512_mul_ps(a, b); }
 static inline vec_t vec_div(vec_t a, vec_t b) { return _mm512_div_ps(a, b); }
 static inline vec_t vec_sqrt(vec_t a) { return _mm512_sqrt_ps(a); }
-static inline vec_t vec_fmadd(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }    /* a * b + c, rounded once */
+static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return _mm512_fmsub_ps(a, b, c); }    /* a * b - c, rounded once */
 static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, rounded once */
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
@@ -56,7 +56,7 @@ static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm256_sub_ps(a, b); }
 static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm256_mul_ps(a, b); }
 static inline vec_t vec_div(vec_t a, vec_t b) { return _mm256_div_ps(a, b); }
 static inline vec_t vec_sqrt(vec_t a) { return _mm256_sqrt_ps(a); }
-static inline vec_t vec_fmadd(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return _mm256_fmsub_ps(a, b, c); }
 static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
