@@ -10,10 +10,15 @@
    divides five times per element (three in the update, one per moment by the block scale);
    torch's fused AdamW twice. With AVX-512 the fused kernel gives the compiled step's bits with one
    real division per element (it divides by a block scale or a bias correction as a multiplication
-   by the reciprocal plus an FMA correction: csrc/divide.h); with AVX2 it divides five times, with
-   8-lane divisions (measured faster there than the corrected products).
+   by the reciprocal plus an FMA correction: csrc/divide.h); with AVX2 three times: Adam's update
+   divides by its bias corrections so too, but the encoding divides by each block scale with 8-lane
+   divisions (measured faster there than the corrected products).
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration).
+5. The stages of one chunk of an Adam step with ``--stages-format`` state (default ``4bit``), each
+   timed alone on 1024 values held in L1 (the kernel's own functions, compiled with its flags into
+   a timing library): storing the first moment (block absmax, codes, packing), storing the second,
+   loading (decoding) both, and the update.
 
 ``--isa native,avx2`` measures it all twice: as this CPU runs it, and as an AVX2 + FMA CPU would
 (in a child process: torch's kernels forced to AVX2 with ATEN_CPU_CAPABILITY=avx2, the fused kernel
@@ -25,6 +30,7 @@ built with -mno-avx512f, the AVX2 divider loop), so that an AVX-512 machine expl
 """
 
 import argparse
+import ctypes
 import json
 import os
 import pathlib
@@ -37,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import lowbit_optim  # noqa: E402
-from lowbit_optim import fused_cpu, kernel_abi, kernel_build  # noqa: E402
+from lowbit_optim import fused_cpu, kernel_abi, kernel_build, kernel_op  # noqa: E402
 
 # The divider loop for each ISA: vector type, lane count, intrinsics, the compiler flag that enables
 # them, and the CPU flag (/proc/cpuinfo) that says they run here.
@@ -78,6 +84,84 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
+
+
+STAGES_SOURCE = r"""
+#include "fused_step.c"
+#include <time.h>
+
+static double thread_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* ns per element of each stage of an Adam step on the first n values (a whole number of blocks,
+ * n <= MAX_CHUNK) of the states first (exp_avg) and second (exp_avg_sq), the fastest of 7 rounds of
+ * reps, all in L1: [0] storing first (block absmax, codes, packing), [1] storing second, [2] loading
+ * both, [3] the update. Each repetition first copies its inputs back (a few hundredths of a ns). */
+void lowbit_time_stages(const state_t *first, const state_t *second, const adam_hyper_t *hyper, int64_t n, int64_t reps, double *ns) {
+    static float m[MAX_CHUNK], v[MAX_CHUNK], p[MAX_CHUNK], g[MAX_CHUNK], p0[MAX_CHUNK], x[MAX_CHUNK], y[MAX_CHUNK];
+    memcpy(m, load_state(first, 0, n, x), n * sizeof(float));
+    memcpy(v, load_state(second, 0, n, y), n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) p0[i] = 1.0f, g[i] = m[(i * 7) % n];
+    adam_scalars_t k;
+    adam_prepare(hyper, 10.0f, &k);
+    for (int s = 0; s < 4; s++) ns[s] = INFINITY;
+    for (int round = 0; round < 7; round++) {
+        double t[5];
+        t[0] = thread_seconds();
+        for (int64_t r = 0; r < reps; r++) {
+            memcpy(x, m, n * sizeof(float));
+            store_state(first, 0, n, x, NULL);
+        }
+        t[1] = thread_seconds();
+        for (int64_t r = 0; r < reps; r++) {
+            memcpy(x, v, n * sizeof(float));
+            store_state(second, 0, n, x, NULL);
+        }
+        t[2] = thread_seconds();
+        for (int64_t r = 0; r < reps; r++) {
+            load_state(first, 0, n, x);
+            load_state(second, 0, n, y);
+        }
+        t[3] = thread_seconds();
+        for (int64_t r = 0; r < reps; r++) {
+            memcpy(x, m, n * sizeof(float));
+            memcpy(y, v, n * sizeof(float));
+            memcpy(p, p0, n * sizeof(float));
+            chunk_t c = {n, p, g, {x, y, NULL}, 0};
+            adam_update(hyper, &k, &c);
+        }
+        t[4] = thread_seconds();
+        for (int s = 0; s < 4; s++) ns[s] = fmin(ns[s], (t[s + 1] - t[s]) / reps / n * 1e9);
+    }
+}
+"""
+
+STAGES = ("store exp_avg", "store exp_avg_sq", "load both", "update")
+
+
+def stage_ns_per_element(state_format: str, n: int = 1024, reps: int = 20000) -> dict[str, float] | None:
+    """Part 5: each stage of one chunk, ns per element (None without a C compiler)."""
+    cc = kernel_build.compiler()
+    if cc is None:
+        return None
+    fmt = lowbit_optim.get_format(state_format)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = pathlib.Path(tmp) / "stages.c", pathlib.Path(tmp) / "stages.so"
+        source.write_text(STAGES_SOURCE)
+        command = [cc, "-x", "c", str(source), f"-I{kernel_build.SOURCE_DIR}", *kernel_build.FLAGS, *kernel_build.defines(), "-o", str(library), "-lm"]
+        subprocess.run(command, check=True)
+        kernel = kernel_abi.Kernel(ctypes.CDLL(str(library)))
+        first = fmt.from_float(torch.randn(n) * 1e-2, signed=True)
+        second = fmt.from_float(torch.rand(n) * 1e-4, signed=False)
+        hyper = kernel.hyper("adam", dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8, one_minus_beta1=0.1,
+                                          one_minus_beta2=1e-3, decoupled_weight_decay=1, maximize=0))  # fmt: skip
+        ns = (ctypes.c_double * len(STAGES))()
+        states = [ctypes.byref(kernel_op.describe(kernel, state)) for state in (first, second)]
+        kernel.lib.lowbit_time_stages(*states, ctypes.byref(hyper), ctypes.c_int64(n), ctypes.c_int64(reps), ns)
+    return dict(zip(STAGES, ns))
 
 
 def divider_source(isa: str) -> str:
@@ -176,6 +260,9 @@ def measure(args, isa: str) -> dict:
         results["kernel_ns"][state_format] = sizes
         cache, dram = sizes.values()
         print(f"fused kernel, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
+    results["stage_ns"] = stage_ns_per_element(args.stages_format)
+    stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
+    print(f"stages of a {args.stages_format} chunk (1024 values in L1), ns/element: {stages}")
     return results
 
 
@@ -203,6 +290,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dram-elements", type=int, default=2**27, help="a parameter far larger than the caches")
     p.add_argument("--max-divisions", type=int, default=5)
     p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit-calibrated,4bit", help="kernel formats of part 4")
+    p.add_argument("--stages-format", default="4bit", help="state format of part 5")
     p.add_argument("--isa", default="native", help="native, avx2 or both (comma-separated): see the module's doc")
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the avx2 child writes its results here
     argv = sys.argv[1:] if argv is None else list(argv)
