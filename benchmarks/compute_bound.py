@@ -260,9 +260,10 @@ def measure(args, isa: str) -> dict:
         results["kernel_ns"][state_format] = sizes
         cache, dram = sizes.values()
         print(f"fused kernel, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
-    results["stage_ns"] = stage_ns_per_element(args.stages_format)
-    stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
-    print(f"stages of a {args.stages_format} chunk (1024 values in L1), ns/element: {stages}")
+    results["stage_ns"] = stage_ns_per_element(args.stages_format, reps=args.stages_reps)
+    if results["stage_ns"]:
+        stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
+        print(f"stages of a {args.stages_format} chunk (1024 values in L1), ns/element: {stages}")
     return results
 
 
@@ -291,6 +292,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-divisions", type=int, default=5)
     p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit-calibrated,4bit", help="kernel formats of part 4")
     p.add_argument("--stages-format", default="4bit", help="state format of part 5")
+    p.add_argument("--stages-reps", type=int, default=20000, help="repetitions of each stage per round in part 5")
     p.add_argument("--isa", default="native", help="native, avx2 or both (comma-separated): see the module's doc")
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the avx2 child writes its results here
     argv = sys.argv[1:] if argv is None else list(argv)
