@@ -4,7 +4,7 @@
  * correction. With y = RN(1 / b), q = RN(a * y) is within an ulp of a / b and the FMA correction
  * q + (a - q * b) * y rounds to exactly RN(a / b) (Markstein's theorem), provided the residual
  * a - q * b is exact: a and q normal and well inside the exponent range. Lanes outside that range
- * (tiny, huge, non-finite) take a real division; zero is exact as a * y.
+ * (tiny, huge, non-finite) take a real division; +-0 comes out of the correction exact.
  *
  * It pays where the divider is the bottleneck (Adam's update: a square root and three divisions per
  * element), not where other work is (encoding: there the AVX2 build divides, measured faster). */
