@@ -8,17 +8,8 @@
 #define VECTOR_LANES 16
 typedef __m512 vec_t;
 typedef __mmask16 mask_t;
+#define VECTOR_OP(name) _mm512_##name
 
-static inline vec_t vec_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline void vec_store(float *p, vec_t x) { _mm512_storeu_ps(p, x); }
-static inline vec_t vec_set1(float x) { return _mm512_set1_ps(x); }
-static inline vec_t vec_add(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
-static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm512_sub_ps(a, b); }
-static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm512_mul_ps(a, b); }
-static inline vec_t vec_div(vec_t a, vec_t b) { return _mm512_div_ps(a, b); }
-static inline vec_t vec_sqrt(vec_t a) { return _mm512_sqrt_ps(a); }
-static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return _mm512_fmsub_ps(a, b, c); }    /* a * b - c, rounded once */
-static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, rounded once */
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
 static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
@@ -47,17 +38,8 @@ static inline mask_t vec_zero_or_not_finite(vec_t a) {
 #define VECTOR_LANES 8
 typedef __m256 vec_t;
 typedef __m256 mask_t;  /* all ones in a selected lane */
+#define VECTOR_OP(name) _mm256_##name
 
-static inline vec_t vec_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline void vec_store(float *p, vec_t x) { _mm256_storeu_ps(p, x); }
-static inline vec_t vec_set1(float x) { return _mm256_set1_ps(x); }
-static inline vec_t vec_add(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
-static inline vec_t vec_sub(vec_t a, vec_t b) { return _mm256_sub_ps(a, b); }
-static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm256_mul_ps(a, b); }
-static inline vec_t vec_div(vec_t a, vec_t b) { return _mm256_div_ps(a, b); }
-static inline vec_t vec_sqrt(vec_t a) { return _mm256_sqrt_ps(a); }
-static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return _mm256_fmsub_ps(a, b, c); }
-static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
 static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
@@ -78,4 +60,17 @@ static inline mask_t vec_zero_or_not_finite(vec_t a) {
     __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);  /* NaN: not less than infinity */
     return _mm256_or_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_EQ_OQ), _mm256_cmp_ps(magnitude, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
 }
+#endif
+
+#ifdef VECTOR_LANES  /* the operations spelled alike in both ISAs */
+static inline vec_t vec_load(const float *p) { return VECTOR_OP(loadu_ps)(p); }
+static inline void vec_store(float *p, vec_t x) { VECTOR_OP(storeu_ps)(p, x); }
+static inline vec_t vec_set1(float x) { return VECTOR_OP(set1_ps)(x); }
+static inline vec_t vec_add(vec_t a, vec_t b) { return VECTOR_OP(add_ps)(a, b); }
+static inline vec_t vec_sub(vec_t a, vec_t b) { return VECTOR_OP(sub_ps)(a, b); }
+static inline vec_t vec_mul(vec_t a, vec_t b) { return VECTOR_OP(mul_ps)(a, b); }
+static inline vec_t vec_div(vec_t a, vec_t b) { return VECTOR_OP(div_ps)(a, b); }
+static inline vec_t vec_sqrt(vec_t a) { return VECTOR_OP(sqrt_ps)(a); }
+static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return VECTOR_OP(fmsub_ps)(a, b, c); }    /* a * b - c, rounded once */
+static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return VECTOR_OP(fnmadd_ps)(a, b, c); }  /* c - a * b, rounded once */
 #endif
