@@ -151,8 +151,7 @@ def stage_ns_per_element(state_format: str, n: int = 1024, reps: int = 20000) ->
     with tempfile.TemporaryDirectory() as tmp:
         source, library = pathlib.Path(tmp) / "stages.c", pathlib.Path(tmp) / "stages.so"
         source.write_text(STAGES_SOURCE)
-        command = [cc, "-x", "c", str(source), f"-I{kernel_build.SOURCE_DIR}", *kernel_build.FLAGS, *kernel_build.defines(), "-o", str(library), "-lm"]
-        subprocess.run(command, check=True)
+        subprocess.run(kernel_build.command(cc, source, library), check=True)
         kernel = kernel_abi.Kernel(ctypes.CDLL(str(library)))
         first = fmt.from_float(torch.randn(n) * 1e-2, signed=True)
         second = fmt.from_float(torch.rand(n) * 1e-4, signed=False)

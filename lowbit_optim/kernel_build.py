@@ -74,6 +74,12 @@ def library_path(cc: str) -> pathlib.Path:
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 
 
+def command(cc: str, source: pathlib.Path, output: pathlib.Path) -> list[str]:
+    """The compiler command that builds ``source`` (the kernel, or a file that includes it: its
+    headers are found in SOURCE_DIR) into the shared library ``output``, as the kernel is built."""
+    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *FLAGS, *defines(), "-o", str(output), "-lm"]
+
+
 def build() -> pathlib.Path:
     """The path of the compiled library, built unless cached. Raises OSError saying why it failed."""
     cc = compiler()
@@ -83,9 +89,9 @@ def build() -> pathlib.Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        command = [cc, "-x", "c", str(MAIN_SOURCE), *FLAGS, *defines(), "-o", str(partial), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        argv = command(cc, MAIN_SOURCE, partial)
+        result = subprocess.run(argv, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise OSError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+            raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
         os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
     return path
