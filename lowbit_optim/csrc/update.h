@@ -59,6 +59,12 @@ static inline float lerp(float start, float end, float coeff, int high) {
     return (high ? end : start) + coeff * (end - start);
 }
 
+#ifdef VECTOR_LANES
+static inline vec_t vec_lerp(vec_t start, vec_t end, vec_t coeff, int high) {  /* lerp, a vector at a time */
+    return vec_add(high ? end : start, vec_mul(coeff, vec_sub(end, start)));
+}
+#endif
+
 /* an operand of the update: fp32 values, or bf16 values (bf16 states, read and written in place) */
 static inline float read_value(const void *x, int64_t j, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];

@@ -105,8 +105,8 @@ static void adam_update(const void *hyper, const void *scalars, const chunk_t *c
         else
             G = vec_add(G, vec_mul(wd, P));
         vec_t M = vec_load(m + i), V = vec_load(v + i), G2 = vec_mul(G, G);
-        M = vec_add(high1 ? G : M, vec_mul(w_1, vec_sub(G, M)));
-        V = vec_add(high2 ? G2 : V, vec_mul(w_2, vec_sub(G2, V)));
+        M = vec_lerp(M, G, w_1, high1);
+        V = vec_lerp(V, G2, w_2, high2);
         vec_store(m + i, M);
         vec_store(v + i, V);
         if (amsgrad) {  /* torch.maximum, as in adam_elements */

@@ -46,15 +46,17 @@ static void ademamix_prepare(const void *hyper, float step, void *scalars) {
     k->w3 = lerp_weight((float)(1 - beta3));
 }
 
-static inline __attribute__((always_inline)) void ademamix_elements(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, int64_t n,
-                                                                    float *restrict p, const float *restrict g, void *restrict m,
+/* functional.ademamix_step on elements i..n-1: the reference, the vector loop's tail and the whole
+ * update elsewhere (compilers vectorize it) */
+static inline __attribute__((always_inline)) void ademamix_elements(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, int64_t i,
+                                                                    int64_t n, float *restrict p, const float *restrict g, void *restrict m,
                                                                     void *restrict m_slow, void *restrict v) {
     float lr = h->lr, lr_wd = k->lr_times_wd, eps = h->eps, alpha = k->alpha;
     float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff, c3 = k->w3.coeff;
     int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     #pragma omp simd
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = i; j < n; j++) {
         float P = p[j], G = float_of(bits_of(g[j]) ^ flip);
         P = P - lr_wd * P;
         float M = lerp(read_value(m, j, bf16), G, c1, high1);
@@ -69,8 +71,36 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
 }
 
 static void ademamix_update(const void *hyper, const void *scalars, const chunk_t *c) {
-    if (c->bf16_states)
-        ademamix_elements(hyper, scalars, 1, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
-    else
-        ademamix_elements(hyper, scalars, 0, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+    const ademamix_hyper_t *h = hyper;
+    const ademamix_scalars_t *k = scalars;
+    if (c->bf16_states) {  /* the portable loop reads and writes them in place */
+        ademamix_elements(h, k, 1, 0, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+        return;
+    }
+    int64_t i = 0;
+#ifdef VECTOR_LANES
+    /* the same arithmetic a vector at a time, dividing by the bias corrections exactly (divide.h),
+     * as Adam's vector loop: one real division per element, not three */
+    float *p = c->param, *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
+    const float *g = c->grad;
+    int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
+    divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
+    int root = root_ready(&sbc2);
+    vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), eps = vec_set1(h->eps), alpha = vec_set1(k->alpha);
+    vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff);
+    uint32_t flip = h->maximize ? 0x80000000u : 0;
+    for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
+        vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
+        P = vec_sub(P, vec_mul(lr_wd, P));
+        vec_t M = vec_lerp(vec_load(m + i), G, w_1, high1);
+        vec_t S = vec_lerp(vec_load(m_slow + i), G, w_3, high3);
+        vec_t V = vec_lerp(vec_load(v + i), vec_mul(G, G), w_2, high2);
+        vec_store(m + i, M);
+        vec_store(m_slow + i, S);
+        vec_store(v + i, V);
+        vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
+        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(divide(M, &bc1), vec_mul(alpha, S))), denom)));
+    }
+#endif
+    ademamix_elements(h, k, 0, i, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
 }
