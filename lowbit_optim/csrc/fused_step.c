@@ -7,7 +7,7 @@
  * slow instructions, never from changing it.
  *
  * Three paths, one set of numbers: AVX-512 intrinsics; AVX2 intrinsics (8 lanes) for table lookups
- * (decoding, encoding), which compilers do not vectorize, and for Adam's update with exact division
+ * (decoding, encoding), which compilers do not vectorize, and for Adam's and AdEMAMix's updates with exact division
  * (written once for both ISAs over vector.h); and portable loops, the reference, which compilers
  * vectorize for whatever they target (the other updates, block absmax, fp8 encoding, bf16
  * conversion) and which serve as the other paths' tails. In those, a select is written as a mask or

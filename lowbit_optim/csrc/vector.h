@@ -1,4 +1,4 @@
-/* fp32 vectors for the loops written by hand (divide.h, update_adam.h): one source for the AVX-512
+/* fp32 vectors for the loops written by hand (divide.h, Adam's and AdEMAMix's updates): one source for the AVX-512
  * build (16 lanes, mask registers) and the AVX2 + FMA build (8 lanes, masks held in vectors).
  * Elsewhere VECTOR_LANES is undefined and those loops are left to their portable versions.
  *
