@@ -167,9 +167,9 @@ class StochasticRounding:
     a second moment only moves by 0.1 % of itself per step, and a first moment sticks at a code, 0
     included, while gradients are small against its block's absmax.
 
-    The random numbers are a hash of each value's bits and place in its block (quant.dither): a
-    state rounds the same way on every run and after a checkpoint resume, and draws nothing from
-    torch's random stream. The eager and compiled steps agree but where an FMA moved a value by an
+    The random numbers are a hash of each value's bits, its place in its block and its block's scale
+    (quant.dither): a state rounds the same way on every run and after a checkpoint resume, and
+    draws nothing from torch's random stream. The eager and compiled steps agree but where an FMA moved a value by an
     ulp and that changed its draw (about 1 in 1024 such values); the fused CPU kernel computes the
     compiled step's codes bit for bit. Put it before the codebook format in the bases."""
 
@@ -177,15 +177,19 @@ class StochasticRounding:
 
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
+        return cls.encode_blocks(normalized, normalized.new_ones(normalized.shape[:-1]), signed)  # rows of scale 1
+
+    @classmethod
+    def encode_blocks(cls, normalized: Tensor, scale: Tensor, signed: bool) -> Tensor:
         nearest = super().encode(normalized, signed)
         codebook = cls.decode(torch.arange(2**cls.bits, dtype=torch.uint8, device=normalized.device), signed)
-        return quant.encode_stochastic(normalized, nearest, codebook, quant.dither(normalized))
+        return quant.encode_stochastic(normalized, nearest, codebook, quant.dither(normalized, scale))
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         # the kernel rounds the nearest codes of the codebook format below this class, as encode does
         nearest = super(StochasticRounding, cls)
-        same = computes_as(cls, StochasticRounding, "encode") and all(
+        same = computes_as(cls, StochasticRounding, "encode", "encode_blocks") and all(
             getattr(nearest, m).__func__ is getattr(CodebookState, m).__func__ for m in ("encode", "decode")
         ) and computes_as(cls, CodebookState, "quantize_", "dequantize")  # fmt: skip
         return cls._codebook_layout(signed, stochastic=True) if same else None
@@ -194,7 +198,8 @@ class StochasticRounding:
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
-        text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(quant.DITHER_DROPPED_BITS)
+        constants = (quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
+        text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(constants)
         return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
 
 

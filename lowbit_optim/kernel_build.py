@@ -45,6 +45,8 @@ def defines() -> list[str]:
     (being part of the build command, they are part of the cache key)."""
     return [
         f"-DDITHER_DROPPED_BITS={quant.DITHER_DROPPED_BITS}",
+        f"-DDITHER_PLACE={quant.DITHER_PLACE:#x}u",
+        f"-DDITHER_SALT={quant.DITHER_SALT:#x}u",
         f"-DMIN_BLOCK_SCALE=((float){quant.MIN_BLOCK_SCALE!r})",  # rounded from double as torch's clamp rounds it
         f"-DCORRECTION_UNITS_PER_ULP=((float){precision.CORRECTION_UNITS_PER_ULP!r})",
     ]

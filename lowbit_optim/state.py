@@ -293,6 +293,12 @@ class OptimState(StateTensor):
         raise NotImplementedError
 
     @classmethod
+    def encode_blocks(cls, normalized: Tensor, scale: Tensor, signed: bool) -> Tensor:
+        """The codes of blocks (the rows of ``normalized``) whose scales are ``scale``: ``encode``'s.
+        A stochastic format's random numbers depend on the scales too (StochasticRounding)."""
+        return cls.encode(normalized, signed)
+
+    @classmethod
     def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
         """A strictly increasing map of normalized values (float64): ``encode`` picks the code
         nearest to a value in this space. The identity: the nearest value."""
@@ -368,7 +374,7 @@ class OptimState(StateTensor):
         blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
         scale = quant.block_absmax(blocks) / self.scale_max
         normalized = blocks / scale[:, None]
-        codes = self.encode(normalized, self.signed)
+        codes = self.encode_blocks(normalized, scale, self.signed)
         if self.calibrated(self.signed):
             scale = quant.calibrated_scale(scale, normalized, self.decode(codes, self.signed))
         codes = codes.view(-1)
@@ -423,7 +429,7 @@ class CodebookState(OptimState):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        if not computes_as(cls, CodebookState, "encode", "decode", "quantize_", "dequantize"):
+        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", "quantize_", "dequantize"):
             return None
         return cls._codebook_layout(signed)
 

@@ -36,6 +36,7 @@ from test_optim import (
     make_mlp,
     max_flip_fraction,
     mismatch_fraction,
+    redrawn_fraction,
     save_and_load,
     stored_as,
     train,
@@ -197,16 +198,16 @@ def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_in
     # gradients: AdEMAMix's three states flip about 3x as much as one (observed with 4bit after 3
     # steps: 8 of 6144 weight elements, 7 of 6144 exp_avg codes)
     flips = max_flip_fraction(info) * len(opt_info.cls.states)
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        if opt_info.compiled_param_tol:
-            torch.testing.assert_close(a, b, **opt_info.compiled_param_tol, msg=lambda m, name=name: f"{name}: {m}")
-        else:
-            assert float(((a - b).abs() > COMPILED_PARAM_ATOL).float().mean()) < flips, name
     compiled_states, eager_states = (states_of(o, list(m.parameters())) for o, m in zip(opts, models))
     assert compiled_states.keys() == eager_states.keys()
+    redrawn = sum(redrawn_fraction(state, eager_states[key]) for key, state in compiled_states.items())
+    tol = opt_info.compiled_param_tol or dict(rtol=0.0, atol=COMPILED_PARAM_ATOL)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        outside = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
+        assert float(outside.float().mean()) < flips + redrawn, (name, (a - b).abs().max().item())
     for key, state in compiled_states.items():
         assert stored_as(state) == stored_as(eager_states[key]), key
-        assert mismatch_fraction(state, eager_states[key]) < flips, key
+        assert mismatch_fraction(state, eager_states[key]) < flips + redrawn_fraction(state, eager_states[key]), key
 
     model, opt = models[0], opts[0]
     graphs = unique_graphs()

@@ -337,7 +337,7 @@ static void encode_block(const state_t *s, const float *restrict x, float scale,
     float normalized[bs];
     calibration_t none = {NULL, NULL, NULL};  /* the products wait for the final codes */
     encode_nearest(s, x, scale, bs, codes, &none, normalized);
-    round_stochastically(s, normalized, bs, codes);
+    round_stochastically(s, normalized, scale, bs, codes);
     if (cal->vv)
         for (int64_t j = 0; j < bs; j++) store_product(cal, j, normalized[j], codes[j]);
 }

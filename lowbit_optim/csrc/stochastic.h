@@ -1,20 +1,20 @@
 /* Stochastic rounding (quant.dither, quant.encode_stochastic). Each value goes to one of the two
- * codes around it, the upper one with probability (v - a) / (b - a), drawn from a hash of its bits
- * and its place in the block: the compiled step's codes exactly, in each of the three paths. 4-bit
- * codes are found in one pass (encode_stochastic4); 8-bit ones as a second pass over the nearest
- * codes (round_stochastically). */
-#ifndef DITHER_DROPPED_BITS
-#error "build with -DDITHER_DROPPED_BITS=<quant.DITHER_DROPPED_BITS>, as kernel_build.py does (the hash must stay quant.dither's)"
+ * codes around it, the upper one with probability (v - a) / (b - a), drawn from a hash of its bits,
+ * its place in the block and the block's scale: the compiled step's codes exactly, in each of the
+ * three paths. 4-bit codes are found in one pass (encode_stochastic4); 8-bit ones as a second pass
+ * over the nearest codes (round_stochastically). */
+#if !defined(DITHER_DROPPED_BITS) || !defined(DITHER_PLACE) || !defined(DITHER_SALT)
+#error "build with -DDITHER_DROPPED_BITS, -DDITHER_PLACE and -DDITHER_SALT from quant, as kernel_build.py does (the hash must stay quant.dither's)"
 #endif
 
+/* quant.dither's term of a block's scale, which it adds to every place's term */
+static inline uint32_t dither_salt(float scale) { return (bits_of(scale) >> DITHER_DROPPED_BITS) * DITHER_SALT; }
 
-#define DITHER_PLACE 0x61C88647u  /* quant.dither's multiplier of a value's place */
-
-/* quant.dither for value v at place j of its block: the Python's int64 arithmetic masked to 32 bits
- * is uint32 arithmetic. The top 24 bits of the hash, a number in [0, 1) exact in fp32 (converted as
- * int32: AVX2 has no unsigned conversion). */
-static inline float dither(float v, uint32_t j) {
-    uint32_t h = (bits_of(v) >> DITHER_DROPPED_BITS) ^ (j * DITHER_PLACE);
+/* quant.dither for value v at place j of a block whose term is salt: the Python's int64 arithmetic
+ * masked to 32 bits is uint32 arithmetic. The top 24 bits of the hash, a number in [0, 1) exact in
+ * fp32 (converted as int32: AVX2 has no unsigned conversion). */
+static inline float dither(float v, uint32_t j, uint32_t salt) {
+    uint32_t h = (bits_of(v) >> DITHER_DROPPED_BITS) ^ (j * DITHER_PLACE + salt);
     h ^= h >> 16;
     h *= 0x7FEB352Du;
     h ^= h >> 15;
@@ -23,12 +23,12 @@ static inline float dither(float v, uint32_t j) {
     return (float)(int32_t)(h >> 8) * 0x1p-24f;
 }
 
-/* The first step of quant.dither for places 0..15 (0..7) of a block: j * 0x61C88647, a vector that
- * each next group of places adds 16 (8) * 0x61C88647 to (no multiplication in the loops) */
+/* The first step of quant.dither for places 0..15 (0..7) of a block: j * DITHER_PLACE + salt, a
+ * vector that each next group of places adds 16 (8) * DITHER_PLACE to (no multiplication in the loops) */
 #ifdef __AVX512F__
-static inline __m512i dither_places16(void) {
+static inline __m512i dither_places16(uint32_t salt) {
     __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int32_t)DITHER_PLACE));
+    return _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32((int32_t)DITHER_PLACE)), _mm512_set1_epi32((int32_t)salt));
 }
 
 /* quant.dither of 16 (8) values v times 2**24 (an integer below 2**24, exact); places: their first
@@ -43,8 +43,9 @@ static inline __m512 dither_draws16(__m512 v, __m512i places) {
     return _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8));
 }
 #elif defined(AVX2_ONLY)
-static inline __m256i dither_places8(void) {
-    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)DITHER_PLACE));
+static inline __m256i dither_places8(uint32_t salt) {
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_add_epi32(_mm256_mullo_epi32(lanes, _mm256_set1_epi32((int32_t)DITHER_PLACE)), _mm256_set1_epi32((int32_t)salt));
 }
 
 static inline __m256 dither_draws8(__m256 v, __m256i places) {
@@ -58,34 +59,35 @@ static inline __m256 dither_draws8(__m256 v, __m256i places) {
 }
 #endif
 
-/* quant.encode_stochastic for value v at place j of its block, k its nearest code, q the codebook
- * (top: its last pair's lower code): low is the code at or below v, (a, b) the pair of codes around
- * it; up where (v - a) > u * (b - a). Outside the codebook's range, next to an unused (NaN) code, and
+/* quant.encode_stochastic for value v at place j of its block (salt: the block's dither_salt), k its
+ * nearest code, q the codebook (top: its last pair's lower code): low is the code at or below v,
+ * (a, b) the pair of codes around it; up where (v - a) > u * (b - a). Outside the codebook's range, next to an unused (NaN) code, and
  * for NaN, the nearest code stays. The reference: the vector loops below compute exactly this. */
-static inline __attribute__((always_inline)) int32_t stochastic_code(const float *q, int32_t top, float v, uint32_t j, int32_t k) {
+static inline __attribute__((always_inline)) int32_t stochastic_code(const float *q, int32_t top, float v, uint32_t j, uint32_t salt, int32_t k) {
     int32_t low = k - (q[k] > v);
     int32_t pair = low < 0 ? 0 : low;  /* clamped in two steps: GCC then vectorizes the loop */
     pair = pair > top ? top : pair;
     float a = q[pair], b = q[pair + 1];
-    int32_t up = (v - a) > dither(v, j) * (b - a);
+    int32_t up = (v - a) > dither(v, j, salt) * (b - a);
     /* inside: low in [0, top] and b a used code; a mask, as a ternary keeps GCC's loop scalar */
     uint32_t inside = (0u - (low == pair)) & (0u - (b == b));
     return k + ((pair + up - k) & inside);
 }
 
 /* Stochastic rounding as a second pass over a block's nearest codes (8-bit codes): v_in holds the
- * normalized values, codes their nearest codes, replaced by the rounded ones. */
-static void round_stochastically(const state_t *s, const float *restrict v_in, int64_t bs, uint8_t *restrict codes) {
+ * values normalized by scale, codes their nearest codes, replaced by the rounded ones. */
+static void round_stochastically(const state_t *s, const float *restrict v_in, float scale, int64_t bs, uint8_t *restrict codes) {
     const float *q = s->codebook;  /* locals: a store to codes (bytes) could change s */
     int32_t top = (1 << s->bits) - 2;
+    uint32_t salt = dither_salt(scale);
     for (int64_t j = 0; j < bs; j++)  /* compilers vectorize it (gathers where the target has them) */
-        codes[j] = (uint8_t)stochastic_code(q, top, v_in[j], (uint32_t)j, codes[j]);
+        codes[j] = (uint8_t)stochastic_code(q, top, v_in[j], (uint32_t)j, salt, codes[j]);
 }
 
 /* encode_stochastic4 for element i alone (the reference): its code, and a calibrated format's products */
 static inline void encode_stochastic_one(const state_t *s, const float *restrict x, float scale, int64_t i, uint8_t *restrict codes, const calibration_t *cal) {
     float v = x[i] / scale;
-    codes[i] = (uint8_t)stochastic_code(s->codebook, 14, v, (uint32_t)i, nearest_code(s, v));
+    codes[i] = (uint8_t)stochastic_code(s->codebook, 14, v, (uint32_t)i, dither_salt(scale), nearest_code(s, v));
     if (cal->vv) store_product(cal, i, v, codes[i]);
 }
 
@@ -120,7 +122,7 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
     __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), largest = _mm256_set1_epi32(0x7F7FFFFF);
     __m256 sixteen = _mm256_set1_ps(16.0f), sixteenth = _mm256_set1_ps(0x1p-4f);
     __m256i fifteen = _mm256_set1_epi32(15);
-    __m256i places = dither_places8(), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
+    __m256i places = dither_places8(dither_salt(scale)), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
         if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), largest))) {
@@ -183,7 +185,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     int vectors = last_pair >= 0 && (_mm512_cmp_ps_mask(_mm512_abs_ps(widths), _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ) & pair_lanes) == pair_lanes;
     __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(last_pair + 1);
     __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
-    __m512i places = dither_places16(), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
+    __m512i places = dither_places16(dither_salt(scale)), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
         __m512 v = divide(_mm512_loadu_ps(x + i), &d);
         if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
