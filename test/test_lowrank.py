@@ -52,7 +52,8 @@ def reference_residual(residual: torch.Tensor, fmt) -> tuple[torch.Tensor, torch
 
 def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, fmt):
     """float64: one subspace-iteration step from ``previous_right`` (or the fixed start), and the
-    residual rounded to its block's nearest code (reference_residual); also the widest code step."""
+    residual rounded to its block's nearest code (reference_residual); also the residual's largest
+    block absmax and the codebook's widest gap (of normalized values)."""
     rank = min(fmt.rank, *x.shape)
     x = x.double()
     start = start_basis(x.shape[1], rank, x.device).double() if previous_right is None else previous_right.double()
@@ -60,15 +61,18 @@ def reference_write(x: torch.Tensor, previous_right: torch.Tensor | None, fmt):
     right = x.T @ left
     rounded, scale = reference_residual((x - left @ right.T).reshape(-1), fmt)
     gaps = reference_codes(torch.linspace(-1, 1, 4001, dtype=torch.float64), fmt.bits, getattr(fmt, "mu", None)).unique().diff()
-    return left @ right.T + rounded.view(x.shape), right, scale.max().item() * gaps.max().item()
+    return left @ right.T + rounded.view(x.shape), right, scale.max().item(), gaps.max().item()
 
 
 @LOW_RANK_FORMATS
 @pytest.mark.parametrize("shape", [(96, 64), (64, 96), (40, 33), (300, 20), (200, 150)])
 def test_writes_follow_the_float64_reference(fmt, shape):
     """Each write of a sequence (a moving matrix, as a momentum) reads back as the float64 reference's
-    subspace step from the state's previous factors plus nearest residual codes, within a residual
-    code step and fp32 round-off."""
+    subspace step from the state's previous factors plus nearest residual codes: within half a code
+    gap of each one's residual (both round x's residual to its nearest code) and fp32 round-off,
+    the state's residual no more than twice the reference's. The last directions of one subspace
+    step are ill-conditioned, so fp32 round-off moves them: on an AMD EPYC family 26, (64, 96) at
+    8bit-lowrank, a residual 1.44x the reference's."""
     state = fmt.zeros(shape)
     rank = min(fmt.rank, *shape)
     base = decaying(*shape)
@@ -76,9 +80,12 @@ def test_writes_follow_the_float64_reference(fmt, shape):
         x = (base + 0.05 * step * decaying(*shape, seed=step + 1)).float()
         previous = state.right.view(-1, rank).clone() if step else None  # each write starts from the state's own
         state.copy_(x)
-        expected, _, code_step = reference_write(x, previous, fmt)
+        expected, _, reference_absmax, gap = reference_write(x, previous, fmt)
+        absmax, round_off = state.scale.max().item() * state.scale_max, 1e-5 * x.abs().max().item()
+        assert absmax <= 2 * reference_absmax + round_off, (step, absmax, reference_absmax)
         errors = (state.dequantize().double() - expected).abs()
-        assert errors.max().item() <= code_step + 1e-5 * x.abs().max().item(), (step, errors.max().item(), code_step)
+        bound = gap * (absmax + reference_absmax) / 2 + round_off
+        assert errors.max().item() <= bound, (step, errors.max().item(), bound)
         assert state.rank == rank
 
 
