@@ -91,10 +91,13 @@ def _end_of_backward(owner: weakref.ref) -> None:
     if not sharded:
         set_last_grad_norm(optimizer, torch.linalg.vector_norm(torch.stack([n.cpu() for _, n in ordered]), 2))
         return
-    square_sum = torch.stack(sharded).square().sum()  # this rank's shards: summed over the ranks
+    # float64 sums (fp32 squares are exact in it): the norm's bits do not depend on the order in which
+    # a reduction kernel or the ranks add them (an fp32 sum of the same six squares differed by an ulp
+    # between a backward callback and the main thread, on an AMD EPYC family 26)
+    square_sum = torch.stack(sharded).double().square().sum()  # this rank's shards: summed over the ranks
     dist.all_reduce(square_sum, group=next(p for p, _ in ordered if is_dtensor(p)).device_mesh.get_group())
     whole = [n.to(square_sum.device) for p, n in ordered if not is_dtensor(p)]  # the same on every rank: once
-    set_last_grad_norm(optimizer, (square_sum + torch.stack(whole).square().sum() if whole else square_sum).sqrt())
+    set_last_grad_norm(optimizer, (square_sum + torch.stack(whole).double().square().sum() if whole else square_sum).sqrt())
 
 
 def set_last_grad_norm(optimizer, norm) -> None:

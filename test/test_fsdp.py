@@ -411,13 +411,13 @@ def _clipping_in_backward(rank: int, world: int, max_grad_norm: float = 0.05) ->
         model(_batch(step, rank, world)).backward()
         ref(_batch(step, rank, world)).backward()
         square_sum = torch.zeros(())
-        local_squares = [torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float32).square() for p in ref.parameters()]
+        local_norms = [torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float32) for p in ref.parameters()]
         for p in [pairs[q] for q in order]:
             square_sum += torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float32).square()
             _local(p.grad).mul_(torch.clamp(max_grad_norm / (torch.maximum(square_sum.sqrt(), previous) + 1e-6), max=1.0))
-        total = torch.stack(local_squares).sum()
+        total = torch.stack(local_norms).double().square().sum()
         dist.all_reduce(total)
-        previous = total.sqrt()
+        previous = total.sqrt().float()
         ref_opt.step()
         ref_opt.zero_grad()
         norms.append(float(opt.last_grad_norm))
