@@ -132,8 +132,7 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
     __m256 s = _mm256_set1_ps(scale);
     if (bits == 8) {
         for (; i + 8 <= m; i += 8) {
-            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
-            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(codebook, idx, 4), s));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8_ps_by_bytes(codebook, c + i), s));
         }
     } else {
         __m256 low = _mm256_loadu_ps(codebook), high = _mm256_loadu_ps(codebook + 8);
@@ -273,7 +272,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a));
             code = _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
             store_low_bytes(codes + i, code);
-            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(e4m3_values, code, 4));
+            if (cal->vv) store_products8(cal, i, v, lookup8_ps(e4m3_values, code));
         }
     } else if (s->kind == KIND_CODEBOOK && s->bits == 4) {
         search8_t thresholds = search8(s->thresholds);  /* the code is how many are <= v */
@@ -294,12 +293,12 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
             if (normalized) _mm256_storeu_ps(normalized + i, v);
             __m256i bits = _mm256_castps_si256(v);
-            __m256i entry = _mm256_i32gather_epi32((const int *)s->near_code, _mm256_srli_epi32(bits, 16), 4);
+            __m256i entry = lookup8_epi32(s->near_code, _mm256_srli_epi32(bits, 16));
             __m256i low = _mm256_slli_epi32(_mm256_xor_si256(bits, _mm256_srai_epi32(bits, 31)), 16);
             __m256i up = _mm256_cmpgt_epi32(_mm256_xor_si256(low, sign), _mm256_xor_si256(entry, sign));
             __m256i code = _mm256_sub_epi32(entry, up);  /* entry + 1 where low > entry */
             store_low_bytes(codes + i, code);  /* the low bytes */
-            if (cal->vv) store_products8(cal, i, v, _mm256_i32gather_ps(s->codebook, _mm256_and_si256(code, _mm256_set1_epi32(0xFF)), 4));
+            if (cal->vv) store_products8(cal, i, v, lookup8_ps(s->codebook, _mm256_and_si256(code, _mm256_set1_epi32(0xFF))));
         }
     }
 #endif

@@ -19,6 +19,7 @@
  *   convert.h    fp32 bits, bf16 and fp8 e4m3 conversions
  *   vector.h     fp32 vectors of either ISA for the loops written by hand (AVX-512, AVX2)
  *   divide.h     exact division by a shared divisor (with vector.h)
+ *   lookup.h     AVX2 table lookups: gathers, or scalar loads where gathers are slow
  *   codecs.h     one block: decode, block scale, nearest-code encoding, calibrated scales
  *   stochastic.h one block: stochastic rounding between codes
  *   factored.h   factored states: rows and columns summed in double, per task
@@ -45,6 +46,7 @@
 #include "convert.h"
 #include "vector.h"
 #include "divide.h"
+#include "lookup.h"
 #include "codecs.h"
 #include "factored.h"
 #include "chunk_io.h"

@@ -1,0 +1,47 @@
+/* Table lookups by 8 indices (AVX2): a gather instruction, or scalar loads where gathers are slow.
+ * AMD's cores microcode their gathers: on an AMD EPYC of family 26 (Zen 5) an 8-lane gather from an
+ * L1-resident table took 0.36 ns per element, eight scalar loads put into a vector 0.16-0.23, and
+ * the AVX2 build's 8-bit step 5.9 -> 5.0x fused AdamW with them (one thread, GPT-2-small set). With
+ * AVX-512 the kernel keeps its 16-lane gathers: there, sixteen scalar loads made the 8-bit step
+ * slower (3.5 -> 4.1x). Intel's cores gather faster, and the kernel's figures on them were measured
+ * with gathers. The compiler's tuning says which core it builds for (GCC and Clang define
+ * __znverN__ for AMD's under -march=native); -DSLOW_GATHERS=0 or 1 decides otherwise, and the tests
+ * build both. Either way the same values. */
+#ifndef SLOW_GATHERS
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define SLOW_GATHERS 1
+#else
+#define SLOW_GATHERS 0
+#endif
+#endif
+
+#ifdef AVX2_ONLY
+static inline __m256i lookup8_epi32(const int32_t *table, __m256i idx) {
+#if SLOW_GATHERS
+    int32_t k[8];
+    _mm256_storeu_si256((__m256i *)k, idx);
+    return _mm256_setr_epi32(table[k[0]], table[k[1]], table[k[2]], table[k[3]], table[k[4]], table[k[5]], table[k[6]], table[k[7]]);
+#else
+    return _mm256_i32gather_epi32((const int *)table, idx, 4);
+#endif
+}
+
+static inline __m256 lookup8_ps(const float *table, __m256i idx) {
+#if SLOW_GATHERS
+    int32_t k[8];
+    _mm256_storeu_si256((__m256i *)k, idx);
+    return _mm256_setr_ps(table[k[0]], table[k[1]], table[k[2]], table[k[3]], table[k[4]], table[k[5]], table[k[6]], table[k[7]]);
+#else
+    return _mm256_i32gather_ps(table, idx, 4);
+#endif
+}
+
+/* table[codes[0..7]] for 8 byte codes */
+static inline __m256 lookup8_ps_by_bytes(const float *table, const uint8_t *codes) {
+#if SLOW_GATHERS
+    return _mm256_setr_ps(table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]], table[codes[4]], table[codes[5]], table[codes[6]], table[codes[7]]);
+#else
+    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes)), 4);
+#endif
+}
+#endif
