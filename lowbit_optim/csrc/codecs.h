@@ -293,7 +293,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
             if (normalized) _mm256_storeu_ps(normalized + i, v);
             __m256i bits = _mm256_castps_si256(v);
-            __m256i entry = lookup8_epi32(s->near_code, _mm256_srli_epi32(bits, 16));
+            __m256i entry = lookup8(s->near_code, _mm256_srli_epi32(bits, 16));
             __m256i low = _mm256_slli_epi32(_mm256_xor_si256(bits, _mm256_srai_epi32(bits, 31)), 16);
             __m256i up = _mm256_cmpgt_epi32(_mm256_xor_si256(low, sign), _mm256_xor_si256(entry, sign));
             __m256i code = _mm256_sub_epi32(entry, up);  /* entry + 1 where low > entry */

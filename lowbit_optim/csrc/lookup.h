@@ -16,25 +16,19 @@
 #endif
 
 #ifdef AVX2_ONLY
-static inline __m256i lookup8_epi32(const int32_t *table, __m256i idx) {
+/* the 4-byte entries of table at 8 indices (memcpy: the table may hold floats) */
+static inline __m256i lookup8(const void *table, __m256i idx) {
 #if SLOW_GATHERS
-    int32_t k[8];
+    int32_t k[8], v[8];
     _mm256_storeu_si256((__m256i *)k, idx);
-    return _mm256_setr_epi32(table[k[0]], table[k[1]], table[k[2]], table[k[3]], table[k[4]], table[k[5]], table[k[6]], table[k[7]]);
+    for (int j = 0; j < 8; j++) memcpy(&v[j], (const char *)table + 4 * (int64_t)k[j], 4);
+    return _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
 #else
     return _mm256_i32gather_epi32((const int *)table, idx, 4);
 #endif
 }
 
-static inline __m256 lookup8_ps(const float *table, __m256i idx) {
-#if SLOW_GATHERS
-    int32_t k[8];
-    _mm256_storeu_si256((__m256i *)k, idx);
-    return _mm256_setr_ps(table[k[0]], table[k[1]], table[k[2]], table[k[3]], table[k[4]], table[k[5]], table[k[6]], table[k[7]]);
-#else
-    return _mm256_i32gather_ps(table, idx, 4);
-#endif
-}
+static inline __m256 lookup8_ps(const float *table, __m256i idx) { return _mm256_castsi256_ps(lookup8(table, idx)); }
 
 /* table[codes[0..7]] for 8 byte codes */
 static inline __m256 lookup8_ps_by_bytes(const float *table, const uint8_t *codes) {
