@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 
-from . import precision, quant
+from . import affine_codes, precision, quant
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 MAIN_SOURCE = SOURCE_DIR / "fused_step.c"  # the one translation unit; it includes the others
@@ -47,6 +47,7 @@ def defines() -> list[str]:
         f"-DDITHER_DROPPED_BITS={quant.DITHER_DROPPED_BITS}",
         f"-DDITHER_PLACE={quant.DITHER_PLACE:#x}u",
         f"-DDITHER_SALT={quant.DITHER_SALT:#x}u",
+        f"-DAFFINE_SMALLEST=((float){affine_codes.SMALLEST!r})",
         f"-DMIN_BLOCK_SCALE=((float){quant.MIN_BLOCK_SCALE!r})",  # rounded from double as torch's clamp rounds it
         f"-DCORRECTION_UNITS_PER_ULP=((float){precision.CORRECTION_UNITS_PER_ULP!r})",
     ]

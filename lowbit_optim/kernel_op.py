@@ -21,6 +21,7 @@ parameter, ``param_update="int8-correction"``, or an empty tensor).
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import math
 import threading
@@ -28,7 +29,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import kernel_abi
+from . import affine_codes, kernel_abi
 from .factored import FactoredState
 from .state import OptimState, StateTensor, describe_tensor
 
@@ -236,6 +237,8 @@ def _format_description(k: kernel_abi.Kernel, cls, signed: bool):
         if cls.bits == 8:
             described.near_code = _near_code_table(cls, signed).data_ptr()
             described.value_bytes = _value_bytes(cls, signed).data_ptr()
+            affine = _affine_map(k, cls, signed)
+            described.affine = ctypes.addressof(affine) if affine is not None else None
     return described
 
 
@@ -272,6 +275,21 @@ def _near_code_table(cls, signed: bool) -> Tensor:
     base, limit = torch.where(non_finite, _search_thresholds(cls, signed)[1], base), torch.where(non_finite, 2**16, limit)
     assert int(base.max()) <= 255
     return (base | (limit - 1) << 16).to(torch.int32)  # wraps to int32: the kernel compares unsigned
+
+
+@functools.cache
+def _affine_map(k: kernel_abi.Kernel, cls, signed: bool):
+    """The codebook's affine_code_t (affine_codes.py), or None where its thresholds do not fit one."""
+    found = affine_codes.affine_codes(layout(cls, signed).tables["decision_thresholds"])
+    if found is None:
+        return None
+    struct = k.structs["affine_code_t"]
+    fields = dataclasses.asdict(found)
+    for name in ("split", "level_low", "slope", "offset", "low", "high"):
+        array = dict(struct._fields_)[name]
+        spare = array._length_ - len(fields[name]) if name not in ("split", "level_low") else 0  # unused levels: the last's copies
+        fields[name] = array(*fields[name], *fields[name][-1:] * spare)
+    return struct(**fields)
 
 
 @functools.cache

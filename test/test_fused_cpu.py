@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats
-from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
+from lowbit_optim import FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimStateFp8, OptimStateNF4
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
@@ -511,12 +511,17 @@ def test_division_of_square_roots_is_exact(divisor, flag):
 def test_kernel_encodes_like_the_format(info, signed, flag):
     """The kernel's encoding (its packed tables, binary searches and fp8 rounding) gives the format's
     own codes on the format suite's adversarial inputs: every code, midpoints and their neighbours,
-    zeros, denormals, range ends; NaN and infinities as the format's tables give them. In every
-    build, in its vector loops (a multiple of 16 values) and in its tails (7 values at a time)."""
+    zeros, denormals, range ends; for a codebook also values beyond its range (no step gives them, a
+    block's scale being its absmax, but its tables give every fp32 value a code); NaN and infinities
+    as the format's tables give them. In every build, in its vector loops
+    (a multiple of 16 values) and in its tails (7 values at a time)."""
     state = info.fmt.zeros(256, signed=signed)
     if kernel_op.kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
-    v = torch.cat([encode_inputs(info, signed), torch.tensor([math.nan, math.inf, -math.inf])])
+    top = float(info.fmt.scale_max)
+    beyond = torch.tensor([1.0000001, 1.5, 1.9999999, 2.0, 3.0, 1e6, 3e38]) * top
+    beyond = (torch.cat([beyond, -beyond]) if signed else beyond)[: None if kernel_op.kernel_kind(state) == "codebook" else 0]
+    v = torch.cat([encode_inputs(info, signed), beyond, torch.tensor([math.nan, math.inf, -math.inf])])
     v = torch.cat([v, v.new_zeros(-v.numel() % 16)])
     codes, tail_codes = torch.empty(v.numel(), dtype=torch.uint8), torch.empty(v.numel(), dtype=torch.uint8)
     with kernel_built_with(flag):
@@ -535,6 +540,25 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
             wrong &= v.isfinite()
             assert bool((got[~v.isfinite()] & 0x7F == 0x7F).all()), f"{where}: NaN and infinities must give a NaN code"
         assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[where][wrong][:4].tolist()}"
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8bit_codes_are_an_affine_map(signed):
+    """The dynamic-tree codebook's thresholds fit affine_codes' map, so that the AVX-512 kernel
+    counts them without a gather (test_kernel_encodes_like_the_format checks its codes): a few
+    levels, one per decade, each split alone in its octave. A codebook whose thresholds lie on no
+    few grids, one reaching above 1, or a signed one that is not mirrored gets no map (the kernel
+    gathers from the table)."""
+    found = affine_codes.affine_codes(kernel_op.layout(lowbit_optim.get_format("8bit"), signed).tables["decision_thresholds"])
+    assert found is not None and len(found.slope) == 8, "one level per decade (7), and the zero level or 1.0's"
+    splits = [s for s in found.split if s != math.inf]
+    assert len(splits) == 7 and found.zero_code == (127 if signed else 0)
+    uneven = torch.linspace(-1, 1, 256, dtype=torch.float64) ** 3 if signed else torch.linspace(0, 1, 256, dtype=torch.float64) ** 3
+    assert affine_codes.affine_codes(quant.decision_thresholds(uneven.tolist())) is None, "cubic spacing: a level every two thresholds"
+    linear = quant.linear_codebook(8)
+    assert affine_codes.affine_codes(quant.decision_thresholds(linear)) is not None, "an even grid is one level"
+    assert affine_codes.affine_codes(quant.decision_thresholds([x * 1.5 for x in linear])) is None, "thresholds above 1"
+    assert affine_codes.affine_codes(quant.decision_thresholds([x + 0.5 / 254 for x in linear[:-1]])) is None, "not mirrored"
 
 
 @build_flags

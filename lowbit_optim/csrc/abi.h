@@ -26,6 +26,20 @@ enum { KINDS(DECLARE_KIND) };
 #define DECLARE_ARRAY(S, type, name, count) type name[count];
 #define DECLARE_STRUCT(S, FIELDS) typedef struct { FIELDS(DECLARE_FIELD, DECLARE_ARRAY, S) } S;
 
+/* An 8-bit codebook's nearest code as a piecewise affine map of |v| (affine_codes.py, affine.h): per
+ * binary octave of |v| (2**-31 .. 1) a split and the level below it, per level an fp32 map and its
+ * clamps. */
+#define AFFINE_FIELDS(FIELD, ARRAY, S)          \
+    FIELD(S, int32_t, zero_code)                \
+    FIELD(S, float, band)                       \
+    ARRAY(S, float, split, 32)                  \
+    ARRAY(S, int32_t, level_low, 32)            \
+    ARRAY(S, float, slope, 16)                  \
+    ARRAY(S, float, offset, 16)                 \
+    ARRAY(S, float, low, 16)                    \
+    ARRAY(S, float, high, 16)
+DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
+
 /* One state of a parameter. */
 #define STATE_FIELDS(FIELD, ARRAY, S)                                                                           \
     FIELD(S, int32_t, kind)                 /* KIND_*: KIND_NONE where the optimizer has no such state */    \
@@ -41,6 +55,7 @@ enum { KINDS(DECLARE_KIND) };
     FIELD(S, int32_t, nan_code)             /* the code the tables give NaN and infinities */                 \
     FIELD(S, const int32_t *, near_code)    /* KIND_CODEBOOK, 8 bits: both tables packed in one */            \
     FIELD(S, const uint8_t *, value_bytes)  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256k+c] */ \
+    FIELD(S, const affine_code_t *, affine) /* KIND_CODEBOOK, 8 bits: its codes as an affine map (or NULL) */ \
     FIELD(S, int32_t, calibrated)           /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */        \
     FIELD(S, int32_t, stochastic)           /* KIND_CODEBOOK: stochastic rounding (quant.encode_stochastic) */\
     FIELD(S, float *, col)                  /* KIND_FACTORED: the column sums of the (numel/cols, cols) matrix */ \
@@ -69,7 +84,8 @@ typedef struct {
     int64_t offset, size, count;
 } abi_field_t;
 
-#define TYPE_CODE(x) _Generic((x), int32_t: "i32", int64_t: "i64", uint64_t: "u64", float: "f32", double: "f64", default: "ptr")
+#define SCALAR_CODE(x, other) _Generic((x), int32_t: "i32", int64_t: "i64", uint64_t: "u64", float: "f32", double: "f64", default: other)
+#define TYPE_CODE(x) SCALAR_CODE(x, "ptr")
 #define FIELD_ROW(S, type, name) {#S, #name, TYPE_CODE(((S *)0)->name), offsetof(S, name), sizeof(((S *)0)->name), 1},
-#define ARRAY_ROW(S, type, name, count) {#S, #name, #type, offsetof(S, name), sizeof(((S *)0)->name), count},
+#define ARRAY_ROW(S, type, name, count) {#S, #name, SCALAR_CODE(((S *)0)->name[0], #type), offsetof(S, name), sizeof(((S *)0)->name), count},
 #define ABI_FIELD_ROWS(S, FIELDS) FIELDS(FIELD_ROW, ARRAY_ROW, S) {#S, "", "struct", 0, sizeof(S), 1},

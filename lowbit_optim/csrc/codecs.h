@@ -200,6 +200,19 @@ static inline void store_product(const calibration_t *cal, int64_t i, float v, u
     cal->vq[i] = (double)v * (double)cal->values[code];
 }
 
+#ifdef __AVX512F__
+/* the nearest codes of 16 values from the packed table (kernel_op._near_code_table): one gather by
+ * each value's top 16 bits, then base + 1 where its low 16 bits (complemented if negative), on top,
+ * exceed the entry */
+static inline __m512i table_codes16(const state_t *s, __m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), s->near_code, 4);
+    __m512i low = _mm512_slli_epi32(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), 16);
+    __m512i code = _mm512_mask_sub_epi32(entry, _mm512_cmpgt_epu32_mask(low, entry), entry, _mm512_set1_epi32(-1));
+    return _mm512_and_si512(code, _mm512_set1_epi32(0xFF));
+}
+#endif
+
 /* a codebook's nearest code for v from its tables: base_code, plus one where v reaches the bucket's
  * threshold (bucket: v's top 16 bits) */
 static inline int32_t nearest_code(const state_t *s, float v) {
@@ -244,17 +257,21 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
     } else {
-        /* one gather from the packed table (kernel_op._near_code_table) by the value's top 16 bits,
-         * then base + 1 where its low 16 bits (complemented if negative), on top, exceed the entry */
+        affine_t map;
+        if (s->affine) map = affine_registers(s->affine);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
-            __m512i bits = _mm512_castps_si512(v);
-            __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), s->near_code, 4);
-            __m512i low = _mm512_slli_epi32(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), 16);
-            __m512i code = _mm512_mask_sub_epi32(entry, _mm512_cmpgt_epu32_mask(low, entry), entry, _mm512_set1_epi32(-1));
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));  /* the low bytes */
-            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(_mm512_and_si512(code, _mm512_set1_epi32(0xFF)), s->codebook, 4));
+            __m512i code;
+            if (s->affine) {
+                __mmask16 doubtful;
+                code = affine_codes16(&map, v, &doubtful);
+                if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, v));
+            } else {
+                code = table_codes16(s, v);
+            }
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, s->codebook, 4));
         }
     }
 #elif defined(AVX2_ONLY)

@@ -20,6 +20,7 @@
  *   vector.h     fp32 vectors of either ISA for the loops written by hand (AVX-512, AVX2)
  *   divide.h     exact division by a shared divisor (with vector.h)
  *   lookup.h     AVX2 table lookups: gathers, or scalar loads where gathers are slow
+ *   affine.h     AVX-512 8-bit codes without gathers: a codebook as a piecewise affine map
  *   codecs.h     one block: decode, block scale, nearest-code encoding, calibrated scales
  *   stochastic.h one block: stochastic rounding between codes
  *   factored.h   factored states: rows and columns summed in double, per task
@@ -47,6 +48,7 @@
 #include "vector.h"
 #include "divide.h"
 #include "lookup.h"
+#include "affine.h"
 #include "codecs.h"
 #include "factored.h"
 #include "chunk_io.h"
@@ -85,7 +87,7 @@ int lowbit_step(int64_t optimizer, param_t *params, int64_t count, const void *h
 /* ---- the layout table (abi.h), read by kernel_abi.py when the library loads -------------------- */
 
 #define HYPER_ROWS(name, hyper, FIELDS, ...) ABI_FIELD_ROWS(hyper, FIELDS)
-static const abi_field_t abi_fields[] = {ABI_FIELD_ROWS(state_t, STATE_FIELDS) ABI_FIELD_ROWS(param_t, PARAM_FIELDS) OPTIMIZERS(HYPER_ROWS)};
+static const abi_field_t abi_fields[] = {ABI_FIELD_ROWS(state_t, STATE_FIELDS) ABI_FIELD_ROWS(param_t, PARAM_FIELDS) ABI_FIELD_ROWS(affine_code_t, AFFINE_FIELDS) OPTIMIZERS(HYPER_ROWS)};
 
 /* Row i of the field table (a struct's own size is the row with field ""); 0 past the end. */
 int lowbit_abi_field(int64_t i, const char **structure, const char **field, const char **type, int64_t *offset, int64_t *size, int64_t *count) {
