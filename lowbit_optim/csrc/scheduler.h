@@ -5,7 +5,12 @@
  * back, so every byte of state is read once and written once. A parameter's chunks are split into
  * tasks, each stepped by one thread in order: a task per chunk, except for a parameter with a
  * factored state, which has at most MAX_TASKS (factored.h: its column sums then do not depend on
- * the threads). The tasks of all parameters go to one OpenMP loop: one parallel region per step. */
+ * the threads). The tasks of all parameters go to one OpenMP loop: one parallel region per step,
+ * scheduled guided: a thread takes long runs of consecutive tasks, shorter ones towards the end, so
+ * that each streams through memory as torch's fused step does. With dynamic grabs of 8 tasks the two
+ * threads interleaved every 32 KiB, and on an AMD EPYC of family 26 (2 vCPUs, GPT-2-small set) the
+ * fp32-state step took 50 ms on 2 threads against 62 on 1 (torch's fused AdamW: 32 and 58); guided,
+ * 36 ms. */
 #include <stdlib.h>
 
 #define MAX_TASKS 32
@@ -85,7 +90,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
             o->prepare(hyper, step, scalars + j * stride);
         }
         int64_t total = first_task[count];
-        #pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
+        #pragma omp parallel for schedule(guided) num_threads(threads)
         for (int64_t c = 0; c < total; c++) {
             int64_t lo = 0, hi = count - 1;  /* the parameter this task belongs to */
             while (lo < hi) {
