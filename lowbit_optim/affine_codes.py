@@ -12,12 +12,19 @@ small enough to live in vector registers:
     code = zero_code + n for v >= 0, max(zero_code - n, 0) for v < 0
 
 where n counts the thresholds above zero that are <= a. Each level is a run of thresholds on one
-grid; a level starts at a threshold (its ``split``, compared exactly), and each binary octave of a
-holds at most one. The fp32 affine map puts every threshold inside a level within ``band / 2`` of the
-integer it starts, so a value whose map lands within ``band`` of an integer is the only kind that can
-be miscounted: the kernel counts those (and values on a split, above 1, NaN) with the table, so that
-the codes are the table's, bit for bit. ``affine_codes`` checks all of this when it builds the map
-and returns None for a codebook it does not fit (the kernel then gathers from the table).
+grid; a level starts at a threshold (its ``split``), and each binary octave of a holds at most one.
+The fp32 affine map puts every threshold inside a level within ``band / 2`` of the integer it starts,
+less a margin for the inexact quotient below, so a value whose map lands within ``band`` of an
+integer is the only kind that can be miscounted: the kernel counts those (and values within 3 ulps
+of a split, above 1, NaN) with the table, so that the codes are the table's, bit for bit.
+``affine_codes`` checks all of this when it builds the map and returns None for a codebook it does
+not fit (the kernel then gathers from the table).
+
+The map is evaluated on x * RN(1 / scale), not on the exact quotient x / scale (which costs an FMA
+correction and a range check per vector: csrc/divide.h): that product is within QUOTIENT_ERROR of
+it, relatively, so it moves a value's map by at most QUOTIENT_ERROR * a * slope, which each level's
+margin covers, and a value by at most 2 ulps, which the split test covers. The table's lanes take
+the exact quotient.
 """
 
 import math
@@ -32,6 +39,9 @@ OCTAVES = 32
 SMALLEST = 2.0 ** (1 - OCTAVES)
 LEVELS = 16  # at most, so that each per-level table fits one 16-lane register
 BAND = 2.0**-11  # where the map's fraction lies this close to an integer, the table decides
+# The kernel maps x * RN(1 / scale), not the exact quotient x / scale: two roundings, a relative error
+# below this. It moves a * slope by at most that much of itself, which each level's fit leaves room for.
+QUOTIENT_ERROR = 2.0**-22
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ def _levels(positive: Tensor):
 def _fit(positive: Tensor, start: int, end: int):
     """(slope, offset, low, high) of a level from threshold ``start`` whose inner thresholds are
     start+1 .. end-1 (the count after threshold i is i + 1), or None if one of them lands farther
-    than band / 2, less its fp32 rounding, from its integer."""
+    than band / 2, less its fp32 rounding and the quotient's error, from its integer."""
     low, high = start + 1.5, end + 0.5
     inner = torch.arange(start + 1, end)
     if inner.numel() == 0:
@@ -129,6 +139,6 @@ def _fit(positive: Tensor, start: int, end: int):
     offset = _fp32(float((target - x * slope).mean()))
     mapped = _map(x, slope, offset)
     ulp = 2.0 ** (math.floor(math.log2(end + 1)) - 23)
-    if float((mapped - target).abs().max()) >= BAND / 2 - 2 * ulp:
+    if float((mapped - target).abs().max()) >= BAND / 2 - 2 * ulp - QUOTIENT_ERROR * float(x.max()) * slope:
         return None
     return slope, offset, low, high

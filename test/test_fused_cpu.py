@@ -542,6 +542,36 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
         assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[where][wrong][:4].tolist()}"
 
 
+@build_flags
+@blockwise_formats_by_signedness
+def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
+    """What a step stores (lowbit_quantize: block scales, then codes) is what quantize_ stores, for
+    the encode test's adversarial values (every code, midpoints and their neighbours) times block
+    scales that are no powers of two: the kernel may map x times the scale's reciprocal (the 8-bit
+    affine map) where a division would be exact, and must still give the exact quotient's codes."""
+    v = encode_inputs(info, signed)
+    v = v[v.abs() < info.fmt.scale_max]  # each block's absmax comes from its first element
+    block = 255
+    v = torch.cat([v, v.new_zeros(-v.numel() % block)]).view(-1, block)
+    scales = torch.tensor([0.37, 3.3e-5, 1234.5, 7.1e-21, 2.9e30, 1.0])[torch.arange(v.shape[0]) % 6, None]
+    x = torch.cat([scales * float(info.fmt.scale_max), v * scales], dim=1).flatten()  # blocks of 256
+    reference = info.fmt.zeros(x.numel(), signed=signed, block_size=256)
+    reference.quantize_(x)
+    state = info.fmt.zeros(x.numel(), signed=signed, block_size=256)
+    if kernel_op.kernel_kind(state) is None:
+        pytest.skip(f"the kernel does not take {info.name}")
+    with kernel_built_with(flag):
+        for start in range(0, x.numel(), kernel_op.kernel().limits["max_chunk"]):
+            piece = x[start : start + kernel_op.kernel().limits["max_chunk"]].clone()
+            chunk = info.fmt.zeros(piece.numel(), signed=signed, block_size=256)
+            fused_cpu.library().lowbit_quantize(state_t(chunk), piece.data_ptr(), piece.numel())
+            state.codes[start * info.fmt.bits // 8 : (start + piece.numel()) * info.fmt.bits // 8] = chunk.codes
+            state.scale[start // 256 : (start + piece.numel()) // 256] = chunk.scale
+    wrong = state.codes != reference.codes
+    assert not wrong.any(), f"{int(wrong.sum())} code bytes differ"
+    torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_8bit_codes_are_an_affine_map(signed):
     """The dynamic-tree codebook's thresholds fit affine_codes' map, so that the AVX-512 kernel

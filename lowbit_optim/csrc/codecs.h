@@ -256,6 +256,19 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
             if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
+    } else if (s->affine && !normalized && !cal->vv && d.span) {
+        /* the affine map (affine.h) of x times the scale's reciprocal: within 2**-22 of x / scale,
+         * which only moves a value's map inside the band the map leaves to the table (affine_codes
+         * checks that margin); the table's lanes take the exact quotient */
+        affine_t map = affine_registers(s->affine);
+        __m512 reciprocal = _mm512_set1_ps(d.y);
+        for (; i + 16 <= bs; i += 16) {
+            __m512 x16 = _mm512_loadu_ps(x + i);
+            __mmask16 doubtful;
+            __m512i code = affine_codes16(&map, _mm512_mul_ps(x16, reciprocal), &doubtful);
+            if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, divide(x16, &d)));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        }
     } else {
         affine_t map;
         if (s->affine) map = affine_registers(s->affine);
