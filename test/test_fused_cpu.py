@@ -191,6 +191,10 @@ def test_other_optimizers_non_finite_gradients(cls, kwargs):
 # loops alone (x86-64: SSE2, as on a CPU the file has no intrinsics for).
 BUILDS = {"native": None, "AVX2": "-mno-avx512f", "portable": "-march=x86-64"}
 build_flags = pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
+# The codecs also with either kind of table lookup, whichever the native build chose: gathers, or
+# where gathers are slow scalar loads (AVX2) and the 8-bit affine map (AVX-512; lookup.h, affine.h)
+CODEC_BUILDS = {**BUILDS, "gathers": "-DSLOW_GATHERS=0", "no gathers": "-DSLOW_GATHERS=1"}
+codec_build_flags = pytest.mark.parametrize("flag", CODEC_BUILDS.values(), ids=CODEC_BUILDS.keys())
 
 
 @contextlib.contextmanager
@@ -506,7 +510,7 @@ def test_division_of_square_roots_is_exact(divisor, flag):
         assert_divides_exactly(roots, divisor, root=True)
 
 
-@build_flags
+@codec_build_flags
 @blockwise_formats_by_signedness
 def test_kernel_encodes_like_the_format(info, signed, flag):
     """The kernel's encoding (its packed tables, binary searches and fp8 rounding) gives the format's
@@ -542,7 +546,7 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
         assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[where][wrong][:4].tolist()}"
 
 
-@build_flags
+@codec_build_flags
 @blockwise_formats_by_signedness
 def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
     """What a step stores (lowbit_quantize: block scales, then codes) is what quantize_ stores, for

@@ -1,6 +1,8 @@
 /* AVX-512: 16 codes of an 8-bit codebook by its affine map (affine_codes.py explains and checks it),
  * with every table in registers: no gather. On an AMD EPYC of family 26 (Zen 5) a 16-lane gather
- * from the 64k-entry table cost 0.33 ns per element, more than the rest of storing a state.
+ * from the 64k-entry table cost 0.33 ns per element, more than the rest of storing a state. The
+ * kernel takes it where gathers are slow (SLOW_GATHERS, lookup.h: AMD's cores); Intel's cores, with
+ * faster gathers and two ports for AVX-512 arithmetic, keep the measured gather (not re-measured).
  *
  * The lanes the map cannot decide (close to a threshold, near a split, above 1, NaN) come back in
  * *doubtful; the caller takes the table's codes there, of the exact quotient (v may be x times the

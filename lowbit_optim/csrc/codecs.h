@@ -256,7 +256,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
             if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }
-    } else if (s->affine && !normalized && !cal->vv && d.span) {
+    } else if (SLOW_GATHERS && s->affine && !normalized && !cal->vv && d.span) {
         /* the affine map (affine.h) of x times the scale's reciprocal: within 2**-22 of x / scale,
          * which only moves a value's map inside the band the map leaves to the table (affine_codes
          * checks that margin); the table's lanes take the exact quotient */
@@ -270,13 +270,14 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
         }
     } else {
+        int affine = SLOW_GATHERS && s->affine;  /* where gathers are fast, the table (lookup.h) */
         affine_t map;
-        if (s->affine) map = affine_registers(s->affine);
+        if (affine) map = affine_registers(s->affine);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code;
-            if (s->affine) {
+            if (affine) {
                 __mmask16 doubtful;
                 code = affine_codes16(&map, v, &doubtful);
                 if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, v));
