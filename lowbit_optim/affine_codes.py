@@ -82,7 +82,7 @@ def affine_codes(thresholds: Tensor) -> AffineCodes | None:
     if not bool(((mirrored == positive[:zero_code]) | (nudged == positive[:zero_code])).all()):
         return None
     levels = _levels(positive)
-    if levels is None or len(levels) > LEVELS:
+    if len(levels) > LEVELS:
         return None
     starts = [positive[s] for s, _ in levels[1:]]  # level j > 0 begins at the threshold it is split at
     split, level_low = [], []

@@ -284,12 +284,8 @@ def _affine_map(k: kernel_abi.Kernel, cls, signed: bool):
     if found is None:
         return None
     struct = k.structs["affine_code_t"]
-    fields = dataclasses.asdict(found)
-    for name in ("split", "level_low", "slope", "offset", "low", "high"):
-        array = dict(struct._fields_)[name]
-        spare = array._length_ - len(fields[name]) if name not in ("split", "level_low") else 0  # unused levels: the last's copies
-        fields[name] = array(*fields[name], *fields[name][-1:] * spare)
-    return struct(**fields)
+    arrays = dict(struct._fields_)  # per-level entries past the last level stay 0: only infinities reach them, left to the table
+    return struct(**{name: arrays[name](*value) if isinstance(value, list) else value for name, value in dataclasses.asdict(found).items()})
 
 
 @functools.cache

@@ -220,6 +220,19 @@ def state_t(state):
     return ctypes.byref(kernel_op.describe(kernel_op.kernel(), state))
 
 
+def quantize_with_kernel(state, x: torch.Tensor) -> None:
+    """Stores into ``state`` what a step stores for the values ``x`` (lowbit_quantize: block scales,
+    then codes), a chunk at a time."""
+    size = kernel_op.kernel().limits["max_chunk"]  # a whole number of blocks
+    for start in range(0, x.numel(), size):
+        piece = x[start : start + size]
+        chunk = type(state).zeros(piece.numel(), signed=state.signed, block_size=state.block_size)
+        values = torch.cat([piece, piece.new_zeros(chunk.padded_numel - piece.numel())])  # room to the block boundary
+        fused_cpu.library().lowbit_quantize(state_t(chunk), values.data_ptr(), piece.numel())
+        state.codes[start * state.bits // 8 :][: chunk.codes.numel()] = chunk.codes
+        state.scale[start // state.block_size :][: chunk.scale.numel()] = chunk.scale
+
+
 # what each build must step like the native one: both code widths in both moments, fp8, calibrated
 # scales, factored sums (their order does not depend on the vector width), and the update's flags
 OTHER_BUILD_CASES = [
@@ -565,12 +578,7 @@ def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
     if kernel_op.kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
     with kernel_built_with(flag):
-        for start in range(0, x.numel(), kernel_op.kernel().limits["max_chunk"]):
-            piece = x[start : start + kernel_op.kernel().limits["max_chunk"]].clone()
-            chunk = info.fmt.zeros(piece.numel(), signed=signed, block_size=256)
-            fused_cpu.library().lowbit_quantize(state_t(chunk), piece.data_ptr(), piece.numel())
-            state.codes[start * info.fmt.bits // 8 : (start + piece.numel()) * info.fmt.bits // 8] = chunk.codes
-            state.scale[start // 256 : (start + piece.numel()) // 256] = chunk.scale
+        quantize_with_kernel(state, x)
     wrong = state.codes != reference.codes
     assert not wrong.any(), f"{int(wrong.sum())} code bytes differ"
     torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0)
@@ -687,9 +695,8 @@ def test_kernel_quantizes_stochastically_like_the_format(fmt, signed, flag):
     reference.quantize_(x)
     state = fmt.zeros(n, signed=signed)
     assert kernel_op.kernel_kind(state) == "codebook", "the kernel should take it"
-    values = torch.cat([x, x.new_zeros(state.padded_numel - n)])  # room to the block boundary
     with kernel_built_with(flag):
-        fused_cpu.library().lowbit_quantize(state_t(state), values.data_ptr(), n)
+        quantize_with_kernel(state, x)
     assert torch.equal(state.codes, reference.codes)
     torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0, equal_nan=True)
     if fmt.calibrated(signed):  # the premise: the nearest codes would give other scales

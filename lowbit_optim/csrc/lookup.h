@@ -1,13 +1,13 @@
-/* Where gathers are slow, and table lookups by 8 indices (AVX2): a gather instruction, or scalar
- * loads where gathers are slow.
+/* Whether gathers are slow on the core the kernel is built for (SLOW_GATHERS), and the AVX2 build's
+ * table lookups by 8 indices: a gather instruction, or scalar loads where gathers are slow.
  * AMD's cores microcode their gathers: on an AMD EPYC of family 26 (Zen 5) an 8-lane gather from an
  * L1-resident table took 0.36 ns per element, eight scalar loads put into a vector 0.16-0.23, and
  * the AVX2 build's 8-bit step 6.0 -> 4.6x fused AdamW with them (one thread, GPT-2-small set). With
- * AVX-512 sixteen scalar loads made the 8-bit step slower (3.5 -> 4.1x): there the kernel encodes
+ * AVX-512 sixteen scalar loads made the 8-bit step slower (3.5 -> 4.1x); there the kernel encodes
  * 8-bit codes without any lookup where gathers are slow (affine.h). Intel's cores gather faster, and
- * the kernel's figures on them were measured with gathers. The compiler's tuning says which core it builds for (GCC and Clang define
- * __znverN__ for AMD's under -march=native); -DSLOW_GATHERS=0 or 1 decides otherwise, and the tests
- * build both. Either way the same values. */
+ * the kernel's figures on them were measured with gathers. The compiler's tuning says which core it
+ * builds for (GCC and Clang define __znverN__ for AMD's under -march=native); -DSLOW_GATHERS=0 or 1
+ * decides otherwise, and the tests build both. Either way the same values. */
 #ifndef SLOW_GATHERS
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define SLOW_GATHERS 1
