@@ -16,11 +16,11 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 import contextlib
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
@@ -490,16 +490,18 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
         arguments = None
-        declared = [s.name for s in self._declared(group)]
+        declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
-            names = self._state_names(p, group)
-            state = self.state[p] if names or p in self.state else {}  # no state at all: none is kept (SGD)
-            if names and not state:
+            mode = param_update_of(p, group)
+            extra = precision.extra_state_name(mode)
+            has_states = bool(declared or extra)  # as _state_names: a parameter without any keeps none (SGD)
+            state = self.state[p] if has_states or p in self.state else {}
+            if has_states and not state:
                 self._init_state(p, group, state)
             step = state.get("step")
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
@@ -507,12 +509,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if step is not None:
                     step.add_(1)
                 continue
-            mode = param_update_of(p, group)
+            grad = local(grad)
             values = [local(state[s.name]) if s.name in declared else None for s in self.states]
-            present = {s.name: v for s, v in zip(self.states, values) if v is not None}
-            extra = precision.extra_state_name(mode)
-            if self._use_fused(p, group["fused"], param, local(grad), step, present, mode):
-                fused.append((param, local(grad), step, *values))
+            if self._use_fused(p, group["fused"], param, grad, step, values, mode):
+                fused.append((param, grad, step, *values))
                 corrections.append(local(state[extra]) if extra else None)  # int8-correction (the kernel's only extra)
                 continue
             if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
@@ -548,10 +548,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         tensors = [v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 else torch.as_tensor(v, dtype=torch.float32).to(device) for v in numbers]
         return tensors, flags
 
-    def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, states: dict, mode: str) -> bool:
+    def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, values: list, mode: str) -> bool:
+        """Whether the fused CPU kernel steps ``p`` (``values``: its states in ``self.states``' order,
+        None where absent)."""
         if self._fused_step is None or fused is False or (fused is None and param.device.type != "cpu"):
             return False
-        reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, states, mode)
+        reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, values, mode)
         if reason is not None and fused:
             raise RuntimeError(
                 f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "
@@ -559,19 +561,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         return reason is None
 
-    def _kernel_verdict(self, p: Tensor, param: Tensor, step: Tensor, states: dict, mode: str) -> str | None:
+    def _kernel_verdict(self, p: Tensor, param: Tensor, step: Tensor, values: list, mode: str) -> str | None:
         """fused_cpu.param_unsupported_reason, decided once per parameter and its states: a format's
         layout, the parameter's dtype and its param_update mode do not change from step to step. New
         state tensors (a load, a conversion, a new format) or another mode or dtype decide anew."""
-        verdicts = self.__dict__.setdefault("_kernel_verdicts", WeakIdKeyDictionary())  # by parameter; not pickled
-        inputs = (step, *states.values())
+        verdicts = self.__dict__.get("_kernel_verdicts")
+        if verdicts is None:  # by parameter, as self.state; not pickled
+            verdicts = self.__dict__["_kernel_verdicts"] = {}
+        inputs = (step, *values)
+        facts = (mode, param.dtype, param.device, param.is_contiguous())
         cached = verdicts.get(p)
-        if cached is not None:
-            seen, facts, reason = cached
-            if facts == (mode, param.dtype, param.device, param.is_contiguous()) and len(seen) == len(inputs) and all(a is b for a, b in zip(seen, inputs)):
-                return reason
+        if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
+            return cached[2]
+        states = {s.name: v for s, v in zip(self.states, values) if v is not None}
         reason = fused_cpu.param_unsupported_reason(param, step, states, mode)
-        verdicts[p] = (inputs, (mode, param.dtype, param.device, param.is_contiguous()), reason)
+        verdicts[p] = (inputs, facts, reason)
         return reason
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -34,9 +34,12 @@ def check_param_update(mode: str) -> str:
     return mode
 
 
+_EXTRA_STATE_NAMES = {"kahan": "compensation", "int8-correction": "param_correction"}
+
+
 def extra_state_name(mode: str) -> str | None:
     """The optimizer-state key of the buffer a mode keeps beside the parameter, if any."""
-    return {"kahan": "compensation", "int8-correction": "param_correction"}.get(mode)
+    return _EXTRA_STATE_NAMES.get(mode)
 
 
 def bf16_ulp(x: Tensor) -> Tensor:
