@@ -10,6 +10,7 @@ the library, naming the field. A Python mistake in a field's name raises instead
 
 import ctypes
 import functools
+import struct
 import warnings
 from dataclasses import dataclass
 
@@ -81,6 +82,42 @@ class Kernel:
                 f"missing {sorted(set(names) - set(values))}, unknown {sorted(set(values) - set(names))}"
             )
         return cls(**{name: _number(cls, name, values[name]) for name in names})
+
+
+class Packer(struct.Struct):
+    """Writes adjacent scalar fields of a structure into a buffer of such structures in one call
+    (``packer``): a loop filling hundreds of them per step spends less than with ctypes' setters."""
+
+    def __init__(self, fmt: str, offset: int):
+        super().__init__(fmt)
+        self.offset = offset
+
+    def write(self, buffer, base: int, *values) -> None:
+        """Write ``values`` (pointers as integers, 0 for NULL) into the structure at byte ``base``."""
+        self.pack_into(buffer, base + self.offset, *values)
+
+
+_PACK_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_uint64: "Q", ctypes.c_float: "f", ctypes.c_double: "d", ctypes.c_void_p: "Q"}
+
+
+def packer(cls: type, *names: str) -> Packer:
+    """A Packer of the scalar fields ``names`` of structure ``cls``, in the order they lie: their
+    offsets and types are the structure's (the C's table), and no other field may lie between them
+    (the pad bytes it writes are zeros)."""
+    types, fields = dict(cls._fields_), sorted(((getattr(cls, n).offset, n) for n, _ in cls._fields_))
+    first, last = getattr(cls, names[0]), getattr(cls, names[-1])
+    between = [n for offset, n in fields if first.offset <= offset < last.offset + last.size and n not in names]
+    if between or [n for _, n in fields if n in names] != list(names):
+        raise LayoutMismatch(f"fields {names} of {cls.__name__} are not adjacent, in this order (between them: {between})")
+    fmt, at = "=", first.offset
+    for name in names:
+        field = getattr(cls, name)
+        code = _PACK_CODES[types[name]]
+        if struct.calcsize(code) != field.size:
+            raise LayoutMismatch(f"field {cls.__name__}.{name} takes {field.size} bytes, not {struct.calcsize(code)}")
+        fmt += "x" * (field.offset - at) + code
+        at = field.offset + field.size
+    return Packer(fmt, first.offset)
 
 
 def _number(cls, name: str, value):

@@ -23,7 +23,9 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import itertools
 import math
+import operator
 import threading
 
 import torch
@@ -78,8 +80,10 @@ def layout(cls, signed: bool):
     return cls.kernel_layout(signed)
 
 
+@functools.cache
 def format_kind(cls, signed: bool) -> str | None:
-    """The kernel's kind (its codec's name) for a format, or None where it has no codec for it."""
+    """The kernel's kind (its codec's name) for a format, or None where it has no codec for it
+    (cached: asked for every state at every step)."""
     declared = layout(cls, signed)
     if declared is None or (declared.stochastic and declared.kind != "codebook"):  # stochastic rounding: codebooks only
         return None
@@ -98,7 +102,7 @@ def kernel_kind(state: Tensor) -> str | None:
 
 def _stored_kind(state: StateTensor) -> str | None:
     # kernel_kind of a state whose inner tensors are contiguous
-    if getattr(state, "part", False):  # a factored row slice reads its parent's columns: not here
+    if isinstance(state, FactoredState) and state.part:  # a row slice reads its parent's columns: not here
         return None
     return format_kind(type(state), state.signed)
 
@@ -109,7 +113,7 @@ def _stored_kind(state: StateTensor) -> str | None:
 def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str | None:
     """Why the kernel cannot hold ``state`` in its chunks (no codec for its format, blocks longer than
     a chunk), or None. ``contiguous``: its inner tensors are known to be (check_layout)."""
-    if getattr(state, "part", False):
+    if isinstance(state, FactoredState) and state.part:
         return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
     if (_stored_kind(state) if contiguous else kernel_kind(state)) is None:
         return f"the {name} state {type(state).__name__} (a format with its own encoding)"
@@ -133,8 +137,8 @@ def chunk_unit(states) -> int:
     factored one: the kernel's chunks are multiples of it (chunk_size in csrc/scheduler.h)."""
     unit = 1
     for state in states:
-        size = state.col.numel() if isinstance(state, FactoredState) else state.block_size if isinstance(state, OptimState) else 1
-        unit = math.lcm(unit, max(size, 1))
+        if isinstance(state, StateTensor):  # plain states: any chunk
+            unit = math.lcm(unit, max(state.col.numel() if isinstance(state, FactoredState) else state.block_size, 1))
     return unit
 
 
@@ -155,13 +159,12 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
         return f"its values are {describe_tensor(param)}, not contiguous float32 or bfloat16 values on the CPU"
     if not _plain_fits(grad, numel):
         return f"its gradient is {describe_tensor(grad)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
-    counted = any(s is not None for s in states.values())  # a parameter with states counts its steps
-    if step.dtype != torch.float32 or not step.is_cpu or step.numel() != (1 if counted else 0):
-        return f"its step counter is {describe_tensor(step)}, not {'one float32 value' if counted else 'empty (it has no states)'} on the CPU"
+    given = [s for s in states.values() if s is not None]  # a parameter with states counts its steps
+    if step.dtype != torch.float32 or not step.is_cpu or step.numel() != (1 if given else 0):
+        return f"its step counter is {describe_tensor(step)}, not {'one float32 value' if given else 'empty (it has no states)'} on the CPU"
     for name in required:
         if states.get(name) is None:
             return f"its {name} state is missing"
-    given = [s for s in states.values() if s is not None]
     for name, state in states.items():
         if state is None:
             continue
@@ -201,27 +204,58 @@ def _plain_fits(t: Tensor, numel: int) -> bool:
 
 def describe(k: kernel_abi.Kernel, state: Tensor | None):
     """``state`` as the C's state_t (absent: kind none)."""
-    State = k.structs["state_t"]
-    if state is None:
-        return State()
-    if not isinstance(state, StateTensor):
-        return State(kind=k.kinds[_PLAIN_KINDS[state.dtype]], data=state.data_ptr())
-    described = State.from_buffer_copy(_format_description(k, type(state), state.signed))
-    if isinstance(state, OptimState):
-        described.block_size = state.block_size
-        described.data = state.codes.data_ptr()
-        described.scale = state.scale.data_ptr()
-    else:  # factored: row and column sums
-        described.data = state.row.data_ptr()
-        described.col = state.col.data_ptr()
-        described.cols = state.col.numel()
+    described = k.structs["state_t"]()
+    with memoryview(described).cast("B") as buffer:
+        _write_state(_writers(k), buffer, 0, k, state)
     return described
 
 
+class _Writers:
+    """Where the op writes a parameter's fields and its states' in the C's param_t array: one
+    struct.pack per field or run of fields (kernel_abi.packer), several times faster than ctypes'
+    setters over the few hundred parameters of a step."""
+
+    def __init__(self, k: kernel_abi.Kernel):
+        Param, State = k.structs["param_t"], k.structs["state_t"]
+        self.param_size, self.state_size, self.states_at = ctypes.sizeof(Param), ctypes.sizeof(State), Param.state.offset
+        self.param = kernel_abi.packer(Param, "numel", "param_kind", "grad_kind", "param", "grad", "step", "correction")
+        self.block_size, self.data, self.scale, self.col, self.cols = (kernel_abi.packer(State, name) for name in ("block_size", "data", "scale", "col", "cols"))
+
+
 @functools.cache
-def _format_description(k: kernel_abi.Kernel, cls, signed: bool):
-    """What the kernel needs of a format (its kind, constants and tables), built once: a step only
-    adds each state's block size and pointers."""
+def _writers(k: kernel_abi.Kernel) -> _Writers:
+    return _Writers(k)
+
+
+def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tensor | None) -> None:
+    """``state`` as the C's state_t into ``buffer`` at byte ``at``, which holds zeros (kind none:
+    absent) or a state_t to replace."""
+    if state is None:
+        buffer[at : at + w.state_size] = bytes(w.state_size)
+    elif not isinstance(state, StateTensor):
+        buffer[at : at + w.state_size] = _plain_description(k, state.dtype)
+        w.data.write(buffer, at, state.data_ptr())
+    else:
+        buffer[at : at + w.state_size] = _format_description(k, type(state), state.signed)
+        if isinstance(state, OptimState):
+            w.block_size.write(buffer, at, state.block_size)
+            w.data.write(buffer, at, state.codes.data_ptr())
+            w.scale.write(buffer, at, state.scale.data_ptr())
+        else:  # factored: row and column sums
+            w.data.write(buffer, at, state.row.data_ptr())
+            w.col.write(buffer, at, state.col.data_ptr())
+            w.cols.write(buffer, at, state.col.numel())
+
+
+@functools.cache
+def _plain_description(k: kernel_abi.Kernel, dtype: torch.dtype) -> bytes:
+    return bytes(k.structs["state_t"](kind=k.kinds[_PLAIN_KINDS[dtype]]))
+
+
+@functools.cache
+def _format_description(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
+    """What the kernel needs of a format (its kind, constants and tables) as a state_t's bytes,
+    built once: a step only adds each state's block size and pointers."""
     kind = format_kind(cls, signed)
     described = k.structs["state_t"](kind=k.kinds[kind])
     if kind in ("codebook", "e4m3"):
@@ -239,7 +273,7 @@ def _format_description(k: kernel_abi.Kernel, cls, signed: bool):
             described.value_bytes = _value_bytes(cls, signed).data_ptr()
             affine = _affine_map(k, cls, signed)
             described.affine = ctypes.addressof(affine) if affine is not None else None
-    return described
+    return bytes(described)
 
 
 @functools.cache
@@ -340,31 +374,28 @@ def fused_step_cpu(
     if corrections and len(corrections) != count:
         raise ValueError(f"corrections holds {len(corrections)} tensors for {count} parameters: pass one per parameter (empty: none), or none at all")
     hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
-    Param, States = k.structs["param_t"], k.structs["state_t"] * k.limits["max_states"]
-    entries = []
-    tensors = iter(state_tensors)
+    w = _writers(k)
+    entries = (k.structs["param_t"] * count)()  # zeros: absent states are kind none
+    tensors, passed = iter(state_tensors), iter(getattr(_passing, "states", ()))
     required = spec.states[: spec.required]
-    for i, (param, grad, step, keys) in enumerate(zip(params, grads, steps, _per_param(state_formats, len(spec.states)))):
-        states = {name: _rebuild(key, tensors, param) for name, key in zip(spec.states, keys)}
-        check_inputs(param, grad, step, states, required)
-        correction = corrections[i] if corrections and corrections[i].numel() else None
-        if correction is not None:
-            check_correction(param, correction)
-        entries.append(
-            Param(
-                numel=param.numel(),
-                param_kind=k.kinds[_PLAIN_KINDS[param.dtype]],
-                grad_kind=k.kinds[_PLAIN_KINDS[grad.dtype]],
-                param=param.data_ptr(),
-                grad=grad.data_ptr(),
-                step=step.data_ptr() if step.numel() else None,
-                correction=correction.data_ptr() if correction is not None else None,
-                state=States(*(describe(k, state) for state in states.values())),
-            )
-        )
+    with memoryview(entries).cast("B") as buffer:
+        for i, (param, grad, step, keys) in enumerate(zip(params, grads, steps, _per_param(state_formats, len(spec.states)))):
+            states = {name: _rebuild(key, tensors, param, passed) for name, key in zip(spec.states, keys)}
+            check_inputs(param, grad, step, states, required)
+            correction = corrections[i] if corrections and corrections[i].numel() else None
+            if correction is not None:
+                check_correction(param, correction)
+            at = i * w.param_size
+            w.param.write(
+                buffer, at, param.numel(), k.kinds[_PLAIN_KINDS[param.dtype]], k.kinds[_PLAIN_KINDS[grad.dtype]], param.data_ptr(),
+                grad.data_ptr(), step.data_ptr() if step.numel() else 0, correction.data_ptr() if correction is not None else 0,
+            )  # fmt: skip
+            for j, state in enumerate(states.values()):
+                if state is not None:
+                    _write_state(w, buffer, at + w.states_at + j * w.state_size, k, state)
     if next(tensors, None) is not None:
         raise ValueError("state_tensors holds more tensors than state_formats describe")
-    result = k.lib.lowbit_step(spec.index, (Param * count)(*entries), count, ctypes.byref(hyper_struct), torch.get_num_threads())
+    result = k.lib.lowbit_step(spec.index, entries, count, ctypes.byref(hyper_struct), torch.get_num_threads())
     if result != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
     # what an in-place aten op does: autograd then refuses a backward through the old values
@@ -383,8 +414,9 @@ def _per_param(keys: list[int], states: int):
     return (keys[i : i + states] for i in range(0, len(keys), states))
 
 
-def _rebuild(key: int, tensors, param: Tensor) -> Tensor | None:
-    """The state that format key ``key`` and the next tensors stand for (None: absent)."""
+def _rebuild(key: int, tensors, param: Tensor, passed) -> Tensor | None:
+    """The state that format key ``key`` and the next tensors stand for (None: absent). ``passed``
+    yields fused_cpu.step's (state, key) pairs in the order of its formatted states (``passing``)."""
     if key == ABSENT:
         return None
     if not 0 <= key < len(_formats):
@@ -392,11 +424,13 @@ def _rebuild(key: int, tensors, param: Tensor) -> Tensor | None:
     if key == PLAIN:
         return _next_tensor(tensors)
     cls, metadata = _formats[key]
-    inner = {name: _next_tensor(tensors) for name in cls.inner_names}
-    known, known_key = getattr(_passing, "states", {}).get(id(next(iter(inner.values()))), (None, None))
-    if known_key == key and type(known) is cls and all(getattr(known, n) is t for n, t in inner.items()):
+    inner = list(itertools.islice(tensors, len(cls.inner_names)))
+    if len(inner) < len(cls.inner_names):
+        raise ValueError("state_tensors holds fewer tensors than state_formats describe")
+    known, known_key = next(passed, (None, None))
+    if known_key == key and type(known) is cls and all(map(operator.is_, map(known.__getattribute__, cls.inner_names), inner)):
         return known  # the very state these tensors and metadata make (building it anew costs ~6 us)
-    return cls.__tensor_unflatten__(inner, metadata, param.shape, None)
+    return cls.__tensor_unflatten__(dict(zip(cls.inner_names, inner)), metadata, param.shape, None)
 
 
 _passing = threading.local()
@@ -404,14 +438,15 @@ _passing = threading.local()
 
 @contextlib.contextmanager
 def passing(states: list[tuple[StateTensor, int]]):
-    """While in the block, the op reuses these (state, its format key) instead of rebuilding a state
-    from its inner tensors, where it is given exactly that state's tensors and key (fused_cpu.step's
-    states, whose keys it has just made)."""
-    _passing.states = {id(getattr(s, s.inner_names[0])): (s, key) for s, key in states}
+    """While in the block, the op reuses these (state, its format key), in the order of the
+    formatted states it is given, instead of rebuilding each from its inner tensors, where it is
+    given exactly that state's tensors and key (fused_cpu.step's states, whose keys it has just
+    made)."""
+    _passing.states = states
     try:
         yield
     finally:
-        _passing.states = {}
+        _passing.states = ()
 
 
 def _next_tensor(tensors) -> Tensor:

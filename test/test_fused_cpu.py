@@ -742,6 +742,29 @@ def test_structures_come_from_the_c_table():
         state(blocksize=256)
 
 
+def test_packers_write_what_ctypes_writes():
+    """The op fills param_t arrays with struct packers (kernel_abi.packer): the same bytes as ctypes'
+    own setters, at the C's offsets; fields that are not adjacent, in order, are refused (the pad
+    bytes a packer writes would overwrite the fields between)."""
+    kernel = kernel_op.kernel()
+    param_t, state_t = kernel.structs["param_t"], kernel.structs["state_t"]
+    values = dict(numel=123456789012, param_kind=1, grad_kind=2, param=0x1000, grad=0x2008, step=0, correction=0x3010)
+    expected = param_t(**values)
+    written = param_t()
+    kernel_abi.packer(param_t, *values).write(memoryview(written).cast("B"), 0, *values.values())
+    assert bytes(written) == bytes(expected)
+    expected, written = state_t(kind=3, scale_max=127.0), state_t(kind=3, scale_max=127.0)
+    expected.scale, expected.block_size = 0x4000, 256
+    with memoryview(written).cast("B") as buffer:
+        kernel_abi.packer(state_t, "scale").write(buffer, 0, 0x4000)
+        kernel_abi.packer(state_t, "block_size").write(buffer, 0, 256)
+    assert bytes(written) == bytes(expected)
+    with pytest.raises(kernel_abi.LayoutMismatch, match=r"between them: \['scale_max'\]"):
+        kernel_abi.packer(state_t, "block_size", "data")
+    with pytest.raises(kernel_abi.LayoutMismatch, match="in this order"):
+        kernel_abi.packer(state_t, "scale", "data")
+
+
 def test_layout_mismatch_refuses_the_kernel(monkeypatch):
     """Where ctypes would lay a field out otherwise than the C (here: a type code read as another
     size), the library is refused at load with a message naming the field."""
