@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 import lowbit_optim
 from conftest import all_formats
 from lowbit_optim import FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
-from lowbit_optim.formats import OptimState4bit, OptimStateFp8, OptimStateNF4
+from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
@@ -623,7 +623,7 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     torch.testing.assert_close(out, state.dequantize(), rtol=0, atol=0, equal_nan=True)
 
 
-# ---- stochastic rounding (4bit) ---------------------------------------------------------------
+# ---- stochastic rounding (4bit, 8bit-sr) --------------------------------------------------------
 
 
 class _CalibratedSR(OptimState4bit):  # unregistered: stochastic codes under a calibrated scale (no built-in format has both)
@@ -634,33 +634,36 @@ class _CalibratedSR(OptimState4bit):  # unregistered: stochastic codes under a c
         return True
 
 
-def stochastic_inputs(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized values for 4bit's encoding, shuffled so that each sits at many places of a block,
-    and for each the lower code of the pair it lies strictly between (-1 for the others): 31 points
-    inside every pair of neighbouring codes, 4 times over; every code and its fp32 neighbours; values
-    beyond the codebook (above 1, below -1 or the smallest unsigned code, negative unsigned ones),
-    signed zeros, denormals, NaN and infinities."""
-    codebook = OptimState4bit.decode(torch.arange(16, dtype=torch.uint8), signed)
+def stochastic_inputs(signed: bool, fmt=OptimState4bit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized values for the encoding of ``fmt``, shuffled so that each sits at many places of a
+    block, and for each the lower code of the pair it lies strictly between (-1 for the others): 31
+    points inside every pair of neighbouring codes, 4 times over; every code and its fp32
+    neighbours; values beyond the codebook (above 1, below -1 or 4bit's smallest unsigned code,
+    negative unsigned ones), signed zeros, denormals, NaN and infinities."""
+    codebook = fmt.decode(torch.arange(2**fmt.bits, dtype=torch.uint8), signed)
+    assert not codebook.isnan().any(), "test setup: every code used"
     fractions = torch.linspace(0, 1, 33)[1:-1]
     between = codebook[:-1, None] + fractions * (codebook[1:] - codebook[:-1])[:, None]
     on = torch.cat([codebook, torch.nextafter(codebook, torch.tensor(math.inf)), torch.nextafter(codebook, torch.tensor(-math.inf))])
     outside = torch.tensor([1.5, -1.5, 1e30, -1e30, 0.03, -0.03, -0.5, 0.0, -0.0, 1e-40, -1e-40, math.nan, math.inf, -math.inf])
     v = torch.cat([between.flatten().repeat(4), on, outside.repeat(3)])
-    pair = torch.cat([torch.arange(15).repeat_interleave(fractions.numel()).repeat(4), torch.full((on.numel() + 3 * outside.numel(),), -1)])
+    pair = torch.cat([torch.arange(codebook.numel() - 1).repeat_interleave(fractions.numel()).repeat(4), torch.full((on.numel() + 3 * outside.numel(),), -1)])
     order = torch.randperm(v.numel(), generator=torch.Generator().manual_seed(0))
     return v[order], pair[order]
 
 
 @build_flags
+@pytest.mark.parametrize("fmt", [OptimState4bit, OptimState8bitSR], ids=["4bit", "8bit-sr"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_kernel_rounds_stochastically_like_the_format(signed, flag):
-    """The kernel's stochastic rounding (lowbit_encode of 4bit's layout) gives
-    OptimState4bit.encode's codes block by block (the dither hashes a value's place in its block):
-    between every pair of codes, on codes, beyond the codebook, for NaN and infinities; in blocks of
-    128 and 64 (vector loops) and of 1, 7, 9, 23 (tails); in every build."""
-    state = OptimState4bit.zeros(256, signed=signed)
-    assert kernel_op.kernel_kind(state) == "codebook", "the kernel should take 4bit"
-    v, pair = stochastic_inputs(signed)
+def test_kernel_rounds_stochastically_like_the_format(fmt, signed, flag):
+    """The kernel's stochastic rounding (lowbit_encode of the format's layout: 4bit's one pass,
+    8bit-sr's second pass over the nearest codes) gives the format's own codes block by block (the
+    dither hashes a value's place in its block): between every pair of codes, on codes, beyond the
+    codebook, for NaN and infinities; in blocks of 128 and 64 (vector loops) and of 1, 7, 9, 23
+    (tails); in every build."""
+    state = fmt.zeros(256, signed=signed)
+    assert kernel_op.kernel_kind(state) == "codebook", f"the kernel should take {fmt.name}"
+    v, pair = stochastic_inputs(signed, fmt)
     lengths = [128, 7, 23, 64, 1, 9]
     sizes = [lengths[i % len(lengths)] for i in range(v.numel())]
     while sum(sizes) > v.numel():
@@ -672,11 +675,11 @@ def test_kernel_rounds_stochastically_like_the_format(signed, flag):
         got = [torch.empty(piece.numel(), dtype=torch.uint8) for piece in pieces]
         for piece, codes in zip(pieces, got):
             encode(described, piece.data_ptr(), piece.numel(), codes.data_ptr())
-    got, expected = torch.cat(got), torch.cat([OptimState4bit.encode(piece, signed) for piece in pieces])
+    got, expected = torch.cat(got), torch.cat([fmt.encode(piece, signed) for piece in pieces])
     wrong = got != expected
     assert not wrong.any(), f"{int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[wrong][:4].tolist()}"
     # the premise: values between two codes round to either, every pair both ways
-    for low in range(15):
+    for low in range(2**fmt.bits - 1):
         assert set(expected[pair == low].tolist()) == {low, low + 1}, f"test setup: pair {low} should round both ways"
 
 

@@ -82,6 +82,39 @@ static inline __m256i count8(const search8_t *s, __m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+/* The values of 64 byte codes without gathers (8-bit codebooks; value_bytes holds the codebook's
+ * values byte by byte): byte k of 64 values at once is a 256-entry byte lookup (two vpermi2b and a
+ * blend on the code's top bit); interleaving the four bytes makes the floats. The codes are first
+ * transposed in 4-byte groups so that the interleave leaves the values in order. */
+typedef struct {
+    __m512i quarter[4][4];  /* [byte k][codes 64q .. 64q + 63] */
+} byte_tables_t;
+
+static inline byte_tables_t byte_tables(const uint8_t *value_bytes) {
+    byte_tables_t t;
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) t.quarter[k][q] = _mm512_loadu_si512(value_bytes + 256 * k + 64 * q);
+    return t;
+}
+
+/* out[0..3]: the values of the 64 codes (in order), 16 per vector */
+static inline void lookup64(const byte_tables_t *t, __m512i codes, __m512 out[4]) {
+    codes = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), codes);
+    __mmask64 high = _mm512_movepi8_mask(codes);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++)
+        b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t->quarter[k][0], codes, t->quarter[k][1]),
+                                      _mm512_permutex2var_epi8(t->quarter[k][2], codes, t->quarter[k][3]));
+    __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23));
+}
+#endif
+
 /* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block; value_bytes
  * (8-bit codes) holds the codebook's values byte by byte */
 static void decode_block(const uint8_t *c, int bits, const float *codebook, const uint8_t *value_bytes, float scale, int64_t m, float *out) {
@@ -89,27 +122,12 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
 #ifdef __AVX512F__
     __m512 s = _mm512_set1_ps(scale);
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-    if (bits == 8) {
-        /* No gathers: byte k of 64 values at once is a 256-entry byte lookup (two vpermi2b and a
-         * blend on the code's top bit); interleaving the four bytes makes the floats. The codes are
-         * first transposed in 4-byte groups so that the interleave leaves the values in order. */
-        __m512i table[4][4];
-        for (int k = 0; k < 4; k++)
-            for (int q = 0; q < 4; q++) table[k][q] = _mm512_loadu_si512(value_bytes + 256 * k + 64 * q);
-        __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    if (bits == 8) {  /* no gathers */
+        byte_tables_t tables = byte_tables(value_bytes);
         for (; i + 64 <= m; i += 64) {
-            __m512i codes = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(c + i));
-            __mmask64 high = _mm512_movepi8_mask(codes);
-            __m512i b[4];
-            for (int k = 0; k < 4; k++)
-                b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(table[k][0], codes, table[k][1]),
-                                              _mm512_permutex2var_epi8(table[k][2], codes, table[k][3]));
-            __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
-            __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
-            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), s));
-            _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), s));
-            _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), s));
-            _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), s));
+            __m512 values[4];
+            lookup64(&tables, _mm512_loadu_si512(c + i), values);
+            for (int q = 0; q < 4; q++) _mm512_storeu_ps(out + i + 16 * q, _mm512_mul_ps(values[q], s));
         }
     }
 #endif

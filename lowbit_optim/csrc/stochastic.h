@@ -75,12 +75,43 @@ static inline __attribute__((always_inline)) int32_t stochastic_code(const float
 }
 
 /* Stochastic rounding as a second pass over a block's nearest codes (8-bit codes): v_in holds the
- * values normalized by scale, codes their nearest codes, replaced by the rounded ones. */
+ * values normalized by scale, codes their nearest codes, replaced by the rounded ones. With AVX-512
+ * VBMI, 64 codes at a time: the values of k - 1, k and k + 1 come from byte lookups (lookup64), not
+ * three gathers per value (on the AMD EPYC of family 26 a gather alone cost 0.33 ns per value);
+ * stochastic_code's arithmetic on them, lane by lane. Elsewhere compilers vectorize the loop (gathers
+ * where the target has them). */
 static void round_stochastically(const state_t *s, const float *restrict v_in, float scale, int64_t bs, uint8_t *restrict codes) {
     const float *q = s->codebook;  /* locals: a store to codes (bytes) could change s */
     int32_t top = (1 << s->bits) - 2;
     uint32_t salt = dither_salt(scale);
-    for (int64_t j = 0; j < bs; j++)  /* compilers vectorize it (gathers where the target has them) */
+    int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    byte_tables_t tables = byte_tables(s->value_bytes);
+    __m512i one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(top + 1), one_byte = _mm512_set1_epi8(1);
+    __m512 unit = _mm512_set1_ps(0x1p-24f);
+    __m512i places = dither_places16(salt), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
+    for (; j + 64 <= bs; j += 64) {
+        __m512i nearest = _mm512_loadu_si512(codes + j);
+        __m512 at[4], below[4], above[4];  /* q[k], q[k - 1], q[k + 1] (bytes wrap: those lanes lie outside) */
+        lookup64(&tables, nearest, at);
+        lookup64(&tables, _mm512_sub_epi8(nearest, one_byte), below);
+        lookup64(&tables, _mm512_add_epi8(nearest, one_byte), above);
+        for (int g = 0; g < 4; g++, places = _mm512_add_epi32(places, next_places)) {
+            __m512 v = _mm512_loadu_ps(v_in + j + 16 * g);
+            __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + j + 16 * g)));
+            __mmask16 over = _mm512_cmp_ps_mask(at[g], v, _CMP_GT_OQ);  /* q[k] > v: low = k - 1 */
+            __m512i low = _mm512_mask_sub_epi32(k, over, k, one);
+            __m512 a = _mm512_mask_blend_ps(over, at[g], below[g]), b = _mm512_mask_blend_ps(over, above[g], at[g]);
+            /* inside: 0 <= low <= top (unsigned) and b a used code */
+            __mmask16 inside = _mm512_mask_cmp_ps_mask(_mm512_cmplt_epu32_mask(low, pairs), b, b, _CMP_ORD_Q);
+            __m512 u = _mm512_mul_ps(dither_draws16(v, places), unit);
+            __mmask16 up = _mm512_mask_cmp_ps_mask(inside, _mm512_sub_ps(v, a), _mm512_mul_ps(u, _mm512_sub_ps(b, a)), _CMP_GT_OQ);
+            __m512i code = _mm512_mask_mov_epi32(k, inside, _mm512_mask_add_epi32(low, up, low, one));
+            _mm_storeu_si128((__m128i *)(codes + j + 16 * g), _mm512_cvtepi32_epi8(code));
+        }
+    }
+#endif
+    for (; j < bs; j++)
         codes[j] = (uint8_t)stochastic_code(q, top, v_in[j], (uint32_t)j, salt, codes[j]);
 }
 
