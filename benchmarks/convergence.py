@@ -63,10 +63,11 @@ bitsandbytes' 8-bit and 32-bit versions (``bitsandbytes 8bit`` / ``32bit``, when
 number of steps (warm-ups as long as the run, as in the paper), peak lr 2e-3; AdamW as above. No weight
 decay, the same warmup and cosine schedule. Written to benchmarks/results/convergence_mlp_<optimizer>.md
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``: the 8bit codebook rounded stochastically, as ``4bit`` is
-(measured as an experiment of this script, since registered as the format ``8bit-sr``). ``--with-8bit-lowrank``
-adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second moments in ``8bit-sr``
-(``lowrank_momenta``; Muon's rows always include ``8bit-lowrank`` and ``bf16``); ``--with-4bit-lowrank`` adds
-``lowbit 4bit-lowrank``: momenta in ``4bit-lowrank``, second moments in ``4bit``. SGD, Lion and AdEMAMix took
+(measured as an experiment of this script, since registered as the format ``8bit-sr``). ``--with-8bit-sr-second``
+adds ``lowbit 8bit + sr second moments``: the momenta in ``8bit``, the second moments in ``8bit-sr``.
+``--with-8bit-lowrank`` adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second
+moments in ``8bit-sr`` (``SPLIT_ROWS``; Muon's rows always include ``8bit-lowrank`` and ``bf16``);
+``--with-4bit-lowrank`` adds ``lowbit 4bit-lowrank``: momenta in ``4bit-lowrank``, second moments in ``4bit``. SGD, Lion and AdEMAMix took
 the compiled step when these were measured (the fused CPU kernel now steps them too): 2-12 ms per step on one thread (the
 stochastic 4bit the slowest); one --optimizer comparison took 2-8 minutes on a shared 2-core
 machine, the four 21 minutes.
@@ -197,11 +198,20 @@ OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
 MUON_FORMATS = ("bf16", "8bit-lowrank", "4bit-lowrank-mulaw", "4bit-lowrank")
 
 
-def lowrank_momenta(cls, bits: int = 8) -> dict:
-    """``--with-8bit-lowrank``'s state_format: 8bit-lowrank for the optimizer's momenta (signed
-    states), 8bit-sr for its second moments (a low-rank format keeps no low-rank part of those);
-    ``--with-4bit-lowrank``'s (bits=4): 4bit-lowrank and the stochastic 4bit."""
-    momenta, second = ("8bit-lowrank", "8bit-sr") if bits == 8 else ("4bit-lowrank", "4bit")
+# rows with a format per kind of state: flag -> (label, the momenta's format, the second moments')
+SPLIT_ROWS = {
+    # nearest rounding for the momenta, stochastic for the slow second moments, whose small steps
+    # stall under nearest rounding (README, Optimizers x formats)
+    "with_8bit_sr_second": ("8bit + sr second moments", "8bit", "8bit-sr"),
+    # a low-rank format keeps no low-rank part of a second moment
+    "with_8bit_lowrank": ("8bit-lowrank", "8bit-lowrank", "8bit-sr"),
+    "with_4bit_lowrank": ("4bit-lowrank", "4bit-lowrank", "4bit"),
+}
+
+
+def split_state_format(cls, momenta: str, second: str) -> dict:
+    """A per-state state_format of optimizer class ``cls``: ``momenta`` for its momenta (signed
+    states), ``second`` for its second moments."""
     return {state.name: momenta if state.signed else second for state in cls.states if state.follows is None}
 
 
@@ -218,7 +228,7 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     if args.optimizer == "muon":
         return muon_specs(kwargs, formats + MUON_FORMATS)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
-    specs += [OptimizerSpec(f"lowbit {bits}bit-lowrank", lowbit(lowrank_momenta(cls, bits)), True) for bits in (8, 4) if getattr(args, f"with_{bits}bit_lowrank")]
+    specs += [OptimizerSpec(f"lowbit {label}", lowbit(split_state_format(cls, momenta, second)), True) for flag, (label, momenta, second) in SPLIT_ROWS.items() if getattr(args, flag)]
     try:
         import bitsandbytes
     except ImportError:  # optional (the "bench" extra)
@@ -769,6 +779,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-md", default=str(RESULTS / "stability.md"))
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="mlp: compare this optimizer's formats and bitsandbytes' versions")
     p.add_argument("--with-8bit-sr", action="store_true", help="--optimizer: add the 8bit-sr row (8-bit codes, stochastic rounding)")
+    p.add_argument("--with-8bit-sr-second", action="store_true", help="--optimizer: add a row with the momenta in 8bit, the second moments in 8bit-sr")
     p.add_argument("--with-8bit-lowrank", action="store_true", help="--optimizer: add the 8bit-lowrank row (momenta 8bit-lowrank, second moments 8bit-sr)")
     p.add_argument("--with-4bit-lowrank", action="store_true", help="--optimizer: add the 4bit-lowrank row (momenta 4bit-lowrank, second moments 4bit)")
     p.add_argument("--list", action="store_true", help="print the optimizer labels and exit")
@@ -776,7 +787,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     mlp = args.task == "mlp"
     if args.optimizer == "muon" and not mlp:
         raise SystemExit("--optimizer muon runs on the MLP task (its split names the MLP's matrices): add --task mlp")
-    for flag in ("with_8bit_sr", "with_8bit_lowrank", "with_4bit_lowrank"):
+    for flag in ("with_8bit_sr", *SPLIT_ROWS):
         if getattr(args, flag) and not args.optimizer:
             raise SystemExit(f"--{flag.replace('_', '-')} adds a row to an --optimizer comparison: add --optimizer ...")
     results = f"convergence_{'mlp' if mlp else 'gpt'}_{args.optimizer}" if args.optimizer else ("convergence_mlp" if mlp else "convergence")

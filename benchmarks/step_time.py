@@ -250,6 +250,8 @@ def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
         ("torchao-fp8", _torchao("AdamWFp8")),
         ("bnb-8bit", _bnb_adamw8bit),
         *[(f"lowbit-{paired_label(name)}", _lowbit(paired_state_format(name))) for name in lowbit_optim.registered_formats()],
+        # the MLP task's 8-bit recipe (README, Optimizers x formats: accuracy)
+        ("lowbit-8bit+sr-second", _lowbit({"exp_avg": "8bit", "exp_avg_sq": "8bit-sr"})),
         # the generic compiled step, which the fused CPU kernel stands in for (and which runs on GPUs)
         *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False)) for name in ("8bit", "4bit")],
     ]

@@ -148,19 +148,21 @@ def test_convergence_optimizer_on_the_char_gpt(convergence, tmp_path, eager_lowb
         convergence.parse_args(["--optimizer", "muon"])
 
 
-def test_convergence_lowrank_row(convergence):
-    """--with-8bit-lowrank: the momenta in 8bit-lowrank, the second moments in 8bit-sr (4bit-lowrank
-    and 4bit with --with-4bit-lowrank)."""
+def test_convergence_split_rows(convergence):
+    """--with-8bit-sr-second, --with-8bit-lowrank, --with-4bit-lowrank: a format for the momenta and
+    one for the second moments (8bit and 8bit-sr; 8bit-lowrank and 8bit-sr; 4bit-lowrank and 4bit)."""
     import lowbit_optim
 
-    assert convergence.lowrank_momenta(lowbit_optim.AdEMAMix) == {"exp_avg": "8bit-lowrank", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
-    assert convergence.lowrank_momenta(lowbit_optim.AdamW) == {"exp_avg": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}  # amsgrad's follows
-    assert convergence.lowrank_momenta(lowbit_optim.AdamW, bits=4) == {"exp_avg": "4bit-lowrank", "exp_avg_sq": "4bit"}
-    args = convergence.parse_args(["--task", "mlp", "--optimizer", "lion", "--with-8bit-lowrank", "--with-4bit-lowrank"])
+    split = convergence.split_state_format
+    assert split(lowbit_optim.AdEMAMix, "8bit-lowrank", "8bit-sr") == {"exp_avg": "8bit-lowrank", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
+    assert split(lowbit_optim.AdamW, "8bit", "8bit-sr") == {"exp_avg": "8bit", "exp_avg_sq": "8bit-sr"}  # amsgrad's follows
+    assert split(lowbit_optim.Lion, "4bit-lowrank", "4bit") == {"exp_avg": "4bit-lowrank"}
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "adamw", "--with-8bit-sr-second", "--with-8bit-lowrank", "--with-4bit-lowrank"])
     labels = [spec.label for spec in convergence.optimizer_comparison_specs(args)]
-    assert "lowbit 8bit-lowrank" in labels and "lowbit 4bit-lowrank" in labels
-    with pytest.raises(SystemExit, match="--with-8bit-lowrank adds a row"):
-        convergence.parse_args(["--with-8bit-lowrank"])
+    assert {"lowbit 8bit + sr second moments", "lowbit 8bit-lowrank", "lowbit 4bit-lowrank"} <= set(labels)
+    for flag in ("--with-8bit-lowrank", "--with-8bit-sr-second"):
+        with pytest.raises(SystemExit, match=f"{flag} adds a row"):
+            convergence.parse_args([flag])
 
 
 def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
