@@ -78,7 +78,8 @@ static inline __attribute__((always_inline)) int32_t stochastic_code(const float
  * values normalized by scale, codes their nearest codes, replaced by the rounded ones. With AVX-512
  * VBMI, 64 codes at a time: the values of k - 1, k and k + 1 come from byte lookups (lookup64), not
  * three gathers per value (on the AMD EPYC of family 26 a gather alone cost 0.33 ns per value);
- * stochastic_code's arithmetic on them, lane by lane. Elsewhere compilers vectorize the loop (gathers
+ * stochastic_code's arithmetic on them, lane by lane. The AVX2 build where gathers are slow loads the
+ * three values of each code at once (SLOW_GATHERS). Elsewhere compilers vectorize the loop (gathers
  * where the target has them). */
 static void round_stochastically(const state_t *s, const float *restrict v_in, float scale, int64_t bs, uint8_t *restrict codes) {
     const float *q = s->codebook;  /* locals: a store to codes (bytes) could change s */
@@ -109,6 +110,36 @@ static void round_stochastically(const state_t *s, const float *restrict v_in, f
             __m512i code = _mm512_mask_mov_epi32(k, inside, _mm512_mask_add_epi32(low, up, low, one));
             _mm_storeu_si128((__m128i *)(codes + j + 16 * g), _mm512_cvtepi32_epi8(code));
         }
+    }
+#elif defined(AVX2_ONLY) && SLOW_GATHERS
+    /* where gathers are slow (lookup.h): each value's q[k - 1], q[k], q[k + 1] (and q[k + 2]) by one
+     * 16-byte load from a padded copy of the codebook, 8 such rows transposed. The padding is read
+     * only for lanes outside the pairs (k = 0 below, k = 255 above), whose codes stay. */
+    float padded[260];  /* padded[c + 1] = q[c] */
+    padded[0] = padded[257] = padded[258] = padded[259] = NAN;
+    memcpy(padded + 1, q, 256 * sizeof(float));
+    __m256i minus_one = _mm256_set1_epi32(-1), last = _mm256_set1_epi32(top);
+    __m256 unit = _mm256_set1_ps(0x1p-24f);
+    __m256i places = dither_places8(salt), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
+    for (; j + 8 <= bs; j += 8, places = _mm256_add_epi32(places, next_places)) {
+        __m256 row[4];  /* lanes l (low half) and l + 4 (high half) */
+        for (int l = 0; l < 4; l++) row[l] = _mm256_set_m128(_mm_loadu_ps(padded + codes[j + l + 4]), _mm_loadu_ps(padded + codes[j + l]));
+        __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(row[0], row[1])), t1 = _mm256_castps_pd(_mm256_unpackhi_ps(row[0], row[1]));
+        __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(row[2], row[3])), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(row[2], row[3]));
+        __m256 below = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), at = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+        __m256 above = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+        __m256 v = _mm256_loadu_ps(v_in + j);
+        __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
+        __m256 over = _mm256_cmp_ps(at, v, _CMP_GT_OQ);  /* q[k] > v: low = k - 1 (a mask is -1) */
+        __m256i low = _mm256_add_epi32(k, _mm256_castps_si256(over));
+        __m256 a = _mm256_blendv_ps(at, below, over), b = _mm256_blendv_ps(above, at, over);
+        /* inside: 0 <= low <= top and b a used code */
+        __m256i in_range = _mm256_andnot_si256(_mm256_cmpgt_epi32(low, last), _mm256_cmpgt_epi32(low, minus_one));
+        __m256 inside = _mm256_and_ps(_mm256_castsi256_ps(in_range), _mm256_cmp_ps(b, b, _CMP_ORD_Q));
+        __m256 u = _mm256_mul_ps(dither_draws8(v, places), unit);
+        __m256 up = _mm256_and_ps(inside, _mm256_cmp_ps(_mm256_sub_ps(v, a), _mm256_mul_ps(u, _mm256_sub_ps(b, a)), _CMP_GT_OQ));
+        __m256i code = _mm256_blendv_epi8(k, _mm256_sub_epi32(low, _mm256_castps_si256(up)), _mm256_castps_si256(inside));
+        store_low_bytes(codes + j, code);
     }
 #endif
     for (; j < bs; j++)
