@@ -75,13 +75,20 @@ class Kernel:
         """The optimizer's hyper-parameter structure filled from ``values`` (field name -> number):
         exactly its fields, or a ValueError naming the missing and unknown ones."""
         cls = self.optimizers[optimizer].hyper
-        names = [name for name, _ in cls._fields_]
-        if set(values) != set(names):
+        fields = _hyper_fields(cls)
+        if values.keys() != {name for name, _ in fields}:
+            names = [name for name, _ in fields]
             raise ValueError(
                 f"the kernel's {optimizer} update takes the hyper-parameters {names}: "
                 f"missing {sorted(set(names) - set(values))}, unknown {sorted(set(values) - set(names))}"
             )
-        return cls(**{name: _number(cls, name, values[name]) for name in names})
+        return cls(*(_number(name, values[name], integral) for name, integral in fields))
+
+
+@functools.cache
+def _hyper_fields(cls) -> tuple[tuple[str, bool], ...]:
+    """A hyper-parameter structure's fields in order, each with whether it is an integer (a flag)."""
+    return tuple((name, issubclass(ctype, (ctypes.c_int32, ctypes.c_int64))) for name, ctype in cls._fields_)
 
 
 class Packer(struct.Struct):
@@ -120,8 +127,7 @@ def packer(cls: type, *names: str) -> Packer:
     return Packer(fmt, first.offset)
 
 
-def _number(cls, name: str, value):
-    integral = issubclass(dict(cls._fields_)[name], (ctypes.c_int32, ctypes.c_int64))
+def _number(name: str, value, integral: bool):
     if integral and not (isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer())):
         raise ValueError(f"hyper-parameter {name} of the kernel is an integer flag, got {value!r}")
     return int(value) if integral else float(value)
