@@ -23,9 +23,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import itertools
 import math
-import operator
 import threading
 
 import torch
@@ -205,8 +203,9 @@ def _plain_fits(t: Tensor, numel: int) -> bool:
 def describe(k: kernel_abi.Kernel, state: Tensor | None):
     """``state`` as the C's state_t (absent: kind none)."""
     described = k.structs["state_t"]()
-    with memoryview(described).cast("B") as buffer:
-        _write_state(_writers(k), buffer, 0, k, state)
+    if state is not None:
+        with memoryview(described).cast("B") as buffer:
+            _write_state(_writers(k), buffer, 0, k, state)
     return described
 
 
@@ -227,12 +226,9 @@ def _writers(k: kernel_abi.Kernel) -> _Writers:
     return _Writers(k)
 
 
-def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tensor | None) -> None:
-    """``state`` as the C's state_t into ``buffer`` at byte ``at``, which holds zeros (kind none:
-    absent) or a state_t to replace."""
-    if state is None:
-        buffer[at : at + w.state_size] = bytes(w.state_size)
-    elif not isinstance(state, StateTensor):
+def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tensor) -> None:
+    """``state`` as the C's state_t into ``buffer`` at byte ``at``."""
+    if not isinstance(state, StateTensor):
         buffer[at : at + w.state_size] = _plain_description(k, state.dtype)
         w.data.write(buffer, at, state.data_ptr())
     else:
@@ -424,13 +420,11 @@ def _rebuild(key: int, tensors, param: Tensor, passed) -> Tensor | None:
     if key == PLAIN:
         return _next_tensor(tensors)
     cls, metadata = _formats[key]
-    inner = list(itertools.islice(tensors, len(cls.inner_names)))
-    if len(inner) < len(cls.inner_names):
-        raise ValueError("state_tensors holds fewer tensors than state_formats describe")
+    inner = {name: _next_tensor(tensors) for name in cls.inner_names}
     known, known_key = next(passed, (None, None))
-    if known_key == key and type(known) is cls and all(map(operator.is_, map(known.__getattribute__, cls.inner_names), inner)):
+    if known_key == key and type(known) is cls and all(getattr(known, n) is t for n, t in inner.items()):
         return known  # the very state these tensors and metadata make (building it anew costs ~6 us)
-    return cls.__tensor_unflatten__(dict(zip(cls.inner_names, inner)), metadata, param.shape, None)
+    return cls.__tensor_unflatten__(inner, metadata, param.shape, None)
 
 
 _passing = threading.local()

@@ -191,16 +191,11 @@ def test_other_optimizers_non_finite_gradients(cls, kwargs):
 # loops alone (x86-64: SSE2, as on a CPU the file has no intrinsics for).
 BUILDS = {"native": None, "AVX2": "-mno-avx512f", "portable": "-march=x86-64"}
 build_flags = pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
-# The codecs also with either kind of table lookup, whichever the compiler's tuning chose: gathers,
-# or where gathers are slow the 8-bit affine map (AVX-512) and scalar loads (AVX2; lookup.h,
-# affine.h, stochastic.h)
-CODEC_BUILDS = {
-    **BUILDS,
-    "gathers": "-DSLOW_GATHERS=0",
-    "no gathers": "-DSLOW_GATHERS=1",
-    "AVX2 gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"),
-    "AVX2 no gathers": ("-mno-avx512f", "-DSLOW_GATHERS=1"),
-}
+# The AVX2 build with either kind of table lookup, whichever the compiler's tuning chose: gathers,
+# or scalar loads as on AMD's cores (lookup.h, stochastic.h)
+AVX2_LOOKUPS = {"AVX2 gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"), "AVX2 no gathers": ("-mno-avx512f", "-DSLOW_GATHERS=1")}
+# The codecs with both lookups in both vector builds (AVX-512 without gathers: the 8-bit affine map, affine.h)
+CODEC_BUILDS = {**BUILDS, "gathers": "-DSLOW_GATHERS=0", "no gathers": "-DSLOW_GATHERS=1", **AVX2_LOOKUPS}
 codec_build_flags = pytest.mark.parametrize("flag", CODEC_BUILDS.values(), ids=CODEC_BUILDS.keys())
 
 
@@ -259,12 +254,7 @@ OTHER_BUILD_CASES = [
 ]
 
 
-OTHER_BUILDS = {
-    "AVX2, gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"),
-    "AVX2, scalar loads": ("-mno-avx512f", "-DSLOW_GATHERS=1"),  # as on AMD's cores (lookup.h)
-    "no VBMI": "-mno-avx512vbmi",
-    "portable": "-march=x86-64",
-}
+OTHER_BUILDS = {**AVX2_LOOKUPS, "no VBMI": "-mno-avx512vbmi", "portable": "-march=x86-64"}
 
 
 @pytest.mark.parametrize("flag", OTHER_BUILDS.values(), ids=OTHER_BUILDS.keys())
