@@ -920,6 +920,12 @@ nf4 unsigned: n=16 min=0.0625 max=1 smallest_positive=0.0625
 8bit-sr unsigned: n=256 min=0 max=1 smallest_positive=3.25e-07
   first: 0, 3.25e-07, 7.75e-07, 2.125e-06
   last:  0.982422, 0.989453, 0.996484, 1
+8bit-linear signed: n=255 min=-1 max=1 smallest_positive=0.00787402
+  first: -1, -0.992126, -0.984252, -0.976378
+  last:  0.976378, 0.984252, 0.992126, 1
+8bit-linear unsigned: n=256 min=0 max=1 smallest_positive=3.25e-07
+  first: 0, 3.25e-07, 7.75e-07, 2.125e-06
+  last:  0.982422, 0.989453, 0.996484, 1
 fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
@@ -993,6 +999,7 @@ OptimState4bitUncalibrated(shape=(3, 100), signed=True, block_size=128, dtype=to
 OptimState4bitCalibrated(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState4bit(shape=(3, 100), signed=True, block_size=128, dtype=torch.float32, device=cpu)
 OptimState8bitSR(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
+OptimState8bitLinear(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)
 OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype=torch.float32, device=cpu)
@@ -1016,6 +1023,7 @@ nf4: 0.53125
 4bit-calibrated: 0.53125
 4bit: 0.53125
 8bit-sr: 1.015625
+8bit-linear: 1.015625
 fp8: 1.015625
 factored: 0.03125
 8bit-lowrank: 2.015625

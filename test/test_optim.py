@@ -357,6 +357,7 @@ class TestStateBytes(expecttest.TestCase):
 4bit-calibrated: 1.0625
  4bit: 1.0625
 8bit-sr: 2.0313
+8bit-linear: 2.0313
   fp8: 2.0313
 4bit+factored: 0.5508
 8bit-lowrank: 2.6563
