@@ -63,7 +63,8 @@ bitsandbytes' 8-bit and 32-bit versions (``bitsandbytes 8bit`` / ``32bit``, when
 number of steps (warm-ups as long as the run, as in the paper), peak lr 2e-3; AdamW as above. No weight
 decay, the same warmup and cosine schedule. Written to benchmarks/results/convergence_mlp_<optimizer>.md
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``: the 8bit codebook rounded stochastically, as ``4bit`` is
-(measured as an experiment of this script, since registered as the format ``8bit-sr``). ``--with-8bit-sr-second``
+(measured as an experiment of this script, since registered as the format ``8bit-sr``); ``--with-8bit-linear``
+adds ``lowbit 8bit-linear``: signed states on an even 8-bit grid (``EXTRA_FORMATS``). ``--with-8bit-sr-second``
 adds ``lowbit 8bit + sr second moments``: the momenta in ``8bit``, the second moments in ``8bit-sr``.
 ``--with-8bit-lowrank`` adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second
 moments in ``8bit-sr`` (``SPLIT_ROWS``; Muon's rows always include ``8bit-lowrank`` and ``bf16``);
@@ -196,6 +197,8 @@ OPTIMIZER_FORMATS = ("fp32", "8bit", "4bit", "4bit-calibrated")
 # Muon's too: bf16, 8bit-lowrank and 4bit-lowrank-mulaw (the 8- and 4-bit recipes for Muon's momentum,
 # lowbit_optim/lowrank.py), 4bit-lowrank (its even grid)
 MUON_FORMATS = ("bf16", "8bit-lowrank", "4bit-lowrank-mulaw", "4bit-lowrank")
+# rows of one more format, each behind a flag: flag -> format
+EXTRA_FORMATS = {"with_8bit_sr": "8bit-sr", "with_8bit_linear": "8bit-linear"}
 
 
 # rows with a format per kind of state: flag -> (label, the momenta's format, the second moments')
@@ -224,7 +227,7 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     def lowbit(state_format):
         return lambda params, lr, weight_decay, **_: cls(params, lr=lr, weight_decay=weight_decay, state_format=state_format, **kwargs)
 
-    formats = OPTIMIZER_FORMATS + (("8bit-sr",) if args.with_8bit_sr else ())
+    formats = OPTIMIZER_FORMATS + tuple(fmt for flag, fmt in EXTRA_FORMATS.items() if getattr(args, flag))
     if args.optimizer == "muon":
         return muon_specs(kwargs, formats + MUON_FORMATS)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
@@ -779,6 +782,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-md", default=str(RESULTS / "stability.md"))
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="mlp: compare this optimizer's formats and bitsandbytes' versions")
     p.add_argument("--with-8bit-sr", action="store_true", help="--optimizer: add the 8bit-sr row (8-bit codes, stochastic rounding)")
+    p.add_argument("--with-8bit-linear", action="store_true", help="--optimizer: add the 8bit-linear row (momenta on an even 8-bit grid)")
     p.add_argument("--with-8bit-sr-second", action="store_true", help="--optimizer: add a row with the momenta in 8bit, the second moments in 8bit-sr")
     p.add_argument("--with-8bit-lowrank", action="store_true", help="--optimizer: add the 8bit-lowrank row (momenta 8bit-lowrank, second moments 8bit-sr)")
     p.add_argument("--with-4bit-lowrank", action="store_true", help="--optimizer: add the 4bit-lowrank row (momenta 4bit-lowrank, second moments 4bit)")
@@ -787,7 +791,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     mlp = args.task == "mlp"
     if args.optimizer == "muon" and not mlp:
         raise SystemExit("--optimizer muon runs on the MLP task (its split names the MLP's matrices): add --task mlp")
-    for flag in ("with_8bit_sr", *SPLIT_ROWS):
+    for flag in (*EXTRA_FORMATS, *SPLIT_ROWS):
         if getattr(args, flag) and not args.optimizer:
             raise SystemExit(f"--{flag.replace('_', '-')} adds a row to an --optimizer comparison: add --optimizer ...")
     results = f"convergence_{'mlp' if mlp else 'gpt'}_{args.optimizer}" if args.optimizer else ("convergence_mlp" if mlp else "convergence")

@@ -1,11 +1,11 @@
 """Optimizer step time and state memory on the GPT-2-small parameter set, every optimizer in one process.
 
 ``--optimizer sgd|lion|ademamix`` times that optimizer instead of AdamW: lowbit_optim's version with
-fp32, 8bit and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
+fp32, 8bit, 8bit-linear and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
 ``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
 which torch lacks, are timed against bitsandbytes' 32-bit version. ``--optimizer muon`` steps the
 blocks' 2-D matrices only (Muon's part of the usual recipe) with ``torch.optim.Muon`` (the reference)
-and lowbit_optim's Muon with fp32, 8bit, 8bit-lowrank, 4bit and 4bit-lowrank-mulaw momentum (on the CPU the momentum in
+and lowbit_optim's Muon with fp32, 8bit, 8bit-linear, 8bit-lowrank, 4bit and 4bit-lowrank-mulaw momentum (on the CPU the momentum in
 the fused kernel; the ``-compiled`` rows in the compiled step), and times the Newton-Schulz iterations
 alone (``newton-schulz``: the compiled iterations on every matrix, no momentum, no update), the part
 of a Muon step that no state format changes. Hyper-parameters: SGD lr 1e-3,
@@ -204,7 +204,7 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
             ("torch-sgd-fused", lambda params: torch.optim.SGD(params, **kwargs, fused=True)),
         ]
     rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
-    rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "4bit")]
+    rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "4bit")]
     return rows
 
 
@@ -230,7 +230,7 @@ def muon_factories() -> list[tuple[str, Callable]]:
 
     return [
         ("torch-muon", lambda params: torch.optim.Muon(params, lr=1e-3)),
-        *[(f"lowbit-{f}", muon(f)) for f in ("fp32", "8bit", "8bit-lowrank", "4bit", "4bit-lowrank-mulaw")],
+        *[(f"lowbit-{f}", muon(f)) for f in ("fp32", "8bit", "8bit-linear", "8bit-lowrank", "4bit", "4bit-lowrank-mulaw")],
         # the momentum in the compiled step, as on a GPU, rather than in the fused CPU kernel
         *[(f"lowbit-{f}-compiled", muon(f, fused=False)) for f in ("8bit", "4bit")],
         ("newton-schulz", NewtonSchulzOnly),

@@ -87,7 +87,8 @@ class AdamW(Adam):
 class SGD(LowBitOptimizer):
     """torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay, maximize) with its momentum
     buffer in any registered format; without momentum there is no state at all. As in torch.optim,
-    the first step stores the gradient itself in the buffer."""
+    the first step stores the gradient itself in the buffer. For 8-bit momentum use
+    ``state_format="8bit-linear"`` (formats.OptimState8bitLinear)."""
 
     step_function = staticmethod(functional.sgd_step)
     elementwise_step = True
@@ -129,7 +130,8 @@ class SGD(LowBitOptimizer):
 class Lion(LowBitOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with its momentum in
     any registered format: the update is lr times the sign of ``beta1 * m + (1 - beta1) * g``, then
-    ``m`` moves to ``beta2 * m + (1 - beta2) * g``; weight decay is decoupled (as bitsandbytes')."""
+    ``m`` moves to ``beta2 * m + (1 - beta2) * g``; weight decay is decoupled (as bitsandbytes').
+    For 8-bit momentum use ``state_format="8bit-linear"`` (formats.OptimState8bitLinear)."""
 
     step_function = staticmethod(functional.lion_step)
     elementwise_step = True

@@ -165,6 +165,17 @@ def test_convergence_split_rows(convergence):
             convergence.parse_args([flag])
 
 
+def test_convergence_extra_format_rows(convergence):
+    """--with-8bit-sr, --with-8bit-linear: one row more each, in the Muon comparison too."""
+    for optimizer in ("sgd", "muon"):
+        args = convergence.parse_args(["--task", "mlp", "--optimizer", optimizer, "--with-8bit-linear"])
+        labels = [spec.label for spec in convergence.optimizer_comparison_specs(args)]
+        assert "lowbit 8bit-linear" in labels and "lowbit 8bit-sr" not in labels
+    for flag in ("--with-8bit-linear", "--with-8bit-sr"):
+        with pytest.raises(SystemExit, match=f"{flag} adds a row"):
+            convergence.parse_args([flag])
+
+
 def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
     """--optimizer muon: MuonWithAdamW per momentum format and AdamW alone, each group at its own
     peak lr through the schedule (the AdamW parts at the AdamW comparison's 2e-3)."""
