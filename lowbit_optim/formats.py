@@ -235,7 +235,7 @@ class OptimState8bitLinear(OptimState8bit):
     sign), so its large values matter most: over the top decade of a block (0.1-1 of its absmax)
     ``8bit``'s dynamic tree has codes 1/71 apart, this grid 1/127, and a moving average stalls where
     its step is below half a code gap. MLP task, gap of the training loss to fp32 state: SGD +1.7 %
-    -> +0.2 %, Lion +5.5 % -> +0.6 %, Muon +18 % -> +8 % (README, "Optimizers x formats"). Adam's
+    -> +0.2 %, Lion +5.5 % -> +0.5 %, Muon +18 % -> +8 % (README, "Optimizers x formats"). Adam's
     momentum is not helped: its update divides by sqrt(v), so small values matter as much."""
 
     name = "8bit-linear"
