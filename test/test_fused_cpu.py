@@ -109,6 +109,8 @@ FLAG_CASES = {
     "block_size 32": dict(state_format="4bit", block_size=32),
     "4bit, block_size 32, amsgrad": dict(state_format="4bit", block_size=32, amsgrad=True),  # dither positions in short blocks
     "block_size 2048": dict(state_format="8bit", block_size=2048),  # blocks longer than a chunk
+    "8bit, block_size 32": dict(state_format="8bit", block_size=32),  # decoded 64 codes at a time, across blocks
+    "fp8, block_size 4": dict(state_format="fp8", block_size=4),
     "lr tensor, no decay": dict(state_format="fp8", lr=torch.tensor(3e-3), weight_decay=0.0),
     "factored amsgrad": dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, amsgrad=True),
     "factored, Adam L2": dict(cls=lowbit_optim.Adam, state_format={"exp_avg": "fp8", "exp_avg_sq": "factored"}),
@@ -614,6 +616,23 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     codes = every[torch.randperm(n, generator=g)]
     padded = torch.cat([codes, codes.new_zeros(state.padded_numel - n)])
     state.codes.copy_(quant.pack_nibbles(padded) if info.fmt.bits == 4 else padded)
+    out = torch.empty(n)
+    with kernel_built_with(flag):
+        fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
+    torch.testing.assert_close(out, state.dequantize(), rtol=0, atol=0, equal_nan=True)
+
+
+@build_flags
+@pytest.mark.parametrize("block_size", [2, 4, 16, 32, 64])
+@pytest.mark.parametrize("fmt", [lowbit_optim.OptimState8bit, OptimStateFp8], ids=["8bit", "fp8"])
+def test_kernel_decodes_short_blocks(fmt, block_size, flag):
+    """8-bit codes in blocks shorter than the 64 codes the VBMI decoder reads at once (it then decodes
+    64 at a time across blocks) read back as dequantize gives them, each block with its own scale."""
+    g = torch.Generator().manual_seed(2)
+    n = 6 * 64 + 3 * block_size + 1  # whole groups of 64, whole blocks after them, a partial block
+    state = fmt.zeros(n, signed=True, block_size=block_size)
+    state.codes.copy_(torch.randint(0, 256, state.codes.shape, dtype=torch.uint8, generator=g))
+    state.scale.copy_(torch.rand(state.scale.shape, generator=g) + 0.5)
     out = torch.empty(n)
     with kernel_built_with(flag):
         fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())

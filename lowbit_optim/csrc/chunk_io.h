@@ -51,10 +51,14 @@ static float *load_state(const state_t *s, int64_t start, int64_t n, float *buff
         load_factored(s, start, n, buffer);
         return buffer;
     }
-    int64_t bs = s->block_size;
+    int64_t bs = s->block_size, b = 0;
     const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
     const uint8_t *value_bytes = s->kind == KIND_E4M3 ? e4m3_value_bytes : s->value_bytes;
-    for (int64_t b = 0; b * bs < n; b++) {
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    if (s->bits == 8 && bs >= 4 && bs < 64)  /* chunks start on a block: so do the codes it leaves */
+        b = decode_short_blocks((const uint8_t *)s->data + start, value_bytes, s->scale + start / bs, bs, n, buffer) / bs;
+#endif
+    for (; b * bs < n; b++) {
         int64_t first = start + b * bs;
         int64_t m = n - b * bs < bs ? n - b * bs : bs;
         const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);

@@ -113,6 +113,26 @@ static inline void lookup64(const byte_tables_t *t, __m512i codes, __m512 out[4]
     out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23));
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23));
 }
+
+/* decode_block over consecutive blocks of bs 8-bit codes, 4 <= bs < 64 (a power of two), block b's
+ * scale scales[b]: 64 codes at a time across blocks, where decode_block would take a block at a time
+ * and gather (lookup64 needs 64 codes). Each value is codebook value * its block's scale, as there.
+ * Returns how many of the n codes it decoded: a multiple of 64; the rest is the caller's. */
+static int64_t decode_short_blocks(const uint8_t *c, const uint8_t *value_bytes, const float *scales, int64_t bs, int64_t n, float *out) {
+    byte_tables_t tables = byte_tables(value_bytes);
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int shift = __builtin_ctzll(bs);
+    __m512i block_of[4];  /* the block (of the 64 codes') of each lane of the 4 vectors */
+    for (int q = 0; q < 4; q++) block_of[q] = _mm512_srli_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * q)), shift);
+    __mmask16 blocks = (__mmask16)((1u << (64 >> shift)) - 1);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 group_scales = _mm512_maskz_loadu_ps(blocks, scales + (i >> shift)), values[4];
+        lookup64(&tables, _mm512_loadu_si512(c + i), values);
+        for (int q = 0; q < 4; q++) _mm512_storeu_ps(out + i + 16 * q, _mm512_mul_ps(values[q], _mm512_permutexvar_ps(block_of[q], group_scales)));
+    }
+    return i;
+}
 #endif
 
 /* out[i] = codebook[code i] * scale for the m codes starting at element 0 of a block; value_bytes
