@@ -8,6 +8,7 @@ A format is a subclass of ``lowbit_optim.CodebookState`` that defines
   Each block is divided by its absmax, then every value is stored as the index of its nearest code.
 
 The first moment uses the signed codebook, the second moment (never negative) the unsigned one.
+(The built-in ``8bit-linear`` keeps signed states on this grid too, and nonnegative ones as ``8bit``.)
 ``test/conftest.py`` imports this file, so the whole test suite runs over this format as well.
 
 Run ``python examples/custom_format.py`` to train a small model with it and with the built-in "8bit".
