@@ -476,7 +476,8 @@ def row_cells(r: Result) -> list[str]:
 
 
 def progress_line(cells: list[str]) -> str:
-    return f"{cells[0]:<14}" + "".join(f"{c:>11}" for c in cells[1:-1]) + (f"  {cells[-1]}" if cells[-1] else "")
+    # the label column fits the longest row label (lowbit-4bit-lowrank-mulaw)
+    return f"{cells[0]:<26}" + "".join(f"{c:>11}" for c in cells[1:-1]) + (f"  {cells[-1]}" if cells[-1] else "")
 
 
 def columns(optimizer: str) -> list[str]:
