@@ -64,7 +64,10 @@ number of steps (warm-ups as long as the run, as in the paper), peak lr 2e-3; Ad
 decay, the same warmup and cosine schedule. Written to benchmarks/results/convergence_mlp_<optimizer>.md
 (.json, .png). ``--with-8bit-sr`` adds ``lowbit 8bit-sr``: the 8bit codebook rounded stochastically, as ``4bit`` is
 (measured as an experiment of this script, since registered as the format ``8bit-sr``); ``--with-8bit-linear``
-adds ``lowbit 8bit-linear``: signed states on an even 8-bit grid (``EXTRA_FORMATS``). ``--with-8bit-sr-second``
+adds ``lowbit 8bit-linear``: signed states on an even 8-bit grid (``EXTRA_FORMATS``). ``--with-state-format SPEC``
+(repeatable) adds a row of any state_format: a format's name, or JSON, a dict per state or
+``{"state_format": ..., "block_size": N}``, labelled by the formats' names joined by '/' (e.g.
+``lowbit 8bit/bf16/8bit-sr``). ``--with-8bit-sr-second``
 adds ``lowbit 8bit + sr second moments``: the momenta in ``8bit``, the second moments in ``8bit-sr``.
 ``--with-8bit-lowrank`` adds ``lowbit 8bit-lowrank``: the optimizer's momenta in ``8bit-lowrank``, its second
 moments in ``8bit-sr`` (``SPLIT_ROWS``; Muon's rows always include ``8bit-lowrank`` and ``bf16``);
@@ -218,20 +221,45 @@ def split_state_format(cls, momenta: str, second: str) -> dict:
     return {state.name: momenta if state.signed else second for state in cls.states if state.follows is None}
 
 
+def state_format_row(spec: str) -> dict:
+    """``--with-state-format``'s row as the optimizer's options: a registered format's name, or JSON:
+    a per-state dict, or {"state_format": ..., "block_size": N}."""
+    if not spec.lstrip().startswith("{"):
+        return {"state_format": spec}
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not valid JSON ({error}); e.g. '{{\"exp_avg\": \"8bit\", \"exp_avg_sq\": \"8bit-sr\"}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not a JSON object (a dict per state, or with state_format and block_size)")
+    options = value if "state_format" in value else {"state_format": value}
+    if set(options) - {"state_format", "block_size"}:
+        raise argparse.ArgumentTypeError(f"{spec!r}: a row takes state_format and block_size only, got {sorted(options)}")
+    return options
+
+
+def row_label(options: dict) -> str:
+    """A comma-free label (``--only`` splits at commas): a per-state format's names joined by '/'."""
+    fmt = options["state_format"]
+    label = "lowbit " + ("/".join(fmt.values()) if isinstance(fmt, dict) else fmt)
+    return label + (f" block_size {options['block_size']}" if "block_size" in options else "")
+
+
 def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     """``--optimizer``'s rows: lowbit_optim's version in OPTIMIZER_FORMATS, then bitsandbytes'."""
     info = OPTIMIZERS[args.optimizer]
     kwargs = info.kwargs(args)
     cls = getattr(lowbit_optim, info.lowbit)
 
-    def lowbit(state_format):
-        return lambda params, lr, weight_decay, **_: cls(params, lr=lr, weight_decay=weight_decay, state_format=state_format, **kwargs)
+    def lowbit(state_format, **options):
+        return lambda params, lr, weight_decay, **_: cls(params, lr=lr, weight_decay=weight_decay, state_format=state_format, **options, **kwargs)
 
     formats = OPTIMIZER_FORMATS + tuple(fmt for flag, fmt in EXTRA_FORMATS.items() if getattr(args, flag))
     if args.optimizer == "muon":
-        return muon_specs(kwargs, formats + MUON_FORMATS)
+        return muon_specs(kwargs, formats + MUON_FORMATS, args.with_state_format)
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", lowbit(f), True) for f in formats]
     specs += [OptimizerSpec(f"lowbit {label}", lowbit(split_state_format(cls, momenta, second)), True) for flag, (label, momenta, second) in SPLIT_ROWS.items() if getattr(args, flag)]
+    specs += [OptimizerSpec(row_label(options), lowbit(**options), True) for options in args.with_state_format]
     try:
         import bitsandbytes
     except ImportError:  # optional (the "bench" extra)
@@ -244,12 +272,13 @@ def optimizer_comparison_specs(args) -> list[OptimizerSpec]:
     return specs
 
 
-def muon_specs(kwargs: dict, formats: tuple[str, ...]) -> list[OptimizerSpec]:
+def muon_specs(kwargs: dict, formats: tuple[str, ...], rows: list[dict] = ()) -> list[OptimizerSpec]:
     """``--optimizer muon``: MuonWithAdamW with Muon's momentum in each format. muon_split gives Muon
     the MLP's first two weights and AdamW the head and the biases, always in fp32 at the AdamW
     comparison's peak lr (2e-3, whatever Muon's --lr), so that a gap is the momentum's. Then AdamW
     alone on every parameter at that lr, for Muon against AdamW. Groups carry ``lr_scale``: the
-    schedule sets lr to ``lr * lr_scale``, so each keeps its own peak lr."""
+    schedule sets lr to ``lr * lr_scale``, so each keeps its own peak lr. ``rows``: Muon's options
+    of more rows (``--with-state-format``)."""
     adamw_lr = OPTIMIZERS["adamw"].lr  # whatever Muon's --lr
 
     def scaled(opt, groups, lr):
@@ -257,9 +286,9 @@ def muon_specs(kwargs: dict, formats: tuple[str, ...]) -> list[OptimizerSpec]:
             group["lr_scale"] = adamw_lr / lr
         return opt
 
-    def recipe(state_format):
+    def recipe(state_format, **options):
         def make(model, lr, weight_decay, **_):
-            muon = dict(lr=lr, state_format=state_format, **kwargs)
+            muon = dict(lr=lr, state_format=state_format, **options, **kwargs)
             opt = lowbit_optim.MuonWithAdamW(model, muon=muon, adamw=dict(lr=adamw_lr), weight_decay=weight_decay)
             return scaled(opt, opt.adamw.param_groups, lr)
 
@@ -270,14 +299,18 @@ def muon_specs(kwargs: dict, formats: tuple[str, ...]) -> list[OptimizerSpec]:
         return scaled(opt, opt.param_groups, lr)
 
     specs = [OptimizerSpec(REFERENCE if f == "fp32" else f"lowbit {f}", recipe(f), True, takes_model=True) for f in formats]
+    specs += [OptimizerSpec(row_label(options), recipe(**options), True, takes_model=True) for options in rows]
     return specs + [OptimizerSpec("AdamW fp32 (not Muon)", adamw, True, takes_model=True)]
 
 
 def select(specs: list[OptimizerSpec], only: str | None) -> list[OptimizerSpec]:
+    labels = [s.label for s in specs]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:  # results are kept by label
+        raise SystemExit(f"two rows share the label(s) {twice}: drop one of the flags or specs that add them")
     if not only:
         return specs
     wanted = [s.strip() for s in only.split(",") if s.strip()]
-    labels = [s.label for s in specs]
     unknown = [w for w in wanted if w not in labels]
     if unknown:
         raise SystemExit(f"unknown optimizer label(s) {unknown}; choose from {labels}")
@@ -783,6 +816,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="mlp: compare this optimizer's formats and bitsandbytes' versions")
     p.add_argument("--with-8bit-sr", action="store_true", help="--optimizer: add the 8bit-sr row (8-bit codes, stochastic rounding)")
     p.add_argument("--with-8bit-linear", action="store_true", help="--optimizer: add the 8bit-linear row (momenta on an even 8-bit grid)")
+    p.add_argument(
+        "--with-state-format", action="append", default=[], type=state_format_row, metavar="SPEC",
+        help="--optimizer: add a row with this state_format (repeatable): a format's name, or JSON, a dict per state "
+        "or {\"state_format\": ..., \"block_size\": N}; labelled by the formats' names joined by '/'",
+    )  # fmt: skip
     p.add_argument("--with-8bit-sr-second", action="store_true", help="--optimizer: add a row with the momenta in 8bit, the second moments in 8bit-sr")
     p.add_argument("--with-8bit-lowrank", action="store_true", help="--optimizer: add the 8bit-lowrank row (momenta 8bit-lowrank, second moments 8bit-sr)")
     p.add_argument("--with-4bit-lowrank", action="store_true", help="--optimizer: add the 4bit-lowrank row (momenta 4bit-lowrank, second moments 4bit)")
@@ -791,7 +829,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     mlp = args.task == "mlp"
     if args.optimizer == "muon" and not mlp:
         raise SystemExit("--optimizer muon runs on the MLP task (its split names the MLP's matrices): add --task mlp")
-    for flag in (*EXTRA_FORMATS, *SPLIT_ROWS):
+    for flag in (*EXTRA_FORMATS, *SPLIT_ROWS, "with_state_format"):
         if getattr(args, flag) and not args.optimizer:
             raise SystemExit(f"--{flag.replace('_', '-')} adds a row to an --optimizer comparison: add --optimizer ...")
     results = f"convergence_{'mlp' if mlp else 'gpt'}_{args.optimizer}" if args.optimizer else ("convergence_mlp" if mlp else "convergence")

@@ -5,6 +5,7 @@ writes its files, and reports finite numbers."""
 import math
 
 import pytest
+import torch
 
 from conftest import import_script
 
@@ -174,6 +175,27 @@ def test_convergence_extra_format_rows(convergence):
     for flag in ("--with-8bit-linear", "--with-8bit-sr"):
         with pytest.raises(SystemExit, match=f"{flag} adds a row"):
             convergence.parse_args([flag])
+
+
+def test_convergence_state_format_rows(convergence):
+    """--with-state-format: a row per spec (a name, a per-state dict, or one with a block size), in
+    the Muon comparison too; bad JSON and two rows of one label are refused with the reason."""
+    per_state = '{"exp_avg": "8bit", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit-sr"}'
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "ademamix", "--with-state-format", per_state, "--with-state-format", '{"state_format": "8bit-linear", "block_size": 32}'])
+    specs = {spec.label: spec for spec in convergence.optimizer_comparison_specs(args)}
+    assert {"lowbit 8bit/bf16/8bit-sr", "lowbit 8bit-linear block_size 32"} <= specs.keys()
+    param = torch.nn.Parameter(torch.zeros(8192))
+    opt = specs["lowbit 8bit-linear block_size 32"].make([param], lr=1e-3, weight_decay=0.0)
+    assert opt.param_groups[0]["block_size"] == 32 and opt.param_groups[0]["state_format"] == "8bit-linear"
+    opt = specs["lowbit 8bit/bf16/8bit-sr"].make([param], lr=1e-3, weight_decay=0.0)
+    assert opt.param_groups[0]["state_format"] == {"exp_avg": "8bit", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit-sr"}
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "muon", "--with-state-format", "8bit-linear"])
+    assert "lowbit 8bit-linear" in [spec.label for spec in convergence.optimizer_comparison_specs(args)]
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--task", "mlp", "--optimizer", "sgd", "--with-state-format", "{bad"])
+    args = convergence.parse_args(["--task", "mlp", "--optimizer", "sgd", "--with-8bit-sr", "--with-state-format", "8bit-sr"])
+    with pytest.raises(SystemExit, match="share the label"):
+        convergence.select(convergence.optimizer_comparison_specs(args), None)
 
 
 def test_convergence_muon_smoke(convergence, tmp_path, eager_lowbit_step):
