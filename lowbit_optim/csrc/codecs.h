@@ -249,6 +249,16 @@ static inline __m512i table_codes16(const state_t *s, __m512 v) {
     __m512i code = _mm512_mask_sub_epi32(entry, _mm512_cmpgt_epu32_mask(low, entry), entry, _mm512_set1_epi32(-1));
     return _mm512_and_si512(code, _mm512_set1_epi32(0xFF));
 }
+
+/* the nearest codes of 16 values v by the affine map of mapped (v itself, or x times the scale's
+ * reciprocal), and the table's codes of v where the map doubts: v is x, or divide(x, d) taken only
+ * then */
+static inline __m512i affine_or_table16(const affine_t *map, const state_t *s, __m512 mapped, __m512 x, const divisor_t *d) {
+    __mmask16 doubtful;
+    __m512i code = affine_codes16(map, mapped, &doubtful);
+    if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, d ? divide(x, d) : x));
+    return code;
+}
 #endif
 
 /* a codebook's nearest code for v from its tables: base_code, plus one where v reaches the bucket's
@@ -302,10 +312,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         __m512 reciprocal = _mm512_set1_ps(d.y);
         for (; i + 16 <= bs; i += 16) {
             __m512 x16 = _mm512_loadu_ps(x + i);
-            __mmask16 doubtful;
-            __m512i code = affine_codes16(&map, _mm512_mul_ps(x16, reciprocal), &doubtful);
-            if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, divide(x16, &d)));
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(affine_or_table16(&map, s, _mm512_mul_ps(x16, reciprocal), x16, &d)));
         }
     } else {
         int affine = SLOW_GATHERS && s->affine;  /* where gathers are fast, the table (lookup.h) */
@@ -314,14 +321,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
-            __m512i code;
-            if (affine) {
-                __mmask16 doubtful;
-                code = affine_codes16(&map, v, &doubtful);
-                if (__builtin_expect(doubtful != 0, 0)) code = _mm512_mask_mov_epi32(code, doubtful, table_codes16(s, v));
-            } else {
-                code = table_codes16(s, v);
-            }
+            __m512i code = affine ? affine_or_table16(&map, s, v, v, NULL) : table_codes16(s, v);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
             if (cal->vv) store_products(cal, i, v, _mm512_i32gather_ps(code, s->codebook, 4));
         }
