@@ -58,24 +58,30 @@ def _compiled(function, step_function):
     compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with _configured(torch.fx.experimental._config, use_duck_shape=False):
             return compiled(*args, **kwargs)
 
     return run
 
 
 @contextlib.contextmanager
-def _raised_recompile_limit():
-    """dynamo's recompile_limit at _RECOMPILE_LIMIT while in the block. Set and restored by hand:
-    torch._dynamo.config.patch builds a class per call (12 us, paid per parameter by the step in
-    backward; this takes 3.6 us)."""
-    config = torch._dynamo.config
-    previous = config.recompile_limit
-    config.recompile_limit = _RECOMPILE_LIMIT
+def _configured(config, **values):
+    """``config``'s attributes set to ``values`` while in the block. Set and restored by hand: a
+    config module's .patch builds a class per call (12-20 us, paid per parameter and step by every
+    compiled call; this takes 2-4 us)."""
+    previous = {name: getattr(config, name) for name in values}
+    for name, value in values.items():
+        setattr(config, name, value)
     try:
         yield
     finally:
-        config.recompile_limit = previous
+        for name, value in previous.items():
+            setattr(config, name, value)
+
+
+def _raised_recompile_limit():
+    """dynamo's recompile_limit at _RECOMPILE_LIMIT while in the block."""
+    return _configured(torch._dynamo.config, recompile_limit=_RECOMPILE_LIMIT)
 
 
 def _inductor_options(step_function) -> dict | None:
