@@ -45,6 +45,7 @@ from test_optim import (
 from torch import nn
 
 import lowbit_optim
+from lowbit_optim import LowRankState
 from test_drop_in import assert_same_training, check_step_inside_torch_compile
 
 FP32 = format_info("fp32")
@@ -185,6 +186,28 @@ def test_checkpoint_and_deepcopy_step_like_the_original(opt_info, info):
     assert_same_training(model, opt, model_copy, opt_copy)
 
 
+def assert_agree_but_for_flipped_codes(runs, opt_info, info) -> None:
+    """Two runs of the same steps, each (params, optimizer) (compiled and eager, or on two devices),
+    agree within fp32 round-off, but for codes flipped at a rounding boundary and what such a flip
+    moves: each quantized state can flip codes of its own, and a flip moves the parameter, hence the
+    next gradients (AdEMAMix's three states flip about 3x as much as one; observed with 4bit after 3
+    steps: 8 of 6144 weight elements, 7 of 6144 exp_avg codes)."""
+    flips = max_flip_fraction(info) * len(opt_info.cls.states)
+    (params, _), (others, _) = runs
+    first, second = ({key: v.cpu() for key, v in states_of(o, ps).items()} for ps, o in runs)
+    assert first.keys() == second.keys()
+    redrawn = sum(redrawn_fraction(state, second[key]) for key, state in first.items())
+    tol = opt_info.compiled_param_tol or dict(rtol=0.0, atol=COMPILED_PARAM_ATOL)
+    for i, (a, b) in enumerate(zip(params, others)):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        outside = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
+        assert float(outside.float().mean()) < flips + redrawn, (f"parameter {i}", (a - b).abs().max().item())
+    for key, state in first.items():
+        assert stored_as(state) == stored_as(second[key]), key
+        if not isinstance(state, LowRankState):  # its subspace iteration spreads round-off over every code
+            assert mismatch_fraction(state, second[key]) < flips + redrawn_fraction(state, second[key]), key
+
+
 @compiled_matrix
 def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_info, info):
     """The compiled step computes the eager step's numbers (up to codes flipped by fp32 round-off at
@@ -194,20 +217,7 @@ def test_compiled_step_matches_eager_and_hyperparameters_do_not_recompile(opt_in
     opts = [opt_info.make(m.parameters(), state_format=opt_info.spec(info), compile=c) for m, c in zip(models, (True, False))]
     for model, opt in zip(models, opts):
         train(model, opt, 3)
-    # each quantized state can flip codes of its own, and a flip moves the parameter, hence the next
-    # gradients: AdEMAMix's three states flip about 3x as much as one (observed with 4bit after 3
-    # steps: 8 of 6144 weight elements, 7 of 6144 exp_avg codes)
-    flips = max_flip_fraction(info) * len(opt_info.cls.states)
-    compiled_states, eager_states = (states_of(o, list(m.parameters())) for o, m in zip(opts, models))
-    assert compiled_states.keys() == eager_states.keys()
-    redrawn = sum(redrawn_fraction(state, eager_states[key]) for key, state in compiled_states.items())
-    tol = opt_info.compiled_param_tol or dict(rtol=0.0, atol=COMPILED_PARAM_ATOL)
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        outside = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
-        assert float(outside.float().mean()) < flips + redrawn, (name, (a - b).abs().max().item())
-    for key, state in compiled_states.items():
-        assert stored_as(state) == stored_as(eager_states[key]), key
-        assert mismatch_fraction(state, eager_states[key]) < flips + redrawn_fraction(state, eager_states[key]), key
+    assert_agree_but_for_flipped_codes([(list(m.parameters()), o) for m, o in zip(models, opts)], opt_info, info)
 
     model, opt = models[0], opts[0]
     graphs = unique_graphs()

@@ -1,0 +1,58 @@
+"""The GPU path (skipped without CUDA; CI has none): every optimizer x every format steps on a CUDA
+device and computes what the CPU computes, up to codes flipped by round-off; its checkpoint loads on
+the CPU with the same bits.
+
+Both devices step the same parameters with the same fixed gradients (test_optimizers.gradients):
+gradients computed on each device by a model's backward differ in round-off, and Adam-like steps,
+which normalize tiny gradients to full-size updates, carry such a difference into every later step.
+
+On the GPU the step is the compiled one (the fused kernel is CPU-only). It is compiled here for
+AdamW with every format and for every optimizer with the formats the compiled matrix covers
+(optimizer_info.COMPILED_FORMATS); the other cells step eagerly, which runs the same format
+handlers on CUDA tensors without a compile per cell. The CPU side steps eagerly.
+"""
+
+import pytest
+import torch
+from conftest import FORMATS
+from optimizer_info import COMPILED_FORMATS, OPTIMIZERS
+from test_optim import assert_same_bits, save_and_load
+from test_optimizers import assert_agree_but_for_flipped_codes, gradients, initial_params, states_of
+from torch import nn
+
+from lowbit_optim import StateTensor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CASES = [pytest.param(o, f, id=f"{o.name}-{f.name}") for o in OPTIMIZERS for f in FORMATS if o.spec(f) is not None]
+STEPS = 3
+
+
+def stepped(opt_info, info, device: str, **kwargs) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    params = [nn.Parameter(p.to(device)) for p in initial_params(opt_info)]
+    opt = opt_info.make(params, state_format=opt_info.spec(info), **kwargs)
+    for step_grads in gradients(opt_info, STEPS):
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(device)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("opt_info, info", CASES)
+def test_cuda_steps_like_the_cpu(opt_info, info):
+    compile = opt_info.name == "AdamW" or info.name in COMPILED_FORMATS
+    cuda_params, cuda_opt = stepped(opt_info, info, "cuda", compile=compile)
+    cpu_params, cpu_opt = stepped(opt_info, info, "cpu", compile=False, fused=False)
+    cuda_states = states_of(cuda_opt, cuda_params)
+    for key, state in cuda_states.items():
+        inner = state._inner().values() if isinstance(state, StateTensor) else [state]
+        assert state.is_cuda and all(t.is_cuda for t in inner), key
+    assert_agree_but_for_flipped_codes([(cuda_params, cuda_opt), (cpu_params, cpu_opt)], opt_info, info)
+
+    # a GPU checkpoint resumes on the CPU: the states arrive with their bits
+    resumed_params = [nn.Parameter(p.detach().cpu()) for p in cuda_params]
+    resumed = opt_info.make(resumed_params, state_format=opt_info.spec(info), compile=False, fused=False)
+    resumed.load_state_dict(save_and_load(cuda_opt.state_dict()))
+    for key, state in states_of(resumed, resumed_params).items():
+        assert state.device.type == "cpu", key
+        assert_same_bits(state, cuda_states[key].cpu(), key)
