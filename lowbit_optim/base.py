@@ -93,6 +93,9 @@ def _inductor_options(step_function) -> dict | None:
 # parameters per foreach graph: its compile time grows with it (~1 s per parameter on 2 CPU cores),
 # while the per-call overhead it saves is mostly gone at this size
 FOREACH_CHUNK = 16
+# elements per foreach graph: its scratch (~10-20 bytes per element) stays near 160 MiB, however large
+# the parameters; an elementwise step cuts larger ones into slices (_pieces) of this size
+FOREACH_ELEMENTS = 8 << 20
 
 
 @functools.cache
@@ -110,15 +113,22 @@ def compiled_foreach_step(step_function):
 
 
 def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
-    """The (parameter, arguments, param_update) items in chunks of at most FOREACH_CHUNK whose
-    arguments have the same kinds (tensor class and dtype, or None) and mode, so that chunks of a
-    model's repeated layers share one graph."""
-    kinds: dict[tuple, list[tuple]] = {}
+    """The (parameter, arguments, param_update) items in chunks of at most FOREACH_CHUNK items and
+    FOREACH_ELEMENTS elements (a larger item alone) whose arguments have the same kinds (tensor
+    class, dtype and device, or None) and mode, so that chunks of a model's repeated layers share
+    one graph."""
+    chunks, filling = [], {}  # filling: kind -> (its open chunk, that chunk's elements)
     for item in compiled:
         _, call, mode = item
-        kind = tuple((type(a), a.dtype) if isinstance(a, Tensor) else a for a in call) + (mode,)
-        kinds.setdefault(kind, []).append(item)
-    return [same[i : i + FOREACH_CHUNK] for same in kinds.values() for i in range(0, len(same), FOREACH_CHUNK)]
+        kind = tuple((type(a), a.dtype, a.device) if isinstance(a, Tensor) else a for a in call) + (mode,)
+        chunk, elements = filling.get(kind, (None, 0))
+        n = call[0].numel()
+        if chunk is None or len(chunk) == FOREACH_CHUNK or elements + n > FOREACH_ELEMENTS:
+            chunk, elements = [], 0
+            chunks.append(chunk)
+        chunk.append(item)
+        filling[kind] = (chunk, elements + n)
+    return chunks
 
 
 # elements per call of an elementwise compiled step on a large parameter: its scratch (a few fp32
@@ -126,16 +136,16 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
 COMPILED_CHUNK = 1 << 20
 
 
-def _pieces(call: tuple) -> list[tuple]:
+def _pieces(call: tuple, limit: int) -> list[tuple]:
     """A flat step function's arguments (param, grad, step, *states, param_extra) cut into
-    consecutive slices of at most about COMPILED_CHUNK elements on the states' block boundaries, so
+    consecutive slices of at most about ``limit`` elements on the states' block boundaries, so
     each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
     stochastic rounding depends on an element's place in its block). The step counter is counted
     once: the later slices get a copy of its value before the step. A state whose blocks are not
     independent (factored sums, a low-rank part) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
-    if n <= COMPILED_CHUNK or not cut[0]:
+    if n <= limit or not cut[0]:
         return [call]
     unit = 1
     for a, sliced in zip(call, cut):
@@ -143,7 +153,7 @@ def _pieces(call: tuple) -> list[tuple]:
             if not a.independent_blocks:
                 return [call]
             unit = math.lcm(unit, a.block_size)
-    size = max(COMPILED_CHUNK // unit, 1) * unit
+    size = max(limit // unit, 1) * unit
     pieces = [tuple(a[start : start + size] if sliced else a for a, sliced in zip(call, cut)) for start in range(0, n, size)]
     step = call[2]
     if step is not None:  # the first slice counts the step; the others count copies of its value before it
@@ -191,9 +201,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
       requires it, False never uses it;
       the others always take the compiled step (None or False; True is an error).
     - ``foreach`` (as in torch.optim, a choice of implementation, never of numbers): True runs the
-      compiled step as one graph per chunk of up to FOREACH_CHUNK parameters, cutting the per-call
-      overhead that dominates a GPU step (README, "On a GPU"); None and False call it per parameter,
-      whose graphs compile far faster (~1 s per parameter in a foreach graph on 2 CPU cores).
+      compiled step as one graph per chunk of up to FOREACH_CHUNK parameters (and FOREACH_ELEMENTS
+      elements), cutting the per-call overhead that dominates a GPU step (README, "On a GPU");
+      False calls it per parameter, whose graphs compile far faster (~1 s per parameter in a
+      foreach graph on 2 CPU cores); None, as in torch.optim, is True for parameters on an
+      accelerator and False on the CPU (where the fused kernel steps most parameters anyway).
       ``capturable`` and ``differentiable`` must stay False.
     - ``step_in_backward=True`` steps each parameter inside backward, as soon as its gradient is
       accumulated, and frees that gradient: a whole model's gradients never exist at once. ``step()``
@@ -551,14 +563,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
         parameter, or all in one graph (``foreach``)."""
-        if self._compile and group["foreach"]:
+        foreach = group["foreach"]
+        if foreach is None:  # as torch.optim: together on an accelerator, where host time per call dominates
+            foreach = len(compiled) > 1 and compiled[0][0].device.type != "cpu"
+        together = self._compile and foreach
+        limit = FOREACH_ELEMENTS if together else COMPILED_CHUNK
+        pieces = [(p, piece, mode) for p, call, mode in compiled for piece in (_pieces(call, limit) if self.elementwise_step else [call])]
+        if together:
             step_each = compiled_foreach_step(type(self).step_function)
-            for chunk in _foreach_chunks(compiled):
+            for chunk in _foreach_chunks(pieces):
                 step_each([call for _, call, _ in chunk], numbers, tuple(mode for _, _, mode in chunk), flags)
         else:
-            for _, call, mode in compiled:
-                for piece in _pieces(call) if self.elementwise_step else [call]:
-                    self._step_fn(*piece, *numbers, **flags, param_update=mode)
+            for _, piece, mode in pieces:
+                self._step_fn(*piece, *numbers, **flags, param_update=mode)
         for param, (stepped, *_), _ in compiled:
             if stepped is not param and not param.is_contiguous():
                 param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back

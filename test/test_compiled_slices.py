@@ -1,7 +1,8 @@
 """The compiled step on a large parameter runs in slices of about COMPILED_CHUNK elements (an
 optimizer that declares ``elementwise_step``), so its scratch never scales with the parameter: the
 slices compute exactly what one call on the whole parameter computes, count the step once, and
-share the graph of the whole."""
+share the graph of the whole. Under foreach the slices are FOREACH_ELEMENTS long, and a chunk's
+graph takes at most that many elements."""
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_factored_states_are_not_cut(monkeypatch):
     kwargs = dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, compile=False)
     calls = []
     original = base._pieces
-    monkeypatch.setattr(base, "_pieces", lambda call: calls.append(len(original(call))) or original(call))
+    monkeypatch.setattr(base, "_pieces", lambda call, limit: calls.append(len(original(call, limit))) or original(call, limit))
     run(OPTIMIZERS[0], 512, monkeypatch, steps=1, **kwargs)
     assert calls == [1, 1]
 
@@ -66,8 +67,32 @@ def test_compiled_slices_share_the_graph_of_the_whole(monkeypatch):
     graphs = counters["stats"]["unique_graphs"]
     pieces = []
     original = base._pieces
-    monkeypatch.setattr(base, "_pieces", lambda call: pieces.append(len(original(call))) or original(call))
+    monkeypatch.setattr(base, "_pieces", lambda call, limit: pieces.append(len(original(call, limit))) or original(call, limit))
     sliced = run(OPTIMIZERS[0], 512, monkeypatch, **kwargs)
     assert counters["stats"]["unique_graphs"] == graphs
     assert pieces == [10, 1] * 3  # 5000 elements in 512-element slices; 300 in one
     assert_same(sliced, whole)
+
+
+def test_foreach_chunks_hold_bounded_elements(monkeypatch):
+    """foreach=True: the 5000-element parameter in slices of 2048, each chunk filled up to 2048
+    elements (the last slice shares one with the 300-element parameter); the bits of one call on
+    each whole parameter."""
+    monkeypatch.setattr(base, "FOREACH_ELEMENTS", 2048)
+    # the functions the compiled calls would trace, run eagerly (no compile in this test)
+    monkeypatch.setattr(base, "_compiled", lambda function, step_function: function)
+    for name in ("compiled_step", "compiled_foreach_step"):
+        monkeypatch.setattr(base, name, getattr(base, name).__wrapped__)
+    chunks = []
+    original = base._foreach_chunks
+
+    def spy(items):
+        result = original(items)
+        chunks.append([[call[0].numel() for _, call, _ in chunk] for chunk in result])
+        return result
+
+    monkeypatch.setattr(base, "_foreach_chunks", spy)
+    kwargs = dict(state_format="8bit", param_update="kahan", dtype=torch.bfloat16)
+    together = run(OPTIMIZERS[0], 1 << 30, monkeypatch, foreach=True, **kwargs)
+    assert chunks == [[[2048], [2048], [904, 300]]] * 3
+    assert_same(together, run(OPTIMIZERS[0], 1 << 30, monkeypatch, foreach=False, **kwargs))

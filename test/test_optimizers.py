@@ -289,10 +289,14 @@ def test_foreach_is_the_per_parameter_step_in_one_graph(opt_info, device):
             assert_same_bits(state, grouped_opt.state[q][name], name)
 
 
-@pytest.mark.parametrize("foreach, grouped", [(None, False), (True, True), (False, False)])
-def test_foreach_choice(monkeypatch, foreach, grouped):
+@pytest.mark.parametrize(
+    "foreach, device, grouped",
+    [(None, "cpu", False), (True, "cpu", True), (False, "cpu", False), (None, "meta", True), (False, "meta", False)],
+)
+def test_foreach_choice(monkeypatch, foreach, device, grouped):
     """foreach=True steps the compiled step's parameters in chunks of one graph each (chunks of the
-    same kinds of arguments, at most FOREACH_CHUNK long); None and False, one call per parameter."""
+    same kinds of arguments, at most FOREACH_CHUNK long); False, one call per parameter; None, as
+    torch.optim, True on an accelerator (meta stands in for one here) and False on the CPU."""
     calls = []
 
     def spy(step_function):
@@ -307,12 +311,16 @@ def test_foreach_choice(monkeypatch, foreach, grouped):
     monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: step_function)
     monkeypatch.setattr(lowbit_optim.base, "FOREACH_CHUNK", 3)
     shapes = [(64, 96), (71,), (80, 64), (90,), (64, 64), (72, 64), (100, 64)]  # 5 quantized, 2 fp32 states
-    params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+    params = [nn.Parameter(torch.randn(shape, device=device)) for shape in shapes]
     opt = lowbit_optim.AdamW(params, state_format="8bit", foreach=foreach, fused=False)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     assert calls == ([3, 2, 2] if grouped else [])
+    if foreach is None and device != "cpu":  # one parameter alone (the step in backward's case): its own graph
+        calls.clear()
+        opt._step_one(opt.param_groups[0], params[0], params[0].grad)
+        assert calls == []
 
 
 @pytest.mark.parametrize("param_update", ["nearest", "stochastic", "kahan", "int8-correction"])
