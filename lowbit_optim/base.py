@@ -833,10 +833,17 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
             raise ValueError(f"{where} is corrupt: {error}") from None
 
 
+# each state's 1-D wrapper, kept while the state lives: its inner tensors are written in place
+_FLAT_STATES = torch.utils.weak.WeakIdKeyDictionary()
+
+
 def _flat(t: Tensor) -> Tensor:
     t = local(t)
     if isinstance(t, StateTensor):
         # a new wrapper over the same inner tensors, not an aten.view: dynamo cannot trace a subclass view
-        return t._like(shape=(t.numel(),))
+        flat = _FLAT_STATES.get(t)
+        if flat is None:
+            flat = _FLAT_STATES[t] = t._like(shape=(t.numel(),))
+        return flat
     # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)
     return t.view(-1).detach() if t.is_contiguous() else t.reshape(-1)
