@@ -94,7 +94,8 @@ def _inductor_options(step_function) -> dict | None:
 # while the per-call overhead it saves is mostly gone at this size
 FOREACH_CHUNK = 16
 # elements per foreach graph: its scratch (~10-20 bytes per element) stays near 160 MiB, however large
-# the parameters; an elementwise step cuts larger ones into slices (_pieces) of this size
+# the parameters; an elementwise step cuts larger ones into slices (_pieces) of this size, each
+# stepped by the per-parameter graph (few calls, whose host time is then a small part of theirs)
 FOREACH_ELEMENTS = 8 << 20
 
 
@@ -154,7 +155,9 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(limit // unit, 1) * unit
-    pieces = [tuple(a[start : start + size] if sliced else a for a, sliced in zip(call, cut)) for start in range(0, n, size)]
+    # detached views, as _flat's: dynamo cannot bind a view's size as its base's size minus its offset
+    # (a first graph traced on slices whose last one ends in a partial block failed)
+    pieces = [tuple(a[start : start + size].detach() if sliced else a for a, sliced in zip(call, cut)) for start in range(0, n, size)]
     step = call[2]
     if step is not None:  # the first slice counts the step; the others count copies of its value before it
         before = step.clone()
@@ -567,15 +570,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if foreach is None:  # as torch.optim: together on an accelerator, where host time per call dominates
             foreach = len(compiled) > 1 and compiled[0][0].device.type != "cpu"
         together = self._compile and foreach
-        limit = FOREACH_ELEMENTS if together else COMPILED_CHUNK
-        pieces = [(p, piece, mode) for p, call, mode in compiled for piece in (_pieces(call, limit) if self.elementwise_step else [call])]
-        if together:
+        grouped, alone = [], []  # a slice fills a foreach chunk alone: the per-parameter graph steps it
+        for p, call, mode in compiled:
+            pieces = _pieces(call, FOREACH_ELEMENTS if together else COMPILED_CHUNK) if self.elementwise_step else [call]
+            if together and len(pieces) == 1:
+                grouped.append((p, call, mode))
+            else:
+                alone += [(piece, mode) for piece in pieces]
+        if grouped:
             step_each = compiled_foreach_step(type(self).step_function)
-            for chunk in _foreach_chunks(pieces):
+            for chunk in _foreach_chunks(grouped):
                 step_each([call for _, call, _ in chunk], numbers, tuple(mode for _, _, mode in chunk), flags)
-        else:
-            for _, piece, mode in pieces:
-                self._step_fn(*piece, *numbers, **flags, param_update=mode)
+        for piece, mode in alone:
+            self._step_fn(*piece, *numbers, **flags, param_update=mode)
         for param, (stepped, *_), _ in compiled:
             if stepped is not param and not param.is_contiguous():
                 param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back
