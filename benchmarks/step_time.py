@@ -14,10 +14,11 @@ kernel does not step says so in the note column ("compiled step", with the reaso
 
 Compares torch.optim.AdamW (foreach, fused), torchao's AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes'
 AdamW8bit and ``lowbit_optim.AdamW`` with every registered state format (on the CPU by default through
-the fused CPU kernel; ``lowbit-8bit-compiled`` and ``lowbit-4bit-compiled`` run the generic
-torch.compile'd step instead, ``fused=False``; ``lowbit-{fp32,8bit,4bit}-foreach`` that step with a group's
-parameters traced together, ``foreach=True``: a few graph calls per step instead of one or more per
-parameter, which is what a GPU's step time is made of). There is no forward pass: the
+the fused CPU kernel, on a GPU in foreach chunks; ``lowbit-8bit-compiled`` and ``lowbit-4bit-compiled``
+run the generic torch.compile'd step per parameter instead, ``fused=False, foreach=False``;
+``lowbit-{fp32,8bit,4bit}-foreach`` that step with a group's parameters traced together,
+``foreach=True``: a few graph calls per step instead of one or more per parameter, which is what a
+GPU's step time is made of, and there the default). There is no forward pass: the
 parameters get fixed random gradients once, and each optimizer in turn steps them. Optimizers run one
 after another (the previous one freed) in one process: read the ratios between rows, not absolute
 times. On a shared machine other load still shifts rows unevenly; the JSON keeps every step's time
@@ -254,8 +255,8 @@ def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
         *[(f"lowbit-{paired_label(name)}", _lowbit(paired_state_format(name))) for name in lowbit_optim.registered_formats()],
         # the MLP task's 8-bit recipe (README, Optimizers x formats: accuracy)
         ("lowbit-8bit+sr-second", _lowbit({"exp_avg": "8bit", "exp_avg_sq": "8bit-sr"})),
-        # the generic compiled step, which the fused CPU kernel stands in for (and which runs on GPUs)
-        *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False)) for name in ("8bit", "4bit")],
+        # the generic compiled step per parameter, which the fused CPU kernel stands in for (and GPUs ran before foreach)
+        *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False, foreach=False)) for name in ("8bit", "4bit")],
         # the compiled step with a group's parameters in a few graphs (foreach): fewer calls and launches
         *[(f"lowbit-{name}-foreach", _lowbit(name, fused=False, foreach=True)) for name in ("fp32", "8bit", "4bit")],
     ]

@@ -28,6 +28,19 @@ def run(opt_info, chunk: int, monkeypatch, steps: int = 3, dtype=torch.float32, 
     return params, opt
 
 
+def record_pieces(monkeypatch) -> list[list[int]]:
+    """Spy on base._pieces: the sizes of the slices of each call it cuts."""
+    sizes, original = [], base._pieces
+
+    def spy(call, limit):
+        pieces = original(call, limit)
+        sizes.append([piece[0].numel() for piece in pieces])
+        return pieces
+
+    monkeypatch.setattr(base, "_pieces", spy)
+    return sizes
+
+
 def assert_same(a, b):
     (params_a, opt_a), (params_b, opt_b) = a, b
     for p, q in zip(params_a, params_b):
@@ -52,11 +65,9 @@ def test_bf16_weights_with_a_buffer_in_slices(param_update, monkeypatch):
 
 def test_factored_states_are_not_cut(monkeypatch):
     kwargs = dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, compile=False)
-    calls = []
-    original = base._pieces
-    monkeypatch.setattr(base, "_pieces", lambda call, limit: calls.append(len(original(call, limit))) or original(call, limit))
+    pieces = record_pieces(monkeypatch)
     run(OPTIMIZERS[0], 512, monkeypatch, steps=1, **kwargs)
-    assert calls == [1, 1]
+    assert [len(sizes) for sizes in pieces] == [1, 1]
 
 
 def test_compiled_slices_share_the_graph_of_the_whole(monkeypatch):
@@ -65,12 +76,10 @@ def test_compiled_slices_share_the_graph_of_the_whole(monkeypatch):
     kwargs = dict(state_format="8bit", param_update="kahan", dtype=torch.bfloat16)
     whole = run(OPTIMIZERS[0], 1 << 30, monkeypatch, **kwargs)
     graphs = counters["stats"]["unique_graphs"]
-    pieces = []
-    original = base._pieces
-    monkeypatch.setattr(base, "_pieces", lambda call, limit: pieces.append(len(original(call, limit))) or original(call, limit))
+    pieces = record_pieces(monkeypatch)
     sliced = run(OPTIMIZERS[0], 512, monkeypatch, **kwargs)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert pieces == [10, 1] * 3  # 5000 elements in 512-element slices; 300 in one
+    assert [len(sizes) for sizes in pieces] == [10, 1] * 3  # 5000 elements in 512-element slices; 300 in one
     assert_same(sliced, whole)
 
 
@@ -78,33 +87,30 @@ def test_a_partial_last_slice_may_be_traced_first(monkeypatch):
     """The first graph of a configuration may be traced on slices (a large parameter stepped
     first), the last one ending in a partial block (5000 elements in slices of 1024 at block size
     128). The slices are detached views: dynamo failed to bind a view's size as its base's size
-    minus its offset. No other test steps blocks of 128 compiled, so this one traces that graph."""
+    minus its offset. No other test steps blocks of 128 compiled, so this one traces that graph
+    (asserted: a graph cached by another test would hide the failure)."""
     kwargs = dict(state_format="8bit", block_size=128, shapes=[(5000,)])
+    graphs = counters["stats"]["unique_graphs"]
     sliced = run(OPTIMIZERS[0], 1024, monkeypatch, **kwargs)
+    assert counters["stats"]["unique_graphs"] > graphs, "another test traced this graph first: give this one a block size of its own"
     assert_same(sliced, run(OPTIMIZERS[0], 1 << 30, monkeypatch, **kwargs))
 
 
 def test_foreach_chunks_hold_bounded_elements(monkeypatch):
     """foreach=True, compiled: a chunk holds at most FOREACH_ELEMENTS (here 2048) elements, so the
     300- and 1200-element parameters share one and the 5000-element one is cut into slices of 2048,
-    each stepped by the per-parameter graph (dynamo cannot trace slices inside a foreach graph);
-    the bits of one call on each whole parameter."""
+    each stepped by the per-parameter graph (a slice would fill a chunk alone); the bits of one
+    call on each whole parameter."""
     monkeypatch.setattr(base, "FOREACH_ELEMENTS", 2048)
-    chunks, pieces = [], []
-    original_chunks, original_pieces = base._foreach_chunks, base._pieces
+    chunks, original = [], base._foreach_chunks
 
     def chunks_spy(items):
-        result = original_chunks(items)
+        result = original(items)
         chunks.append([[call[0].numel() for _, call, _ in chunk] for chunk in result])
         return result
 
-    def pieces_spy(call, limit):
-        result = original_pieces(call, limit)
-        pieces.append([piece[0].numel() for piece in result])
-        return result
-
     monkeypatch.setattr(base, "_foreach_chunks", chunks_spy)
-    monkeypatch.setattr(base, "_pieces", pieces_spy)
+    pieces = record_pieces(monkeypatch)
     kwargs = dict(state_format="8bit", param_update="kahan", dtype=torch.bfloat16, shapes=[(40, 125), (300,), (30, 40)])
     together = run(OPTIMIZERS[0], 1 << 30, monkeypatch, foreach=True, **kwargs)
     assert chunks == [[[300, 1200]]] * 3

@@ -6,15 +6,16 @@ Both devices step the same parameters with the same fixed gradients (test_optimi
 gradients computed on each device by a model's backward differ in round-off, and Adam-like steps,
 which normalize tiny gradients to full-size updates, carry such a difference into every later step.
 
-On the GPU the step is the compiled one (the fused kernel is CPU-only). It is compiled here for
-AdamW with every format and for every optimizer with the formats the compiled matrix covers
-(optimizer_info.COMPILED_FORMATS); the other cells step eagerly, which runs the same format
-handlers on CUDA tensors without a compile per cell. The CPU side steps eagerly.
+On the GPU the step is the compiled one (the fused kernel is CPU-only), by default in foreach
+chunks. It is compiled here for AdamW with every format and for every optimizer with the formats the
+compiled matrix covers (optimizer_info.COMPILED_FORMATS); the other cells step eagerly, which runs
+the same format handlers on CUDA tensors without a compile per cell. The CPU side steps eagerly.
+The per-parameter graph (foreach=False), with a parameter cut into slices, has a test of its own.
 """
 
 import pytest
 import torch
-from conftest import FORMATS
+from conftest import FORMATS, format_info
 from optimizer_info import COMPILED_FORMATS, OPTIMIZERS
 from test_optim import assert_same_bits, save_and_load
 from test_optimizers import assert_agree_but_for_flipped_codes, gradients, initial_params, states_of
@@ -56,3 +57,21 @@ def test_cuda_steps_like_the_cpu(opt_info, info):
     for key, state in states_of(resumed, resumed_params).items():
         assert state.device.type == "cpu", key
         assert_same_bits(state, cuda_states[key].cpu(), key)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_cuda_per_parameter_slices_step_like_the_cpu(fmt):
+    """foreach=False on the GPU: one graph call per parameter, and per slice of one above
+    COMPILED_CHUNK (1.1M elements: a slice of 1M and one of 51,424, ending in a partial block)."""
+    adamw = next(o for o in OPTIMIZERS if o.name == "AdamW")
+    runs = []
+    for device, kwargs in (("cuda", dict(foreach=False)), ("cpu", dict(compile=False, fused=False))):
+        g = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in ((1100, 1000), (71,))]
+        opt = adamw.make(params, state_format=fmt, **kwargs)
+        for _ in range(STEPS):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            opt.step()
+        runs.append((params, opt))
+    assert_agree_but_for_flipped_codes(runs, adamw, format_info(fmt))
