@@ -134,8 +134,9 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
     return chunks
 
 
-# elements per call of an elementwise compiled step on a large parameter: its scratch (a few fp32
+# elements per call of an elementwise compiled step on a large CPU parameter: its scratch (a few fp32
 # copies of what it steps, ~20 bytes per element) then stays near 20 MiB, never a whole parameter's
+# (on an accelerator the slices are FOREACH_ELEMENTS long: there each call costs its host time)
 COMPILED_CHUNK = 1 << 20
 
 
@@ -575,7 +576,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         together = self._compile and foreach
         grouped, alone = [], []  # a slice fills a foreach chunk alone: the per-parameter graph steps it
         for p, call, mode in compiled:
-            pieces = _pieces(call, FOREACH_ELEMENTS if together else COMPILED_CHUNK) if self.elementwise_step else [call]
+            # slices small enough for the CPU's caches there; elsewhere few calls, each ~200 us of host time
+            limit = FOREACH_ELEMENTS if together or p.device.type != "cpu" else COMPILED_CHUNK
+            pieces = _pieces(call, limit) if self.elementwise_step else [call]
             if together and len(pieces) == 1:
                 grouped.append((p, call, mode))
             else:
