@@ -131,7 +131,8 @@ class Lion(LowBitOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with its momentum in
     any registered format: the update is lr times the sign of ``beta1 * m + (1 - beta1) * g``, then
     ``m`` moves to ``beta2 * m + (1 - beta2) * g``; weight decay is decoupled (as bitsandbytes').
-    For 8-bit momentum use ``state_format="8bit-linear"`` (formats.OptimState8bitLinear)."""
+    For 8-bit momentum use ``state_format="8bit-linear"`` (formats.OptimState8bitLinear), with
+    ``block_size=32`` to stay within 0.5 % of fp32 momentum on the MLP task (README)."""
 
     step_function = staticmethod(functional.lion_step)
     elementwise_step = True
