@@ -28,17 +28,22 @@ def run(opt_info, chunk: int, monkeypatch, steps: int = 3, dtype=torch.float32, 
     return params, opt
 
 
+def record(monkeypatch, name: str, summary) -> list:
+    """Spy on ``base.<name>``: ``summary`` of what each call returns, in order."""
+    summaries, original = [], getattr(base, name)
+
+    def spy(*args):
+        result = original(*args)
+        summaries.append(summary(result))
+        return result
+
+    monkeypatch.setattr(base, name, spy)
+    return summaries
+
+
 def record_pieces(monkeypatch) -> list[list[int]]:
-    """Spy on base._pieces: the sizes of the slices of each call it cuts."""
-    sizes, original = [], base._pieces
-
-    def spy(call, limit):
-        pieces = original(call, limit)
-        sizes.append([piece[0].numel() for piece in pieces])
-        return pieces
-
-    monkeypatch.setattr(base, "_pieces", spy)
-    return sizes
+    """The sizes of the slices of each call base._pieces cuts."""
+    return record(monkeypatch, "_pieces", lambda pieces: [piece[0].numel() for piece in pieces])
 
 
 def assert_same(a, b):
@@ -102,14 +107,7 @@ def test_foreach_chunks_hold_bounded_elements(monkeypatch):
     each stepped by the per-parameter graph (a slice would fill a chunk alone); the bits of one
     call on each whole parameter."""
     monkeypatch.setattr(base, "FOREACH_ELEMENTS", 2048)
-    chunks, original = [], base._foreach_chunks
-
-    def chunks_spy(items):
-        result = original(items)
-        chunks.append([[call[0].numel() for _, call, _ in chunk] for chunk in result])
-        return result
-
-    monkeypatch.setattr(base, "_foreach_chunks", chunks_spy)
+    chunks = record(monkeypatch, "_foreach_chunks", lambda result: [[call[0].numel() for _, call, _ in chunk] for chunk in result])
     pieces = record_pieces(monkeypatch)
     kwargs = dict(state_format="8bit", param_update="kahan", dtype=torch.bfloat16, shapes=[(40, 125), (300,), (30, 40)])
     together = run(OPTIMIZERS[0], 1 << 30, monkeypatch, foreach=True, **kwargs)

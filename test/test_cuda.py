@@ -18,7 +18,7 @@ import torch
 from conftest import FORMATS, format_info
 from optimizer_info import COMPILED_FORMATS, OPTIMIZERS
 from test_optim import assert_same_bits, save_and_load
-from test_optimizers import assert_agree_but_for_flipped_codes, gradients, initial_params, states_of
+from test_optimizers import assert_agree_but_for_flipped_codes, gradients, run, states_of
 from torch import nn
 
 from lowbit_optim import StateTensor
@@ -30,13 +30,7 @@ STEPS = 3
 
 
 def stepped(opt_info, info, device: str, **kwargs) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
-    params = [nn.Parameter(p.to(device)) for p in initial_params(opt_info)]
-    opt = opt_info.make(params, state_format=opt_info.spec(info), **kwargs)
-    for step_grads in gradients(opt_info, STEPS):
-        for p, g in zip(params, step_grads):
-            p.grad = g.to(device)
-        opt.step()
-    return params, opt
+    return run(lambda params: opt_info.make(params, state_format=opt_info.spec(info), **kwargs), gradients(opt_info, STEPS), opt_info, device)
 
 
 @pytest.mark.parametrize("opt_info, info", CASES)

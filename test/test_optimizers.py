@@ -62,13 +62,13 @@ def initial_params(opt_info) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for shape in opt_info.shapes]
 
 
-def run(make, grads: list[list[torch.Tensor]], opt_info) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
-    """``make(params)``'s optimizer stepped with the given gradients."""
-    params = [nn.Parameter(p.clone()) for p in initial_params(opt_info)]
+def run(make, grads: list[list[torch.Tensor]], opt_info, device: str = "cpu") -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """``make(params)``'s optimizer stepped with the given gradients, on ``device``."""
+    params = [nn.Parameter(p.to(device, copy=True)) for p in initial_params(opt_info)]
     opt = make(params)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+            p.grad = g.to(device, copy=True)
         opt.step()
     return params, opt
 
