@@ -268,3 +268,39 @@ def test_step_time_muon_smoke(eager_lowbit_step, monkeypatch):
     assert set(results) == {"torch-muon", "lowbit-8bit", "lowbit-8bit-lowrank", "newton-schulz"} and results["torch-muon"].ratio_to_fused == 1.0
     assert all(r.median_step_s > 0 for r in results.values()), [r.note for r in results.values()]
     assert results["newton-schulz"].state_bytes_per_param == 0 and results["lowbit-8bit"].state_bytes_per_param > 0
+
+
+def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
+    """benchmarks/state_precision.py: a state rounded to 7 mantissa bits, to nearest, after every step
+    trains exactly as that state in bf16 (the experiment rounds as a format would store); rounded
+    stochastically it trains otherwise; main writes a row per rounding beside the fp32 reference."""
+    import lowbit_optim
+
+    precision = import_script("benchmarks/state_precision")
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38, 1e-40, 0.0, -0.0, math.inf, math.nan])
+    x = torch.cat([torch.randn(4096) * 10.0 ** torch.randint(-30, 30, (4096,)), ties])
+    rounded = x.clone()
+    precision.round_mantissa(rounded, 7, None)
+    bf16 = x.bfloat16().float()
+    assert torch.equal(rounded.isnan(), bf16.isnan())  # (NaN payloads aside)
+    assert torch.equal(rounded.nan_to_num().view(torch.int32), bf16.nan_to_num().view(torch.int32))
+    task = convergence.parse_args(["--task", "mlp", "--optimizer", "ademamix", "--steps", "12", "--seeds", "0", "--eval-every", "0",
+                                   "--mlp-train", "128", "--mlp-val", "64", "--mlp-width", "32"])  # fmt: skip
+    task.state = "exp_avg_sq"
+    data = convergence.make_mlp_dataset(task)
+    kwargs = convergence.OPTIMIZERS["ademamix"].kwargs(task)
+    bf16_state = {"exp_avg": "fp32", "exp_avg_slow": "fp32", "exp_avg_sq": "bf16"}
+    bf16 = convergence.OptimizerSpec("bf16", lambda params, lr, weight_decay, **_: lowbit_optim.AdEMAMix(params, lr=lr, weight_decay=weight_decay, state_format=bf16_state, **kwargs), True)  # fmt: skip
+
+    def losses(spec):
+        return convergence.train_run_mlp(spec, data, task, 0, task.lr, task.betas, 1e-8, task.steps, 0)["train_losses"]
+
+    reference = losses(bf16)
+    assert losses(precision.spec("7rn", task, "7rn")) == reference
+    assert losses(precision.spec("7sr", task, "7sr")) != reference
+    md = tmp_path / "precision.md"
+    out = precision.main(["--steps", "4", "--seeds", "0", "--rounding", "7sr,10rn", "--out-md", str(md)])
+    assert [r["label"] for r in out["rows"]] == ["lowbit fp32", "exp_avg_sq 7-bit mantissa sr", "exp_avg_sq 10-bit mantissa rn"]
+    assert "| exp_avg_sq 10-bit mantissa rn |" in md.read_text()
+    with pytest.raises(SystemExit):
+        precision.main(["--state", "exp_avg_slow", "--optimizer", "adamw", "--steps", "1", "--out-md", str(md)])
