@@ -90,7 +90,16 @@ def main(argv=None) -> dict:
     task.state = args.state
     specs = [spec(convergence.REFERENCE, task, None)]
     specs += [spec(f"{args.state} {r[:-2]}-bit mantissa {r[-2:]}", task, r) for r in args.rounding.split(",")]
-    return convergence.compare(task, specs, convergence.make_mlp_dataset(task))
+    out = convergence.compare(task, specs, convergence.make_mlp_dataset(task))
+    retitle(pathlib.Path(out_md), task)
+    return out
+
+
+def retitle(path: pathlib.Path, task) -> None:
+    """Put this experiment's title over convergence.py's table (its rows are roundings, not formats)."""
+    title = convergence.OPTIMIZERS[task.optimizer].title
+    body = path.read_text().split("\n", 1)[1]
+    path.write_text(f"# State precision: {title} with `{task.state}` rounded after every step, all else fp32 (benchmarks/state_precision.py)\n{body}")
 
 
 if __name__ == "__main__":

@@ -301,6 +301,7 @@ def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
     md = tmp_path / "precision.md"
     out = precision.main(["--steps", "4", "--seeds", "0", "--rounding", "7sr,10rn", "--out-md", str(md)])
     assert [r["label"] for r in out["rows"]] == ["lowbit fp32", "exp_avg_sq 7-bit mantissa sr", "exp_avg_sq 10-bit mantissa rn"]
-    assert "| exp_avg_sq 10-bit mantissa rn |" in md.read_text()
+    text = md.read_text()
+    assert text.startswith("# State precision: AdEMAMix with `exp_avg_sq` rounded") and "| exp_avg_sq 10-bit mantissa rn |" in text
     with pytest.raises(SystemExit):
         precision.main(["--state", "exp_avg_slow", "--optimizer", "adamw", "--steps", "1", "--out-md", str(md)])
