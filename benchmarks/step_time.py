@@ -208,6 +208,9 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
         ]
     rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
     rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "4bit")]
+    if optimizer == "ademamix":  # the MLP task's 8-bit recipe (README, "Which optimizer and format"): the compiled step
+        recipe = {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
+        rows.append(("lowbit-8bit-recipe", lambda params: cls(params, **kwargs, state_format=recipe)))
     return rows
 
 
