@@ -271,6 +271,7 @@ class OptimStateFp8(OptimState):
 
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
 from .lowrank import LowRankState, OptimState4bitLowRank, OptimState4bitLowRankMuLaw, OptimState8bitLowRank  # noqa: E402
+from .stochastic_bf16 import StochasticBF16State  # noqa: E402
 
 
 __all__ = [
@@ -292,6 +293,7 @@ __all__ = [
     "OptimStateNF4",
     "OptimStateFp8",
     "PlainFormat",
+    "StochasticBF16State",
     "check_block_size",
     "convert",
     "is_blockwise",

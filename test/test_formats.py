@@ -35,6 +35,7 @@ from lowbit_optim import quant
 from lowbit_optim.factored import factor_shape
 from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
 from lowbit_optim.lowrank import LowRankState
+from lowbit_optim.stochastic_bf16 import StochasticBF16State
 from lowbit_optim.state import CodebookState, OptimState, StateTensor
 
 BUILTIN_BLOCKWISE = [name for name in BUILTIN_FORMAT_NAMES if is_blockwise(get_format(name))]
@@ -216,7 +217,12 @@ def assert_same_state(a: torch.Tensor, b: torch.Tensor) -> None:
     if isinstance(a, OptimState):
         assert a.codes.dtype == b.codes.dtype == torch.uint8
     for name, t in a._inner().items():
-        assert t.dtype == getattr(b, name).dtype and torch.equal(t, getattr(b, name)), name
+        assert t.dtype == getattr(b, name).dtype and torch.equal(bits(t), bits(getattr(b, name))), name
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits as integers: equal for equal NaNs (payload included), unequal for +0 and -0."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -242,7 +248,11 @@ def noncanonical_state(info: FormatInfo, shape, signed: bool, seed: int = 0) -> 
     reproduces it."""
     fmt, block_size = info.fmt, info.block_size
     g = torch.Generator().manual_seed(seed)
-    if not is_blockwise(fmt):
+    if issubclass(fmt, StochasticBF16State):  # values stored one by one: a NaN payload requantizing drops
+        values = (torch.rand(math.prod(shape), generator=g) * (2 if signed else 1) - (1 if signed else 0)).to(torch.bfloat16)
+        values.view(torch.int16)[0] = 0x7F81
+        state = fmt(values, torch.tensor([7]), torch.Size(shape), signed)
+    elif not is_blockwise(fmt):
         rows, cols = factor_shape(torch.Size(shape))
         state = fmt(torch.rand(rows, generator=g) + 0.5, torch.rand(cols, generator=g) + 0.5, torch.Size(shape), signed)
     else:
@@ -1004,7 +1014,8 @@ OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, 
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)
 OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype=torch.float32, device=cpu)
 OptimState4bitLowRank(shape=(3, 100), signed=True, block_size=128, rank=3, dtype=torch.float32, device=cpu)
-OptimState4bitLowRankMuLaw(shape=(3, 100), signed=True, block_size=64, rank=3, dtype=torch.float32, device=cpu)""")
+OptimState4bitLowRankMuLaw(shape=(3, 100), signed=True, block_size=64, rank=3, dtype=torch.float32, device=cpu)
+StochasticBF16State(shape=(3, 100), signed=True, dtype=torch.float32, device=cpu)""")
 
     def test_builtin_bytes_per_element(self):
         """Memory of the inner tensors (codes + scales, or factors) of a 256 x 256 state with the
@@ -1028,7 +1039,8 @@ fp8: 1.015625
 factored: 0.03125
 8bit-lowrank: 2.015625
 4bit-lowrank: 2.53125
-4bit-lowrank-mulaw: 2.5625""")
+4bit-lowrank-mulaw: 2.5625
+bf16-sr: 2.0001220703125""")
 
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:

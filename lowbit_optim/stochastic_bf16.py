@@ -1,0 +1,92 @@
+"""StochasticBF16State (``bf16-sr``): a state in bf16, each write rounded stochastically.
+
+bf16 keeps 8 significant bits. A slow moving average (AdEMAMix's beta2 = 0.999 second moment, its
+beta3 = 0.9999 slow momentum) moves by 0.1 % or 0.01 % of itself per step, below half of bf16's
+spacing, so rounding to nearest stalls it: AdEMAMix's training loss +127 % with ``exp_avg_sq`` in
+bf16 (README, "AdEMAMix state by state"). Rounded stochastically, up with probability equal to the
+dropped fraction, a state is unbiased and follows the average; with 8 significant bits its noise
+stays below the average's own: -0.35 % and -0.01 % there (benchmarks/state_precision.py).
+
+The random numbers are ``quant.dither``'s hash of each value's bits and its place in its block of
+``HASH_BLOCK`` elements, salted by the block's index and by ``writes``, a count of the state's
+writes that it keeps (8 bytes per state): every step draws anew, and a run repeats bit for bit and
+draws nothing from torch's random stream. The 8- and 4-bit stochastic formats salt with their block
+scale instead, which moves every step in training; a slow average's absmax may not, and then its
+draws repeat: with the absmax as salt, a beta 0.999 average of low-noise targets ended 14 % short
+(test_stochastic_bf16.py). Each element is stored alone (no scale): 2 bytes per value. It takes
+the compiled step (no fused kernel).
+"""
+
+import torch
+from torch import Tensor
+
+from . import quant
+from .state import StateTensor
+
+HASH_BLOCK = 256  # elements per hash block: their absmax salts each block's draws
+
+
+def round_bf16_stochastically(x: Tensor, writes: Tensor) -> Tensor:
+    """fp32 ``x`` (1-D) as bf16, rounded up (in magnitude) with probability equal to the fraction of
+    a bf16 spacing it lies above the value below, the draws salted by ``writes`` (an int64 count);
+    NaN and infinities as bf16 conversion gives them."""
+    count = quant.num_blocks(x.numel(), HASH_BLOCK)
+    blocks = quant.to_blocks(x, HASH_BLOCK, count * HASH_BLOCK)
+    # the salt in the 22 bits above the 10 that dither drops, as fp32 bits (dither reads a scale's)
+    index = torch.arange(count, dtype=torch.int64, device=x.device)
+    salt = ((((writes * 0x9E3779B1 + index * 0x85EBCA77) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
+    u = quant.dither(blocks, salt).view(-1)[: x.numel()]
+    bits = x.view(torch.int32)
+    # adding u * 2**16 to the 16 bits bf16 drops carries into the kept ones exactly when the dropped
+    # fraction exceeds u (sign-magnitude: the same for negative values)
+    rounded = ((bits + (u * 65536.0).to(torch.int32)) >> 16).to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+
+
+class StochasticBF16State(StateTensor):
+    """A state stored as bf16 values written with stochastic rounding (module docstring)."""
+
+    name = "bf16-sr"
+    bits = 16
+    inner_names = ("values", "writes")
+    inner_dtypes = (torch.bfloat16, torch.int64)
+    default_block_size = None  # no blocks: block_size is accepted and ignored
+    stochastic = True
+
+    values: Tensor
+    writes: Tensor  # (1,): how many times the state was written
+
+    @staticmethod
+    def __new__(cls, values: Tensor, writes: Tensor, shape, signed: bool = True, dtype=torch.float32):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=values.device)
+
+    def __init__(self, values: Tensor, writes: Tensor, shape, signed: bool = True, dtype=torch.float32):
+        super().__init__()
+        self.values, self.writes = values, writes
+        self.signed = signed
+        self.block_size = None
+
+    @classmethod
+    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        values, writes = torch.zeros(shape.numel(), dtype=torch.bfloat16, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+        return cls(values, writes, shape, signed, dtype or torch.float32)
+
+    def _meta(self) -> tuple:
+        return (self.signed,)
+
+    def _check_sizes(self) -> None:
+        if self.values.numel() != self.numel() or self.writes.numel() != 1:
+            raise ValueError(f"values has {self.values.numel()} elements and writes {self.writes.numel()}, not {self.numel()} and 1")
+
+    def quantize_(self, x: Tensor) -> None:
+        self.writes.add_(1)
+        self.values.copy_(round_bf16_stochastically(x.float().reshape(-1), self.writes))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        return self.values.view(self.shape).to(dtype or self.dtype)
+
+    def _rows(self, start: int, end: int) -> "StochasticBF16State":
+        row_numel = self.numel() // self.shape[0] if self.dim() and self.shape[0] else 0
+        values = self.values[start * row_numel : end * row_numel]
+        return type(self)(values, self.writes, (end - start, *self.shape[1:]), self.signed, self.dtype)  # one count per state

@@ -1,0 +1,70 @@
+"""bf16-sr (stochastic_bf16.py): the rounding against a brute-force reference, unbiased and repeatable,
+and the reason the format exists: a slow moving average that bf16 to nearest stalls follows its exact
+value. The registry runs it through every other format test."""
+
+import math
+
+import torch
+
+from lowbit_optim import StochasticBF16State
+from lowbit_optim.stochastic_bf16 import round_bf16_stochastically
+
+WRITES = torch.tensor([3])  # the state's write count, which salts the draws
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values at or below and at or above each fp32 x, in float64, by brute force: bf16
+    numbers are fp32 numbers with 16 zero low bits, so truncating the bits gives the one toward zero
+    and the next bf16 number away from zero the other."""
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+    exact = truncated == x.double()
+    away = torch.nextafter(truncated.float().bfloat16(), torch.where(x > 0, math.inf, -math.inf).bfloat16()).double()
+    away = torch.where(exact, truncated, away)
+    low, high = torch.minimum(truncated, away), torch.maximum(truncated, away)
+    return low, high
+
+
+def test_rounds_to_a_neighbour_and_keeps_exact_and_special_values():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * 10.0 ** torch.randint(-30, 30, (20000,), generator=g).float()
+    rounded = round_bf16_stochastically(x, WRITES).double()
+    low, high = bf16_neighbours(x)
+    assert bool(((rounded == low) | (rounded == high)).all())
+    assert bool((rounded == high).any() and (rounded == low).any() and (low != high).any())
+    exact = x.bfloat16().float()
+    assert torch.equal(round_bf16_stochastically(exact, WRITES).float(), exact)  # bf16 values stay
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
+    out = round_bf16_stochastically(special, WRITES).float()
+    assert torch.equal(out[:4].view(torch.int32), special[:4].view(torch.int32)) and bool(out[4].isnan())
+
+
+def test_unbiased_and_repeatable():
+    """Values a fraction f of a bf16 spacing above a bf16 number round up with probability f (many
+    blocks of different values, so the draws are independent), and the same input rounds the same."""
+    g = torch.Generator().manual_seed(1)
+    base = (1 + torch.randint(0, 128, (65536,), generator=g).float() / 128) * 2.0 ** torch.randint(-20, 20, (65536,), generator=g).float()
+    for fraction in (0.03, 0.25, 0.5, 0.9):
+        x = base * (1 + fraction * 2**-7 / (base / 2.0 ** base.log2().floor()))  # f of the spacing at base
+        low, high = bf16_neighbours(x)
+        position = (x.double() - low) / (high - low)
+        up = (round_bf16_stochastically(x, WRITES).double() == high).double()
+        assert abs(float(up.mean()) - float(position.mean())) < 4 * math.sqrt(0.25 / x.numel())
+        assert torch.equal(round_bf16_stochastically(x, WRITES), round_bf16_stochastically(x, WRITES))
+
+
+def test_slow_average_follows_where_nearest_stalls():
+    """An average with beta 0.999 moving from 1 towards 2 (0.1 % of itself per step, under half of
+    bf16's spacing) for 1000 steps: bf16 to nearest never leaves 1; bf16-sr ends within 1 % of
+    the exact value on average."""
+    n, beta = 4096, 0.999
+    exact = torch.ones(n, dtype=torch.float64)
+    nearest = torch.ones(n).bfloat16()
+    state = StochasticBF16State.from_float(torch.ones(n))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(1000):
+        target = 2 + 0.1 * torch.randn(n, generator=g)
+        exact = beta * exact + (1 - beta) * target.double()
+        nearest = (beta * nearest.float() + (1 - beta) * target).bfloat16()
+        state.copy_(beta * state.dequantize() + (1 - beta) * target)
+    assert bool((nearest.float() == 1).all())
+    assert abs(float(state.dequantize().double().mean() / exact.mean()) - 1) < 0.01
