@@ -4,7 +4,8 @@ The compiled step (a functional.py step under torch.compile) defines the numeric
 device and format. On the CPU, inductor turns it into several passes (moments, block absmax,
 encoding) with scalar table gathers; the C kernel (csrc/) computes the same numbers in one pass per
 chunk of blocks, for plain fp32/bf16 states and every format that declares a kernel layout
-(``StateTensor.kernel_layout``: codebook formats, also with stochastic rounding, FP8 e4m3, factored).
+(``StateTensor.kernel_layout``: codebook formats, also with stochastic rounding, FP8 e4m3, factored,
+bf16 with stochastic rounding).
 Factored states it steps with one difference: it sums rows and columns in double, in its own order,
 so their sums can differ from the compiled step's in the last bit. bf16 parameters it rounds to
 nearest or keeps with an int8-correction (24-bit weights); anything else (a format with its own

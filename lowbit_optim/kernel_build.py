@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 
-from . import affine_codes, precision, quant
+from . import affine_codes, precision, quant, stochastic_bf16
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 MAIN_SOURCE = SOURCE_DIR / "fused_step.c"  # the one translation unit; it includes the others
@@ -50,6 +50,9 @@ def defines() -> list[str]:
         f"-DAFFINE_SMALLEST=((float){affine_codes.SMALLEST!r})",
         f"-DMIN_BLOCK_SCALE=((float){quant.MIN_BLOCK_SCALE!r})",  # rounded from double as torch's clamp rounds it
         f"-DCORRECTION_UNITS_PER_ULP=((float){precision.CORRECTION_UNITS_PER_ULP!r})",
+        f"-DBF16_SR_HASH_BLOCK={stochastic_bf16.HASH_BLOCK}",
+        f"-DBF16_SR_WRITES_MIX={stochastic_bf16.WRITES_MIX:#x}u",
+        f"-DBF16_SR_BLOCK_MIX={stochastic_bf16.BLOCK_MIX:#x}u",
     ]
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import affine_codes, kernel_abi
 from .factored import FactoredState
+from .stochastic_bf16 import StochasticBF16State
 from .state import OptimState, StateTensor, describe_tensor
 
 ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf16 tensor
@@ -136,7 +137,7 @@ def chunk_unit(states) -> int:
     unit = 1
     for state in states:
         if isinstance(state, StateTensor):  # plain states: any chunk
-            unit = math.lcm(unit, max(state.col.numel() if isinstance(state, FactoredState) else state.block_size, 1))
+            unit = math.lcm(unit, max(state.col.numel() if isinstance(state, FactoredState) else state.block_size or 1, 1))  # bf16-sr: no blocks
     return unit
 
 
@@ -218,7 +219,9 @@ class _Writers:
         Param, State = k.structs["param_t"], k.structs["state_t"]
         self.param_size, self.state_size, self.states_at = ctypes.sizeof(Param), ctypes.sizeof(State), Param.state.offset
         self.param = kernel_abi.packer(Param, "numel", "param_kind", "grad_kind", "param", "grad", "step", "correction")
-        self.block_size, self.data, self.scale, self.col, self.cols = (kernel_abi.packer(State, name) for name in ("block_size", "data", "scale", "col", "cols"))
+        self.block_size, self.data, self.scale, self.col, self.cols, self.writes = (
+            kernel_abi.packer(State, name) for name in ("block_size", "data", "scale", "col", "cols", "writes")
+        )
 
 
 @functools.cache
@@ -237,6 +240,9 @@ def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tens
             w.block_size.write(buffer, at, state.block_size)
             w.data.write(buffer, at, state.codes.data_ptr())
             w.scale.write(buffer, at, state.scale.data_ptr())
+        elif isinstance(state, StochasticBF16State):  # bf16 values and the count of writes the kernel adds to
+            w.data.write(buffer, at, state.values.data_ptr())
+            w.writes.write(buffer, at, state.writes.data_ptr())
         else:  # factored: row and column sums
             w.data.write(buffer, at, state.row.data_ptr())
             w.col.write(buffer, at, state.col.data_ptr())

@@ -13,17 +13,20 @@ writes that it keeps (8 bytes per state): every step draws anew, and a run repea
 draws nothing from torch's random stream. The 8- and 4-bit stochastic formats salt with their block
 scale instead, which moves every step in training; a slow average's absmax may not, and then its
 draws repeat: with the absmax as salt, a beta 0.999 average of low-noise targets ended 14 % short
-(test_stochastic_bf16.py). Each element is stored alone (no scale): 2 bytes per value. It takes
-the compiled step (no fused kernel).
+(test_stochastic_bf16.py). Each element is stored alone (no scale): 2 bytes per value. The fused
+CPU kernel steps it (csrc/stochastic.h), bit for bit as the compiled step.
 """
 
 import torch
 from torch import Tensor
 
 from . import quant
-from .state import StateTensor
+from .state import KernelLayout, StateTensor, computes_as
 
-HASH_BLOCK = 256  # elements per hash block: their absmax salts each block's draws
+HASH_BLOCK = 256  # elements per hash block (a value's place in it enters the hash)
+# the salt of block b after w writes: (w * WRITES_MIX + b * BLOCK_MIX) mod 2**22 (the fused kernel's too)
+WRITES_MIX = 0x9E3779B1
+BLOCK_MIX = 0x85EBCA77
 
 
 def round_bf16_stochastically(x: Tensor, writes: Tensor) -> Tensor:
@@ -34,7 +37,7 @@ def round_bf16_stochastically(x: Tensor, writes: Tensor) -> Tensor:
     blocks = quant.to_blocks(x, HASH_BLOCK, count * HASH_BLOCK)
     # the salt in the 22 bits above the 10 that dither drops, as fp32 bits (dither reads a scale's)
     index = torch.arange(count, dtype=torch.int64, device=x.device)
-    salt = ((((writes * 0x9E3779B1 + index * 0x85EBCA77) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
+    salt = ((((writes * WRITES_MIX + index * BLOCK_MIX) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
     u = quant.dither(blocks, salt).view(-1)[: x.numel()]
     bits = x.view(torch.int32)
     # adding u * 2**16 to the 16 bits bf16 drops carries into the kept ones exactly when the dropped
@@ -78,6 +81,10 @@ class StochasticBF16State(StateTensor):
     def _check_sizes(self) -> None:
         if self.values.numel() != self.numel() or self.writes.numel() != 1:
             raise ValueError(f"values has {self.values.numel()} elements and writes {self.writes.numel()}, not {self.numel()} and 1")
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        return KernelLayout("bf16-sr") if computes_as(cls, StochasticBF16State, "quantize_", "dequantize") else None
 
     def quantize_(self, x: Tensor) -> None:
         self.writes.add_(1)

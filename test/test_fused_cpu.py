@@ -146,6 +146,9 @@ OTHER_OPTIMIZER_CASES = {
     "AdEMAMix 4bit, warm-ups, maximize": dict(cls=ADEMAMIX, state_format="4bit", t_alpha=5, t_beta3=7, maximize=True),
     "AdEMAMix fp8, bf16 params, betas <= 0.5": dict(cls=ADEMAMIX, state_format="fp8", dtype=BF16, betas=(0.3, 0.5, 0.9)),
     "AdEMAMix bf16 states, warm-up of beta3": dict(cls=ADEMAMIX, state_format="bf16", t_beta3=4),
+    "AdEMAMix 8bit-linear / bf16-sr / bf16-sr, bf16 params": dict(
+        cls=ADEMAMIX, state_format={"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}, dtype=BF16
+    ),
     "SGD 4bit, int8-correction": dict(cls=SGD, momentum=0.9, state_format="4bit", dtype=BF16, param_update="int8-correction"),
     "Lion 8bit, int8-correction": dict(cls=LION, state_format="8bit", dtype=BF16, param_update="int8-correction"),
     "AdEMAMix 8bit, int8-correction": dict(cls=ADEMAMIX, state_format="8bit", dtype=BF16, param_update="int8-correction"),
@@ -253,6 +256,7 @@ OTHER_BUILD_CASES = [
     dict(cls=lowbit_optim.Lion, state_format="8bit", dtype=torch.bfloat16),
     dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "fp8", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit"}, t_alpha=5, t_beta3=7),
     dict(cls=lowbit_optim.AdEMAMix, state_format="bf16", maximize=True),
+    dict(state_format="bf16-sr"),  # the hash and carry, as each build compiles them
 ]
 
 
@@ -755,7 +759,7 @@ def test_structures_come_from_the_c_table():
     state, param = kernel.structs["state_t"], kernel.structs["param_t"]
     assert {"kind", "block_size", "codebook", "near_code", "stochastic", "col", "col_sums"} <= dict(state._fields_).keys()
     assert dict(param._fields_)["state"]._length_ == kernel.limits["max_states"]
-    assert kernel.kinds.keys() == {"none", "f32", "bf16", "codebook", "e4m3", "factored"} and kernel.kinds["none"] == 0
+    assert kernel.kinds.keys() == {"none", "f32", "bf16", "codebook", "e4m3", "factored", "bf16-sr"} and kernel.kinds["none"] == 0
     assert kernel.optimizers["adam"].states == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     with pytest.raises(AttributeError, match="'state_t' object has no attribute 'blocksize'"):
         state(blocksize=256)

@@ -15,7 +15,8 @@
 
 /* How a state, parameter or gradient is stored. The names are KernelLayout.kind's (state.py) and
  * the tensors' dtypes'; Python reads the numbers from the table (lowbit_abi_constant). */
-#define KINDS(KIND) KIND(NONE, "none") KIND(F32, "f32") KIND(BF16, "bf16") KIND(CODEBOOK, "codebook") KIND(E4M3, "e4m3") KIND(FACTORED, "factored")
+#define KINDS(KIND) KIND(NONE, "none") KIND(F32, "f32") KIND(BF16, "bf16") KIND(CODEBOOK, "codebook") KIND(E4M3, "e4m3") KIND(FACTORED, "factored") \
+    KIND(BF16_SR, "bf16-sr")
 #define DECLARE_KIND(id, name) KIND_##id,
 enum { KINDS(DECLARE_KIND) };
 
@@ -62,7 +63,8 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
     FIELD(S, int64_t, cols)                                                                                   \
     FIELD(S, float *, col_scaled)           /* the kernel's, for one step: col / total */                     \
     FIELD(S, float, zero)                   /* the kernel's: total - total (0, or NaN if not finite) */       \
-    FIELD(S, double *, col_sums)            /* the kernel's: each task's sums of the new columns */
+    FIELD(S, double *, col_sums)            /* the kernel's: each task's sums of the new columns */          \
+    FIELD(S, int64_t *, writes)             /* KIND_BF16_SR: its count of writes, incremented first */
 DECLARE_STRUCT(state_t, STATE_FIELDS)
 
 /* One parameter: its values, gradient, step counter and states. */

@@ -47,6 +47,7 @@ static void store_param(const param_t *t, int64_t start, int64_t n, const float 
 /* The chunk's n values of a state: fp32 states in place, the others decoded into buffer. */
 static float *load_state(const state_t *s, int64_t start, int64_t n, float *buffer) {
     if (s->kind == KIND_F32 || s->kind == KIND_BF16) return load_values(s->kind, s->data, start, n, buffer);
+    if (s->kind == KIND_BF16_SR) return load_values(KIND_BF16, s->data, start, n, buffer);
     if (s->kind == KIND_FACTORED) {
         load_factored(s, start, n, buffer);
         return buffer;
@@ -78,6 +79,10 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
     }
     if (s->kind == KIND_FACTORED) {
         store_factored(s, start, n, x, col_sums);
+        return;
+    }
+    if (s->kind == KIND_BF16_SR) {
+        store_bf16_stochastic((uint16_t *)s->data, start, n, x, *s->writes);
         return;
     }
     int64_t bs = s->block_size;

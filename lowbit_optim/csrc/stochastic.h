@@ -13,14 +13,32 @@ static inline uint32_t dither_salt(float scale) { return (bits_of(scale) >> DITH
 /* quant.dither for value v at place j of a block whose term is salt: the Python's int64 arithmetic
  * masked to 32 bits is uint32 arithmetic. The top 24 bits of the hash, a number in [0, 1) exact in
  * fp32 (converted as int32: AVX2 has no unsigned conversion). */
-static inline float dither(float v, uint32_t j, uint32_t salt) {
+static inline uint32_t dither_hash(float v, uint32_t j, uint32_t salt) {
     uint32_t h = (bits_of(v) >> DITHER_DROPPED_BITS) ^ (j * DITHER_PLACE + salt);
     h ^= h >> 16;
     h *= 0x7FEB352Du;
     h ^= h >> 15;
     h *= 0x5BD1E995u;
-    h ^= h >> 16;
-    return (float)(int32_t)(h >> 8) * 0x1p-24f;
+    return h ^ (h >> 16);
+}
+
+static inline float dither(float v, uint32_t j, uint32_t salt) { return (float)(int32_t)(dither_hash(v, j, salt) >> 8) * 0x1p-24f; }
+
+/* stochastic_bf16.round_bf16_stochastically of the n values x of elements start.. of a state whose
+ * count of writes (this one included) is writes: the hash salted per block of BF16_SR_HASH_BLOCK by
+ * the block's index and the count; the dither's top 16 bits added below bf16's 16 carry into the
+ * kept bits with probability the dropped fraction. Non-finite values as bf16 conversion gives them. */
+static void store_bf16_stochastic(uint16_t *dst, int64_t start, int64_t n, const float *x, int64_t writes) {
+    for (int64_t i = 0; i < n;) {
+        int64_t j = start + i, block = j / BF16_SR_HASH_BLOCK, end = (block + 1) * BF16_SR_HASH_BLOCK - start;
+        uint64_t mixed = ((uint64_t)writes * BF16_SR_WRITES_MIX + (uint64_t)block * BF16_SR_BLOCK_MIX) & 0x3FFFFFu;
+        uint32_t salt = dither_salt(float_of(((uint32_t)mixed << 10) ^ 0x80000000u));  /* the Python's int32 salt bits */
+        for (; i < n && i < end; i++) {
+            float v = x[i];
+            uint32_t place = (uint32_t)((start + i) % BF16_SR_HASH_BLOCK);
+            dst[start + i] = isfinite(v) ? (uint16_t)((bits_of(v) + (dither_hash(v, place, salt) >> 16)) >> 16) : f32_to_bf16(v);
+        }
+    }
 }
 
 /* The first step of quant.dither for places 0..15 (0..7) of a block: j * DITHER_PLACE + salt, a
