@@ -208,9 +208,12 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
         ]
     rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
     rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "4bit")]
-    if optimizer == "ademamix":  # the MLP task's 8-bit recipe (README, "Which optimizer and format"): the compiled step
-        recipe = {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-sr"}
-        rows.append(("lowbit-8bit-recipe", lambda params: cls(params, **kwargs, state_format=recipe)))
+    if optimizer == "ademamix":  # the MLP task's recipes (README, "AdEMAMix state by state")
+        recipes = {
+            "lowbit-recipe": {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"},
+            "lowbit-recipe-lowrank": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "bf16-sr"},
+        }
+        rows += [(label, lambda params, f=f: cls(params, **kwargs, state_format=f)) for label, f in recipes.items()]
     return rows
 
 
