@@ -189,7 +189,7 @@ def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
         "lowbit_step": ([ctypes.c_int64, param, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
         "lowbit_decode": ([state, ctypes.c_int64, ctypes.c_void_p], None),
         "lowbit_encode": ([state, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], None),
-        "lowbit_quantize": ([state, ctypes.c_void_p, ctypes.c_int64], None),
+        "lowbit_quantize": ([state, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None),
         "lowbit_divide": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p], None),
     }
     for name, (argtypes, restype) in prototypes.items():

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from . import affine_codes, kernel_abi
 from .factored import FactoredState
-from .stochastic_bf16 import StochasticBF16State
 from .state import OptimState, StateTensor, describe_tensor
 
 ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf16 tensor
@@ -236,11 +235,12 @@ def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tens
         w.data.write(buffer, at, state.data_ptr())
     else:
         buffer[at : at + w.state_size] = _format_description(k, type(state), state.signed)
-        if isinstance(state, OptimState):
+        kind = format_kind(type(state), state.signed)
+        if kind in ("codebook", "e4m3"):
             w.block_size.write(buffer, at, state.block_size)
             w.data.write(buffer, at, state.codes.data_ptr())
             w.scale.write(buffer, at, state.scale.data_ptr())
-        elif isinstance(state, StochasticBF16State):  # bf16 values and the count of writes the kernel adds to
+        elif kind == "bf16-sr":  # bf16 values and the count of writes the kernel adds to
             w.data.write(buffer, at, state.values.data_ptr())
             w.writes.write(buffer, at, state.writes.data_ptr())
         else:  # factored: row and column sums

@@ -281,9 +281,9 @@ def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
     x = torch.cat([torch.randn(4096) * 10.0 ** torch.randint(-30, 30, (4096,)), ties])
     rounded = x.clone()
     precision.round_mantissa(rounded, 7, None)
-    bf16 = x.bfloat16().float()
-    assert torch.equal(rounded.isnan(), bf16.isnan())  # (NaN payloads aside)
-    assert torch.equal(rounded.nan_to_num().view(torch.int32), bf16.nan_to_num().view(torch.int32))
+    converted = x.bfloat16().float()
+    assert torch.equal(rounded.isnan(), converted.isnan())  # (NaN payloads aside)
+    assert torch.equal(rounded.nan_to_num().view(torch.int32), converted.nan_to_num().view(torch.int32))
     task = convergence.parse_args(["--task", "mlp", "--optimizer", "ademamix", "--steps", "12", "--seeds", "0", "--eval-every", "0",
                                    "--mlp-train", "128", "--mlp-val", "64", "--mlp-width", "32"])  # fmt: skip
     task.state = "exp_avg_sq"

@@ -23,6 +23,7 @@ import lowbit_optim
 from conftest import all_formats
 from lowbit_optim import FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
+from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
@@ -235,7 +236,7 @@ def quantize_with_kernel(state, x: torch.Tensor) -> None:
         piece = x[start : start + size]
         chunk = type(state).zeros(piece.numel(), signed=state.signed, block_size=state.block_size)
         values = torch.cat([piece, piece.new_zeros(chunk.padded_numel - piece.numel())])  # room to the block boundary
-        fused_cpu.library().lowbit_quantize(state_t(chunk), values.data_ptr(), piece.numel())
+        fused_cpu.library().lowbit_quantize(state_t(chunk), values.data_ptr(), 0, piece.numel())
         state.codes[start * state.bits // 8 :][: chunk.codes.numel()] = chunk.codes
         state.scale[start // state.block_size :][: chunk.scale.numel()] = chunk.scale
 
@@ -272,6 +273,25 @@ def test_builds_for_other_cpus_match(flag):
     with kernel_built_with(flag):
         for kwargs, reference in zip(OTHER_BUILD_CASES, expected):
             assert_identical(run(True, **kwargs), reference, exact_sums=True)
+
+
+@build_flags
+def test_kernel_rounds_bf16_like_the_format(flag):
+    """bf16-sr's store (store_bf16_stochastic) gives round_bf16_stochastically's bits from any element
+    on (chunks may start mid-block: a factored state's rows set their length) and at any count of
+    writes (its products wrap in 64 bits as torch's do)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, generator=g) * 10.0 ** torch.randint(-20, 20, (3000,), generator=g).float()
+    x[:5] = torch.tensor([0.0, -0.0, math.inf, -math.inf, 3.4e38])  # 3.4e38 may carry into infinity
+    with kernel_built_with(flag):
+        for writes in (1, 12345, 2**40 + 5, 2**62 + 3):
+            state = StochasticBF16State.zeros(x.numel())
+            state.writes.fill_(writes)
+            for start, end in ((0, 100), (100, 357), (357, 1400), (1400, 3000)):
+                piece = x[start:end].clone()
+                fused_cpu.library().lowbit_quantize(state_t(state), piece.data_ptr(), start, end - start)
+            expected = round_bf16_stochastically(x, torch.tensor([writes]))
+            assert torch.equal(state.values.view(torch.int16), expected.view(torch.int16)), writes
 
 
 def test_fused_step_compiles_nothing():

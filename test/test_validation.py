@@ -84,8 +84,7 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(state: StateTensor, index: int) -> str:
-    names = state.inner_names  # codes / scale, a factored state's row / col, or bf16-sr's values alone
-    return names[min(index, len(names) - 1)]
+    return state.inner_names[index]  # codes / scale, a factored state's row / col, or bf16-sr's values / writes
 
 
 def _bad_metadata(state: StateTensor) -> None:

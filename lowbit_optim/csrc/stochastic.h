@@ -1,14 +1,20 @@
-/* Stochastic rounding (quant.dither, quant.encode_stochastic). Each value goes to one of the two
- * codes around it, the upper one with probability (v - a) / (b - a), drawn from a hash of its bits,
- * its place in the block and the block's scale: the compiled step's codes exactly, in each of the
- * three paths. 4-bit codes are found in one pass (encode_stochastic4); 8-bit ones as a second pass
- * over the nearest codes (round_stochastically). */
+/* Stochastic rounding (quant.dither, quant.encode_stochastic, stochastic_bf16). Each value goes to
+ * one of the two codes (bf16 values) around it, the upper one with probability (v - a) / (b - a),
+ * drawn from a hash of its bits, its place in the block and a salt (a codebook block's scale; for
+ * bf16-sr, its block's index and the state's count of writes): the compiled step's codes exactly, in
+ * each of the three paths. 4-bit codes are found in one pass (encode_stochastic4); 8-bit ones as a
+ * second pass over the nearest codes (round_stochastically); bf16 values by a carry
+ * (store_bf16_stochastic). */
 #if !defined(DITHER_DROPPED_BITS) || !defined(DITHER_PLACE) || !defined(DITHER_SALT)
 #error "build with -DDITHER_DROPPED_BITS, -DDITHER_PLACE and -DDITHER_SALT from quant, as kernel_build.py does (the hash must stay quant.dither's)"
 #endif
+#if !defined(BF16_SR_HASH_BLOCK) || !defined(BF16_SR_WRITES_MIX) || !defined(BF16_SR_BLOCK_MIX)
+#error "build with -DBF16_SR_HASH_BLOCK, -DBF16_SR_WRITES_MIX and -DBF16_SR_BLOCK_MIX from stochastic_bf16, as kernel_build.py does"
+#endif
 
-/* quant.dither's term of a block's scale, which it adds to every place's term */
-static inline uint32_t dither_salt(float scale) { return (bits_of(scale) >> DITHER_DROPPED_BITS) * DITHER_SALT; }
+/* quant.dither's term of a block's scale (given as its fp32 bits), which it adds to every place's term */
+static inline uint32_t dither_salt_of_bits(uint32_t bits) { return (bits >> DITHER_DROPPED_BITS) * DITHER_SALT; }
+static inline uint32_t dither_salt(float scale) { return dither_salt_of_bits(bits_of(scale)); }
 
 /* quant.dither for value v at place j of a block whose term is salt: the Python's int64 arithmetic
  * masked to 32 bits is uint32 arithmetic. The top 24 bits of the hash, a number in [0, 1) exact in
@@ -32,7 +38,7 @@ static void store_bf16_stochastic(uint16_t *dst, int64_t start, int64_t n, const
     for (int64_t i = 0; i < n;) {
         int64_t j = start + i, block = j / BF16_SR_HASH_BLOCK, end = (block + 1) * BF16_SR_HASH_BLOCK - start;
         uint64_t mixed = ((uint64_t)writes * BF16_SR_WRITES_MIX + (uint64_t)block * BF16_SR_BLOCK_MIX) & 0x3FFFFFu;
-        uint32_t salt = dither_salt(float_of(((uint32_t)mixed << 10) ^ 0x80000000u));  /* the Python's int32 salt bits */
+        uint32_t salt = dither_salt_of_bits(((uint32_t)mixed << 10) ^ 0x80000000u);  /* the Python's int32 salt bits */
         for (; i < n && i < end; i++) {
             float v = x[i];
             uint32_t place = (uint32_t)((start + i) % BF16_SR_HASH_BLOCK);

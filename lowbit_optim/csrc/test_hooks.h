@@ -12,9 +12,9 @@ void lowbit_encode(const state_t *s, const float *v, int64_t n, uint8_t *codes) 
     encode_block(s, v, 1.0f, n, codes, &none);
 }
 
-/* The codes and scales a step stores for n values x (n <= MAX_CHUNK; x has room up to the next block
- * boundary and is overwritten), written into s's data and scale from element 0. */
-void lowbit_quantize(const state_t *s, float *x, int64_t n) { store_state(s, 0, n, x, NULL); }
+/* The codes and scales a step stores for the n values x of elements start.. (n <= MAX_CHUNK; x has
+ * room up to the next block boundary and is overwritten), written into s's data and scale. */
+void lowbit_quantize(const state_t *s, float *x, int64_t start, int64_t n) { store_state(s, start, n, x, NULL); }
 
 /* out[i] = a[i] / b, divided as the kernel divides by a block's scale, or (root) as Adam's update
  * divides square roots by sqrt(1 - beta2**t). */
