@@ -129,6 +129,21 @@ quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.na
 blockwise_formats = pytest.mark.parametrize("info", BLOCKWISE_FORMATS, ids=[f.name for f in BLOCKWISE_FORMATS])
 
 
+def reshard(fmt, one, two, cut: int):
+    """DCP's copies between shards, as dcp.load makes them (distributed.ShardView): the 2-rank states
+    ``two`` (rows [:cut] and [cut:]) into a new 1-rank state, and the 1-rank state ``one`` into two
+    new ones. Returns (joined, split)."""
+    from lowbit_optim.distributed import ShardView
+
+    joined = fmt.zeros(one.shape)
+    ShardView(joined)[:cut].copy_(ShardView(two[0]))
+    ShardView(joined)[cut:].copy_(ShardView(two[1]))
+    split = [fmt.zeros(t.shape) for t in two]
+    ShardView(split[0]).copy_(ShardView(one)[:cut])
+    ShardView(split[1]).copy_(ShardView(one)[cut:])
+    return joined, split
+
+
 def signedness_id(signed: bool) -> str:
     return "signed" if signed else "unsigned"
 

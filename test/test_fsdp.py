@@ -746,6 +746,7 @@ def _blockwise_formats():
 def test_shard_view_reshards(info, shape, cut):
     """2 -> 1 and 1 -> 2 copies, as dcp.load makes them: exact where the shard boundary is a block
     boundary (or the blocks' elements come from one saved block), else within half a code step."""
+    from conftest import reshard
     from lowbit_optim.distributed import ShardView
 
     fmt = info.fmt
@@ -754,12 +755,7 @@ def test_shard_view_reshards(info, shape, cut):
     two = [fmt.from_float(one.dequantize()[:cut]), fmt.from_float(one.dequantize()[cut:])]
     assert isinstance(one.__get_tensor_shard__(None), ShardView)  # what DCP reads and writes
 
-    joined = fmt.zeros(shape)
-    ShardView(joined)[:cut].copy_(ShardView(two[0]))
-    ShardView(joined)[cut:].copy_(ShardView(two[1]))
-    split = [fmt.zeros(t.shape) for t in two]
-    ShardView(split[0]).copy_(ShardView(one)[:cut])
-    ShardView(split[1]).copy_(ShardView(one)[cut:])
+    joined, split = reshard(fmt, one, two, cut)
 
     row = x.numel() // shape[0]
     on_blocks = cut * row % fmt.default_block_size == 0

@@ -11,7 +11,7 @@ import torch
 
 import lowbit_optim
 import lowbit_optim.distributed  # noqa: F401  (registers the DCP views)
-from conftest import CUSTOM_FORMAT_EXAMPLE
+from conftest import CUSTOM_FORMAT_EXAMPLE, reshard
 from lowbit_optim import CodebookState, LowRankState, OptimState8bitLowRank
 from lowbit_optim.lowrank import start_basis
 
@@ -185,12 +185,7 @@ def test_distributed_checkpoints_load_whole(fmt):
     assert all(torch.equal(getattr(copy, name), getattr(one, name)) for name in fmt.inner_names)
 
     two = [fmt.from_float(x[:72]), fmt.from_float(x[72:])]
-    joined = fmt.zeros(x.shape)
-    ShardView(joined)[:72].copy_(ShardView(two[0]))
-    ShardView(joined)[72:].copy_(ShardView(two[1]))
-    split = [fmt.zeros(t.shape) for t in two]
-    ShardView(split[0]).copy_(ShardView(one)[:72])
-    ShardView(split[1]).copy_(ShardView(one)[72:])
+    joined, split = reshard(fmt, one, two, 72)
     plain = lowbit_optim.get_format("8bit" if fmt.bits == 8 else "4bit-calibrated")
     for got, want in ((joined.dequantize(), torch.cat([t.dequantize() for t in two])), (torch.cat([t.dequantize() for t in split]), one.dequantize())):
         assert (got - want).norm() < (plain.from_float(want).dequantize() - want).norm() / 5

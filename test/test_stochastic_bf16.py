@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from conftest import reshard
 from lowbit_optim import StochasticBF16State, quant
 from lowbit_optim.stochastic_bf16 import round_bf16_stochastically
 
@@ -99,17 +100,10 @@ def test_slow_average_follows_where_nearest_stalls():
 def test_checkpoint_reshards_exactly():
     """DCP's copies between shards (distributed.ShardView, 2 -> 1 and 1 -> 2 ranks): bf16 values
     written again round to themselves, so a resharded state holds the saved values exactly."""
-    from lowbit_optim.distributed import ShardView
-
     x = torch.randn(300, 7, generator=torch.Generator().manual_seed(3))
     one = StochasticBF16State.from_float(x)
     two = [StochasticBF16State.from_float(one.dequantize()[:100]), StochasticBF16State.from_float(one.dequantize()[100:])]
-    joined = StochasticBF16State.zeros(x.shape)
-    ShardView(joined)[:100].copy_(ShardView(two[0]))
-    ShardView(joined)[100:].copy_(ShardView(two[1]))
-    split = [StochasticBF16State.zeros(t.shape) for t in two]
-    ShardView(split[0]).copy_(ShardView(one)[:100])
-    ShardView(split[1]).copy_(ShardView(one)[100:])
+    joined, split = reshard(StochasticBF16State, one, two, 100)
     assert torch.equal(joined.dequantize(), one.dequantize())
     assert torch.equal(torch.cat([t.dequantize() for t in split]), one.dequantize())
     assert torch.equal(one[100:].dequantize(), one.dequantize()[100:])  # a row slice reads its rows
