@@ -5,7 +5,6 @@ tensor dtype behind the same interface, so the optimizer treats every format ali
 """
 
 import functools
-import hashlib
 import inspect
 
 import torch
@@ -13,7 +12,7 @@ from torch import Tensor
 
 from . import foreign, quant
 from .registry import get_format, register_format, registered_formats
-from .state import CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as
+from .state import CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as, extend_fingerprint
 
 
 def paired_state_format(name: str, exp_avg: str = "4bit"):
@@ -200,7 +199,7 @@ class StochasticRounding:
         # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
         constants = (quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
         text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(constants)
-        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+        return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 
 class OptimState4bit(StochasticRounding, OptimStateNF4):

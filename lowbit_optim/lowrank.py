@@ -35,7 +35,6 @@ a low-rank part of its own.
 """
 
 import functools
-import hashlib
 import inspect
 from typing import ClassVar
 
@@ -43,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import CodebookState, _format_name
+from .state import CodebookState, _format_name, extend_fingerprint
 
 
 def start_basis(cols: int, rank: int, device) -> Tensor:
@@ -123,7 +122,7 @@ class LowRankState(CodebookState):
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the subspace iteration's start lives outside the methods the base hashes
         text = inspect.getsource(start_basis) + inspect.getsource(LowRankState._low_rank)
-        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+        return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     def quantize_(self, x: Tensor) -> None:
         values = x.float()

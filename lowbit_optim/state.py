@@ -58,6 +58,12 @@ class KernelLayout:
     stochastic: bool = False
 
 
+def extend_fingerprint(fingerprint: str, text: str) -> str:
+    """A format's numerics fingerprint (StateTensor._numerics_fingerprint) extended by ``text``: more
+    of what defines its numbers (a subclass's tables, the source of functions it rounds with)."""
+    return hashlib.sha256((fingerprint + text).encode()).hexdigest()[:16]
+
+
 def computes_as(cls, base, *methods: str) -> bool:
     """Whether ``cls`` inherits ``methods`` from ``base`` unchanged: only then may it declare
     ``base``'s kernel layout (a subclass with its own encoding must take the compiled step)."""
@@ -443,7 +449,7 @@ class CodebookState(OptimState):
     def _numerics_fingerprint(cls, signed: bool) -> str:
         tables = _table_values(cls, signed)
         text = repr([tables[name][0] for name in ("codebook", "threshold")])
-        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+        return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 
 def _codebook_tensor(cls, signed: bool, device: torch.device) -> Tensor:

@@ -18,14 +18,13 @@ CPU kernel steps it (csrc/stochastic.h), bit for bit as the compiled step.
 """
 
 import functools
-import hashlib
 import inspect
 
 import torch
 from torch import Tensor
 
 from . import quant
-from .state import KernelLayout, StateTensor, computes_as
+from .state import KernelLayout, StateTensor, computes_as, extend_fingerprint
 
 HASH_BLOCK = 256  # elements per hash block (a value's place in it enters the hash)
 # the salt of block b after w writes: (w * WRITES_MIX + b * BLOCK_MIX) mod 2**22 (the fused kernel's too)
@@ -92,7 +91,7 @@ class StochasticBF16State(StateTensor):
         # the rounding lives in module functions: a change there must not reuse graphs compiled before it
         constants = (HASH_BLOCK, WRITES_MIX, BLOCK_MIX, quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
         text = "".join(inspect.getsource(f) for f in (round_bf16_stochastically, quant.dither)) + str(constants)
-        return hashlib.sha256((super()._numerics_fingerprint(signed) + text).encode()).hexdigest()[:16]
+        return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
