@@ -145,15 +145,15 @@ def _full_states(model, opt) -> dict:
 
 
 def _local_states(model, opt) -> dict:
-    """name -> {state: (codes, scale) or plain local tensor}, cloned, for bit-exact comparisons."""
-    from lowbit_optim import OptimState
-
+    """name -> {state: a format's inner tensors (codes and scale; bf16-sr's values and count of
+    writes) or a plain local tensor}, cloned, for bit-exact comparisons."""
     out = {}
     for name, p in _params(model).items():
         out[name] = {}
         for key, v in opt.state.get(p, {}).items():
             v = _local(v)
-            out[name][key] = (v.codes.clone(), v.scale.clone()) if isinstance(v, OptimState) else v.clone()
+            inner = v.__tensor_flatten__()[0] if hasattr(v, "__tensor_flatten__") else None
+            out[name][key] = tuple(getattr(v, attr).clone() for attr in inner) if inner else v.clone()
     return out
 
 
@@ -319,6 +319,7 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
 # SGD, Lion and AdEMAMix with 8bit state: the same sharding and DCP machinery as AdamW's (base.py), so
 # one cheap scenario each (eager step): they train sharded and a 2 -> 2 DCP checkpoint resumes exactly
 OTHER_OPTIMIZERS = {"SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2)}
+ADEMAMIX_RECIPE = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}  # the README's
 
 
 # 2 ranks against 1 process after STEPS + MORE steps, where shard boundaries fall on block boundaries:
@@ -335,7 +336,8 @@ def _build_other(name: str, fsdp: bool, fmt: str = "8bit"):
 
 def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib.Path, fmt: str = "8bit") -> dict:
     out = {}
-    checkpoint = str(workdir / f"{name}-{fmt}-fsdp")
+    label = fmt if isinstance(fmt, str) else "-".join(fmt.values())
+    checkpoint = str(workdir / f"{name}-{label}-fsdp")
     model, opt = _build_other(name, True, fmt)
     out["losses"] = _train(model, opt, 0, STEPS, rank, world)
     out["state_kinds"] = {
@@ -457,6 +459,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "step_in_backward": _step_in_backward_scenario,
         # Muon with 8bit-lowrank momentum: each rank keeps the low-rank part of its own rows
         "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank"),
+        "ademamix_recipe": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_RECIPE),
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -708,6 +711,29 @@ def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
     assert rank0["losses"] == rank1["losses"]
     for n, reference in rank0["ref_final"].items():
         torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["Muon"]["lr"], msg=n)
+    assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
+
+
+@needs_gloo
+def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job):
+    """AdEMAMix with the README's recipe (8bit-linear fast momentum, bf16-sr slow momentum and second
+    moment) under fully_shard on 2 ranks: each rank's bf16-sr shard keeps its own count of writes, a
+    DCP checkpoint restores values and counts and resumes bit-exactly, and the parameters stay within
+    a few lr of one process's (the stochastic roundings of a shard draw by its own block indices)."""
+    results = [found.get("ademamix_recipe") for found in job]
+    for rank, result in enumerate(results):
+        if result is None or "error" in result:
+            pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
+    rank0, rank1 = results
+    for found in results:
+        kinds = {key: tuple(kind) for states in found["state_kinds"].values() for key, kind in states.items()}
+        assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", "StochasticBF16State"),
+                         "exp_avg_sq": ("DTensor", "StochasticBF16State")}, found["state_kinds"]  # fmt: skip
+        assert found["loaded_exact"] and found["resume_final_exact"]
+        assert found["resume_losses"] == found["more_losses"]
+    assert rank0["losses"] == rank1["losses"]
+    for n, reference in rank0["ref_final"].items():
+        torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["AdEMAMix"]["lr"], msg=n)
     assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
 
 
