@@ -7,10 +7,14 @@ precision would hold it, while every other state stays exact. The exponent keeps
 rounded to nearest is exactly a bf16 state (checked in test_benchmarks) and M = 10 is fp16's precision
 without its range.
 
-``--rounding`` takes ``<M>rn`` (to nearest, ties to even) and ``<M>sr`` (stochastically: up with
+``--rounding`` takes ``<M>rn`` (to nearest, ties to even), ``<M>sr`` (stochastically: up with
 probability equal to the dropped fraction, unbiased; random bits from a generator seeded per run, so
-runs repeat). Paired per-seed gaps of the final training-set loss, as convergence.py reports them;
-written to benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
+runs repeat) and ``<M>ld`` (as sr, but each element's draws over the steps are a low-discrepancy
+sequence: a random phase per element plus the step count times the golden ratio, mod 1; a constant
+fraction then rounds up in a share of steps as close to it as any sequence can come, where
+independent draws wander by the square root of the steps). Paired per-seed gaps of the final
+training-set loss, as convergence.py reports them; written to
+benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
 
     OMP_NUM_THREADS=1 python benchmarks/state_precision.py --optimizer ademamix --state exp_avg_sq --lr 1e-3
 """
@@ -27,19 +31,42 @@ import convergence  # noqa: E402
 import lowbit_optim  # noqa: E402  (convergence put the repository on the path)
 
 
-def round_mantissa(x: torch.Tensor, mantissa_bits: int, generator: torch.Generator | None) -> None:
+def round_mantissa(x: torch.Tensor, mantissa_bits: int, draws: torch.Tensor | None) -> None:
     """Round fp32 ``x`` in place to ``mantissa_bits`` explicit mantissa bits: to nearest (ties to
-    even) without a generator, else stochastically. On the bits: a carry into the exponent is the next
+    even) without ``draws``, else up where the dropped bits plus the draw (an int32 tensor like x, of
+    ``23 - mantissa_bits`` uniform bits) carry. On the bits: a carry into the exponent is the next
     binade's first value, as the float it stands for; NaN and infinities stay as they are."""
     drop = 23 - mantissa_bits
     bits = x.view(torch.int32)
-    if generator is None:
+    if draws is None:
         lsb = (bits >> drop) & 1
         add = (1 << (drop - 1)) - 1 + lsb
     else:
-        add = torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32)
+        add = draws
     rounded = ((bits + add) >> drop) << drop
     bits.copy_(torch.where(torch.isfinite(x), rounded, bits))
+
+
+GOLDEN_32 = 0x9E3779B9  # 2**32 / golden ratio: the Weyl sequence's step, mod 2**32
+
+
+def draw_source(rounding: str, mantissa_bits: int):
+    """draws(step, key, like) for ``rounding``'s kind (None: to nearest): ``23 - mantissa_bits``
+    uniform bits per element of ``like`` for the ``step``-th rounding of the state of parameter
+    ``key``; a generator seeded per run."""
+    kind, drop = rounding[-2:], 23 - mantissa_bits
+    if kind == "rn":
+        return None
+    generator, phases = torch.Generator().manual_seed(1234), {}
+    if kind == "sr":
+        return lambda step, key, like: torch.randint(0, 1 << drop, like.shape, generator=generator, dtype=torch.int32)
+
+    def low_discrepancy(step, key, like):
+        if key not in phases:
+            phases[key] = torch.randint(0, 1 << 32, like.shape, generator=generator, dtype=torch.int64)
+        return (((phases[key] + step * GOLDEN_32) & 0xFFFFFFFF) >> (32 - drop)).to(torch.int32)
+
+    return low_discrepancy
 
 
 def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
@@ -49,13 +76,15 @@ def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
     def make(params, lr, weight_decay, **_):
         opt = cls(params, lr=lr, weight_decay=weight_decay, state_format="fp32", **info.kwargs(args))
         if rounding is not None:
-            mantissa_bits, stochastic = int(rounding[:-2]), rounding.endswith("sr")
-            generator = torch.Generator().manual_seed(1234) if stochastic else None
+            mantissa_bits = int(rounding[:-2])
+            draws, steps = draw_source(rounding, mantissa_bits), [0]
 
             def round_state(optimizer, *_):
+                steps[0] += 1
                 with torch.no_grad():
-                    for state in optimizer.state.values():
-                        round_mantissa(state[args.state], mantissa_bits, generator)
+                    for key, state in optimizer.state.items():
+                        x = state[args.state]
+                        round_mantissa(x, mantissa_bits, draws and draws(steps[0], key, x))
 
             opt.register_step_post_hook(round_state)
         return opt
@@ -67,15 +96,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=("ademamix", "adamw"), default="ademamix")
     p.add_argument("--state", default="exp_avg_sq", help="the state to round (exp_avg, exp_avg_sq; AdEMAMix: exp_avg_slow)")
-    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr")
+    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out-md", help="default: benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md")
     args = p.parse_args(argv)
     for r in args.rounding.split(","):
-        if not (r[-2:] in ("rn", "sr") and r[:-2].isdigit() and 1 <= int(r[:-2]) <= 22):
-            p.error(f"--rounding takes <mantissa bits 1..22>rn or sr, got {r!r}")
+        if not (r[-2:] in ("rn", "sr", "ld") and r[:-2].isdigit() and 1 <= int(r[:-2]) <= 22):
+            p.error(f"--rounding takes <mantissa bits 1..22>rn, sr or ld, got {r!r}")
     return args
 
 

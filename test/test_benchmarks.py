@@ -305,3 +305,25 @@ def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
     assert text.startswith("# State precision: AdEMAMix with `exp_avg_sq` rounded") and "| exp_avg_sq 10-bit mantissa rn |" in text
     with pytest.raises(SystemExit):
         precision.main(["--state", "exp_avg_slow", "--optimizer", "adamw", "--steps", "1", "--out-md", str(md)])
+
+
+def test_state_precision_low_discrepancy_draws():
+    """state_precision.py's ld rounding: a value whose dropped fraction stays f rounds up in f of
+    the steps to within a few steps, for every element (independent draws, sr, stray by about
+    sqrt(steps)); the draws are the dropped bits' width."""
+    precision = import_script("benchmarks/state_precision")
+    steps, bits = 1000, 7
+    fraction = torch.rand(512, generator=torch.Generator().manual_seed(0))
+    x = 1 + (fraction * 2**16).floor() * 2**-23  # 16 dropped bits of 7-bit mantissas: the fraction
+    exact = (x.view(torch.int32) & 0xFFFF).double() / 2**16
+    ups = {}
+    for kind in ("ld", "sr"):
+        draws, ups[kind] = precision.draw_source(f"{bits}{kind}", bits), torch.zeros_like(x)
+        for step in range(1, steps + 1):
+            d = draws(step, "p", x)
+            assert d.dtype == torch.int32 and int(d.min()) >= 0 and int(d.max()) < 2**16
+            rounded = x.clone()
+            precision.round_mantissa(rounded, bits, d)
+            ups[kind] += rounded > 1
+    assert float((ups["ld"] - exact * steps).abs().max()) <= 3
+    assert float((ups["sr"] - exact * steps).abs().max()) > 10
