@@ -16,6 +16,7 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 import contextlib
 import functools
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -337,7 +338,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # a group that names its own formats inherits the constructor's block_size without using it
         block_size_given = "block_size" in param_group or "state_format" not in param_group
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_new_group(self.param_groups[-1], block_size_given)
+        except BaseException:
+            self.param_groups.pop()  # a refused group must not be stepped (torch.optim refuses before adding)
+            raise
+        if self._step_in_backward:
+            in_backward.hook_params(self, self.param_groups[-1], len(self.param_groups) - 1)
+
+    def _check_new_group(self, group: dict, block_size_given: bool) -> None:
+        """Validates and normalizes the group add_param_group has just added (the last one)."""
+        for key, value in group.items():  # NumPy scalars as Python numbers: the step's float64 arithmetic (1 - beta) then holds
+            if key != "params":
+                group[key] = type(value)(map(_plain_number, value)) if isinstance(value, (tuple, list)) else _plain_number(value)
         _check_lr(group["lr"])
         self._check_group(group)
         if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
@@ -373,8 +386,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         for p in group["params"]:
             _check_param(p, self.torch_name)
-        if self._step_in_backward:
-            in_backward.hook_params(self, group, len(self.param_groups) - 1)
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -493,19 +504,23 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
         return loss
 
-    def _step_params(self, params: list[Tensor], grads: list[Tensor]) -> None:
-        """Step ``params`` (every parameter that has a gradient, in param-group order, or the
-        tensors the step op was given for them) with ``grads``."""
-        stepped = [[p for p in group["params"] if p.grad is not None] for group in self.param_groups]
-        if [p.shape for ps in stepped for p in ps] != [p.shape for p in params]:
+    def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
+        """Step ``params`` (the parameters that have a gradient, or the tensors the step op was
+        given for them) with ``grads``; ``positions``: theirs among all parameters in param-group
+        order (step_op.with_grads)."""
+        owners = [(group, p) for group in self.param_groups for p in group["params"]]
+        if any(i >= len(owners) for i in positions) or [owners[i][1].shape for i in positions] != [p.shape for p in params]:
             raise RuntimeError(
                 "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
                 "was compiled; add parameters with add_param_group(), not by editing param_groups"
             )
-        given = iter(zip(params, grads))
+        items = {id(group): [] for group in self.param_groups}
+        for i, tensor, grad in zip(positions, params, grads):
+            group, p = owners[i]
+            items[id(group)].append((p, tensor, grad))
         with _raised_recompile_limit():
-            for group, ps in zip(self.param_groups, stepped):
-                self._step_group(group, [(p, *next(given)) for p in ps])
+            for group in self.param_groups:
+                self._step_group(group, items[id(group)])
 
     # ---- the step in backward -------------------------------------------------------------------
 
@@ -542,7 +557,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state = self.state[p] if has_states or p in self.state else {}
             if has_states and not state:
                 self._init_state(p, group, state)
-            step = state.get("step")
+            # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
+            step = state.get("step") if has_states else None
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
@@ -755,6 +771,8 @@ def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool
     for name, value in (("fused", fused), ("foreach", foreach)):
         if value not in (None, True, False):
             raise ValueError(f"{name} must be None, True or False, got {value!r}")
+    if fused and foreach:  # as torch.optim: two implementations, one to pick
+        raise ValueError("fused=True and foreach=True cannot be given together: fused=True picks the fused CPU kernel, foreach=True the compiled step over chunks")
     if capturable:
         raise ValueError(
             "capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step "
@@ -767,18 +785,34 @@ def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool
         )
 
 
+def _plain_number(value):
+    """A NumPy scalar as the Python number it holds; anything else as it is."""
+    return value.item() if isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item") else value
+
+
+def _real_value(x) -> float | None:
+    """The value of a real number or a one-element real tensor; None for anything else."""
+    if isinstance(x, Tensor):
+        return float(x) if x.numel() == 1 and not x.is_complex() else None
+    return float(x) if isinstance(x, numbers.Real) else None
+
+
 def _check_lr(lr) -> None:
-    lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
-    if not isinstance(lr_value, (int, float)) or not lr_value >= 0:
+    lr_value = _real_value(lr)
+    if lr_value is None or not lr_value >= 0:
         raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
 
 
 def check_betas(betas, who: str, example: tuple) -> None:
-    """Raise a ValueError unless ``betas`` holds as many numbers in [0, 1) as ``example``."""
+    """Raise a ValueError unless ``betas`` holds as many numbers (or one-element tensors) in [0, 1)
+    as ``example``."""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(example):
         names = ", ".join(f"beta{i + 1}" for i in range(len(example)))
         raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}")
-    if not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+    values = [_real_value(b) for b in betas]
+    if None in values:
+        raise ValueError(f"invalid betas {betas!r}: each beta must be a number (or a one-element tensor)")
+    if not all(0.0 <= b < 1.0 for b in values):
         raise ValueError(f"invalid betas {betas!r}: each beta must be in [0, 1)")
 
 

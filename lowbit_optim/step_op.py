@@ -28,19 +28,21 @@ def register(optimizer) -> int:
 
 
 @torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
-def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor]) -> None:
-    _OPTIMIZERS[optimizer_id]._step_params(params, grads)
+def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
+    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions)
 
 
 @_step.register_fake
-def _step_fake(optimizer_id: int, params: list[Tensor], grads: list[Tensor]) -> None:
+def _step_fake(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
     return None
 
 
-def with_grads(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """The parameters that have a gradient, and those gradients."""
-    params = [p for p in params if p.grad is not None]
-    return params, [p.grad for p in params]
+def with_grads(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[int]]:
+    """The parameters that have a gradient, those gradients and the parameters' positions in
+    ``params``. The op takes the positions as traced: a gradient assigned inside the compiled
+    function is set on the parameter only after the graph has run."""
+    positions = [i for i, p in enumerate(params) if p.grad is not None]
+    return [params[i] for i in positions], [params[i].grad for i in positions], positions
 
 
 def step(key: int, params: list[Tensor]) -> None:

@@ -12,6 +12,8 @@ import io
 import pickle
 import warnings
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -241,3 +243,81 @@ def test_step_inside_torch_compile_follows_replaced_params():
     after = [p.detach() for p in (*old.parameters(), *new.parameters())]
     changed = [not torch.equal(a, b) for a, b in zip(before, after)]
     assert changed == [False] * 4 + [True] * 4
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+def test_gradients_set_inside_torch_compile(fused):
+    """A torch.compile'd function that sets the gradients itself (``p.grad = g``, as after
+    ``torch.autograd.grad``) and calls opt.step(): dynamo sets them on the parameters only after its
+    graph has run, so the step op steps the parameters that had gradients when it was traced, with
+    the gradients it was given. The same bits as eager."""
+    (model, opt), (reference_model, reference) = ((m, lowbit_optim.AdamW(m.parameters(), lr=LR, state_format="8bit", fused=fused)) for m in (make_mlp(), make_mlp()))
+    x, y = regression_data()
+
+    @torch.compile
+    def compiled_step(grads):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        opt.step()
+
+    for _ in range(3):
+        for m, step in ((model, compiled_step), (reference_model, None)):
+            grads = torch.autograd.grad((m(x) - y).square().mean(), list(m.parameters()))
+            if step is None:
+                for p, g in zip(m.parameters(), grads):
+                    p.grad = g
+                reference.step()
+            else:
+                step(grads)
+    assert_same_training(reference_model, reference, model, opt)
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+def test_sgd_momentum_switched_off_and_on_again(fused):
+    """A scheduler may take SGD's momentum to 0 and back (CyclicLR with base_momentum=0): as
+    torch.optim.SGD, the buffer then waits untouched and the step goes on from it when momentum
+    returns (not as a first step); its counter counts the steps that used it."""
+    model, reference_model = make_mlp(), make_mlp()
+    opt = lowbit_optim.SGD(model.parameters(), lr=LR, momentum=0.9, state_format="fp32", fused=fused)
+    reference = torch.optim.SGD(reference_model.parameters(), lr=LR, momentum=0.9)
+    x, y = regression_data()
+    for momentum in (0.9, 0.9, 0.0, 0.0, 0.5, 0.9):
+        for m, o in ((model, opt), (reference_model, reference)):
+            o.param_groups[0]["momentum"] = momentum
+            (m(x) - y).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"], rtol=1e-6, atol=1e-7)
+    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
+
+
+def test_a_refused_param_group_is_not_added():
+    """add_param_group that raises leaves the optimizer as it was (torch.optim checks before it
+    adds): the refused parameters are not stepped, and the group can be added again once fixed."""
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model[0].parameters(), lr=LR)
+    for bad in (dict(state_format="9bit"), dict(betas=(1.5, 0.9)), dict(params=[nn.Parameter(torch.randn(4, dtype=torch.float64))])):
+        with pytest.raises((ValueError, TypeError)):
+            opt.add_param_group({"params": list(model[2].parameters()), **bad})
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": list(model[2].parameters()), "state_format": "8bit"})
+    assert len(opt.param_groups) == 2
+
+
+def test_numpy_and_tensor_hyper_parameters():
+    """Numbers as NumPy scalars (np.float32 lr and betas, which are not Python floats) train as the
+    Python floats they hold, and one-element tensor betas are accepted, as torch.optim accepts them."""
+    runs = []
+    for lr, betas in ((float(np.float32(LR)), (float(np.float32(0.9)), 0.999)), (np.float32(LR), (np.float32(0.9), np.float64(0.999)))):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=lr, betas=betas, state_format="8bit")
+        train(model, opt, 3)
+        assert all(isinstance(v, float) for v in (opt.param_groups[0]["lr"], *opt.param_groups[0]["betas"]))  # np.float32 is not one
+        runs.append((model, opt))
+    assert_same_training(*runs[0], *runs[1])
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.999)), state_format="8bit")
+    losses = train(model, opt, 3)
+    assert losses[-1] < losses[0]

@@ -939,6 +939,8 @@ BAD_INPUT = {
     "capturable=True": with_one_param(capturable=True),
     "differentiable=True": with_one_param(differentiable=True),
     "foreach='yes'": with_one_param(foreach="yes"),
+    "fused=True, foreach=True": with_one_param(fused=True, foreach=True),
+    "betas=('0.9', 0.999)": with_one_param(betas=("0.9", 0.999)),
     "AdamW(decoupled_weight_decay=False)": with_one_param(decoupled_weight_decay=False),
     "a model's state dict": lambda: with_one_param()().load_state_dict(nn.Linear(2, 2).state_dict()),
 }
@@ -973,6 +975,8 @@ float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim
 capturable=True: ValueError: capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step counter on the CPU. Pass capturable=False
 differentiable=True: ValueError: differentiable=True is not supported: quantized states cannot carry gradients through the step. Pass differentiable=False, or use torch.optim for a differentiable optimizer
 foreach='yes': ValueError: foreach must be None, True or False, got 'yes'
+fused=True, foreach=True: ValueError: fused=True and foreach=True cannot be given together: fused=True picks the fused CPU kernel, foreach=True the compiled step over chunks
+betas=('0.9', 0.999): ValueError: invalid betas ('0.9', 0.999): each beta must be a number (or a one-element tensor)
 AdamW(decoupled_weight_decay=False): ValueError: AdamW always decouples weight decay; use lowbit_optim.Adam for L2 regularization
 a model's state dict: ValueError: not an optimizer state dict: it needs the keys 'state' and 'param_groups', got ['bias', 'weight']. Pass what optimizer.state_dict() returned (not model.state_dict())""",
         )
