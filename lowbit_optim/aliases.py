@@ -76,8 +76,8 @@ def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
             state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
         )  # fmt: skip
 
-    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
-    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name} and, like it, fp32 state for a tensor that is not whole blocks."
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "whole_blocks_only": True})
 
 
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")

@@ -297,6 +297,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
+    # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its aliases and
+    # its 4-bit format follow it, so that its runs and checkpoints carry on bit for bit); otherwise
+    # the last block is padded
+    whole_blocks_only = False
 
     # ---- copies ---------------------------------------------------------------------------------
 
@@ -432,6 +436,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         tensors): a declared state (default: the first), or "compensation" for the Kahan buffer."""
         fmt = formats.get_format(self._state_format_names(group)[state_name or self.states[0].name])
         if formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]:
+            return formats.FP32
+        whole_blocks_only = self.whole_blocks_only or getattr(fmt, "whole_blocks_only", False)
+        if whole_blocks_only and formats.is_blockwise(fmt) and param.numel() % self._block_size(fmt, group):
             return formats.FP32
         return fmt
 

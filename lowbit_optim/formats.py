@@ -101,6 +101,7 @@ class OptimState4bitTorchao(CodebookState):
     name = "4bit-torchao"
     bits = 4
     default_block_size = 128
+    whole_blocks_only = True  # as torchao: a tensor that is not whole blocks keeps fp32 state
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
@@ -114,6 +115,7 @@ class OptimStateNF4(OptimState4bitTorchao):
     benchmarks/results/state_error.md); the second moment as in 4bit-torchao."""
 
     name = "nf4"
+    whole_blocks_only = False  # lowbit_optim's recipes pad a tensor's last block
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
@@ -126,6 +128,7 @@ class OptimState4bitPrecond(OptimState4bitTorchao):
     update multiplies by, rather than nearest in v; the first moment as in 4bit-torchao."""
 
     name = "4bit-precond"
+    whole_blocks_only = False
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:

@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 import lowbit_optim
 from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats
 from lowbit_optim import FactoredState, LowRankState, OptimState, StateTensor, StochasticBF16State, quant
-from lowbit_optim.formats import PlainFormat, paired_label, paired_state_format, registered_formats
+from lowbit_optim.formats import PlainFormat, get_format, paired_label, paired_state_format, registered_formats
 
 # ------------------------------------------------------------------------------------------------
 # Shared model, data and helpers
@@ -374,21 +374,31 @@ def quantization_probe_params() -> dict[str, nn.Parameter]:
     return {name: nn.Parameter(torch.randn(shape)) for name, shape in shapes.items()}
 
 
+def stored_format(info, key: str, numel: int, min_quantize_numel: int = 4096) -> str:
+    """The format AdamW keeps moment ``key`` of a ``numel``-element parameter in under ``info``'s
+    format: fp32 below min_quantize_numel, or where a whole-blocks-only format (4bit-torchao) would
+    pad."""
+    name = info.moment_format(key)
+    whole_blocks_only = getattr(get_format(name), "whole_blocks_only", False)
+    return "fp32" if numel < min_quantize_numel or whole_blocks_only and numel % info.block_size else name
+
+
 @pytest.mark.parametrize("min_quantize_numel", [4096, 0])
 @quantized_formats
 def test_which_params_are_quantized(info, min_quantize_numel):
     """numel < min_quantize_numel: plain fp32 state; otherwise the format's class, whatever the shape
-    (4097 elements, not a multiple of any block size, is quantized). min_quantize_numel=0 quantizes
-    everything."""
+    (4097 elements, not a multiple of any block size, is quantized), except in a format that, as
+    torchao's, quantizes whole blocks only (4bit-torchao). min_quantize_numel=0 quantizes everything
+    else."""
     params = quantization_probe_params()
     opt = lowbit_optim.AdamW(params.values(), state_format=info.spec, min_quantize_numel=min_quantize_numel, compile=False)
     for p in params.values():
         p.grad = torch.randn_like(p)
     opt.step()
     for name, p in params.items():
-        quantized = p.numel() >= min_quantize_numel
         for key in ("exp_avg", "exp_avg_sq"):
-            expected = info.moment_format(key) if quantized else "fp32"
+            expected = stored_format(info, key, p.numel(), min_quantize_numel)
+            quantized = expected != "fp32"
             assert opt.state_format_of(p, opt.param_groups[0], key).name == expected, name
             state = opt.state[p][key]
             assert stored_as(state) == expected and state.shape == p.shape, (name, key)
@@ -623,11 +633,18 @@ def test_hyperparameter_changes_do_not_recompile(info):
     assert unique_graphs() == graphs, "an lr scheduler recompiled"
 
 
-def many_shapes_mlp(widths=range(64, 78)) -> nn.Sequential:
-    """13 Linear layers of distinct widths: 26 distinct parameter shapes; weights of 4160..5929
-    elements (quantized, mostly padded), biases of 65..77 (fp32 state)."""
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
+class ManyShapes(nn.Module):
+    """13 Linear layers side by side on the same 128 inputs, 64..76 outputs (at least the low-rank
+    formats' rank): 26 distinct parameter shapes; weights of 8192..9728 elements (quantized: whole
+    128-blocks, every other one padded to 256-blocks), biases of 64..76 (fp32 state)."""
+
+    def __init__(self, widths=range(64, 77)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(128, b) for b in widths)
+
+    def forward(self, x):
+        return sum(layer(x).square().mean() for layer in self.layers)
 
 
 @all_formats
@@ -637,13 +654,13 @@ def test_graph_count_does_not_grow_with_distinct_shapes(info):
     model = make_mlp()
     train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=info.spec, fused=False), 1)
     graphs = unique_graphs()
-    many = many_shapes_mlp()
+    many = ManyShapes()
     assert len({p.shape for p in many.parameters()}) >= 25
     opt = lowbit_optim.AdamW(many.parameters(), lr=LR, state_format=info.spec, fused=False)
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 128)
     for _ in range(2):
         opt.zero_grad()
-        many(x).square().mean().backward()
+        many(x).backward()
         opt.step()
     assert unique_graphs() == graphs
     assert {stored_as(s) for s in moments(opt, many).values()} == ({info.name, "fp32"} if info.quantized else {info.name})
@@ -1035,5 +1052,6 @@ def test_bf16_params_train(info, stochastic_round):
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and bool(p.isfinite().all())
         state = opt.state[p]["exp_avg_sq"]
-        assert stored_as(state) == info.moment_format("exp_avg_sq")
-        assert state.dtype == (torch.bfloat16 if info.quantized else info.fmt.dtype)
+        stored = stored_format(info, "exp_avg_sq", p.numel())
+        assert stored_as(state) == stored
+        assert state.dtype == (torch.bfloat16 if isinstance(state, StateTensor) else get_format(stored).dtype)
