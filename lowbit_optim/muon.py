@@ -63,9 +63,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon = Muon(matrices, **{**options, **(muon or {})})
         self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; the groups are replaced below
+        self._link()
+        self._built = True
+
+    def _link(self) -> None:
+        """``param_groups`` and ``state`` as the two optimizers' own (their load_state_dict replaces
+        both with new objects)."""
         self.param_groups = [*self.muon.param_groups, *(self.adamw.param_groups if self.adamw else [])]
         self.state = _States([o.state for o in self.optimizers])
-        self._built = True
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -76,10 +81,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
             yield self
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__)  # torch.optim keeps only defaults, state and groups; the two optimizers are the rest
+        # as torch.optim: no hooks, and no step a scheduler wrapped on this instance (it holds the scheduler)
+        return {"muon": self.muon, "adamw": self.adamw, "defaults": self.defaults}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        super().__setstate__({**state, "state": {}, "param_groups": []})  # torch.optim's hooks and attributes
+        self._link()
+        self._built = True
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -106,6 +114,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon.load_state_dict(state_dict["muon"])
         if self.adamw:
             self.adamw.load_state_dict(state_dict["adamw"])
+        self._link()
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping

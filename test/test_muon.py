@@ -142,25 +142,39 @@ def test_muon_with_adamw_is_the_two_optimizers():
 
 
 def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
-    """state_dict through torch.save into a fresh object resumes bit for bit; a deepcopy of model and
-    optimizer together steps as the original; another optimizer's state_dict is refused."""
+    """state_dict through torch.save into a fresh object (its lr scheduler made before the load, as
+    training scripts do) resumes bit for bit; a deepcopy of model and optimizer together steps as
+    the original, and pickling works, with a scheduler attached (it wraps the instance's step: the
+    copy must not take that along); another optimizer's state_dict is refused."""
     import copy
+    import pickle
+
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
     torch.manual_seed(0)
     model = TinyLM()
     opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
-    _lm_steps([opt], model, 3)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    schedule = scheduler(opt)
+    _lm_steps([opt], model, 3, [schedule])
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "schedule": schedule.state_dict()}, tmp_path / "ckpt.pt")
     copied_model, copied = copy.deepcopy((model, opt))
-    expected = _lm_steps([opt], model, 3)
+    copied_schedule = scheduler(copied)
+    copied_schedule.load_state_dict(schedule.state_dict())
+    pickle.loads(pickle.dumps(opt))
+    expected = _lm_steps([opt], model, 3, [schedule])
 
     resumed_model = TinyLM()
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     resumed_model.load_state_dict(saved["model"])
     resumed = lowbit_optim.MuonWithAdamW(resumed_model, **RECIPE)
+    resumed_schedule = scheduler(resumed)
     resumed.load_state_dict(saved["opt"])
-    assert _lm_steps([resumed], resumed_model, 3) == expected
-    assert _lm_steps([copied], copied_model, 3) == expected
+    resumed_schedule.load_state_dict(saved["schedule"])
+    assert len(resumed.state) == len(opt.state)
+    assert _lm_steps([resumed], resumed_model, 3, [resumed_schedule]) == expected
+    assert _lm_steps([copied], copied_model, 3, [copied_schedule]) == expected
+    assert [g["lr"] for g in resumed.param_groups] == [g["lr"] for o in resumed.optimizers for g in o.param_groups] == [g["lr"] for g in opt.param_groups]
     for p, q, r in zip(model.parameters(), resumed_model.parameters(), copied_model.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r)
     with pytest.raises(ValueError, match=r"\{'muon': ..., 'adamw': ...\}"):
