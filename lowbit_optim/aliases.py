@@ -58,7 +58,7 @@ def _dtype_format(dtype) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
+def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_only: bool = False) -> type:
     def __init__(
         self,
         params,
@@ -76,8 +76,8 @@ def _fixed_format_alias(base: type, state_format: str, name: str) -> type:
             state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
         )  # fmt: skip
 
-    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name} and, like it, fp32 state for a tensor that is not whole blocks."
-    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "whole_blocks_only": True})
+    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "whole_blocks_only": whole_blocks_only})
 
 
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")
@@ -85,8 +85,10 @@ AdamW8bit = _fixed_format_alias(AdamW, "8bit", "AdamW8bit")
 # the 4-bit aliases take lowbit_optim's 4-bit recipe; state_format="4bit-torchao" is torchao's numerics
 Adam4bit = _fixed_format_alias(Adam, "4bit", "Adam4bit")
 AdamW4bit = _fixed_format_alias(AdamW, "4bit", "AdamW4bit")
-AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8")
-AdamWFp8 = _fixed_format_alias(AdamW, "fp8", "AdamWFp8")
+# torchao keeps fp32 state for a tensor that is not whole blocks: so do its FP8 aliases (its own
+# names). The 8-bit ones are bitsandbytes' names too, which quantize such a tensor, as "8bit" does.
+AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8", whole_blocks_only=True)
+AdamWFp8 = _fixed_format_alias(AdamW, "fp8", "AdamWFp8", whole_blocks_only=True)
 
 
 # ------------------------------------------------------------------------------------------------

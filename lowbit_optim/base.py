@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import StateTensor, check_block_size, describe_tensor
+from .state import OptimState, StateTensor, check_block_size, describe_tensor
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -297,9 +297,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
-    # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its aliases and
-    # its 4-bit format follow it, so that its runs and checkpoints carry on bit for bit); otherwise
-    # the last block is padded
+    # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its FP8 aliases
+    # and its 4-bit format follow it, so that its runs and checkpoints carry on bit for bit);
+    # otherwise the last block is padded
     whole_blocks_only = False
 
     # ---- copies ---------------------------------------------------------------------------------
@@ -667,16 +667,22 @@ class LowBitOptimizer(torch.optim.Optimizer):
         norm = state_dict.get(_LAST_GRAD_NORM)
         if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and norm.numel() == 1)):
             raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
+        source = "checkpoint"
         if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
             state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
-            for i, group in enumerate(state_dict["param_groups"]):
-                try:
-                    _check_lr(group["lr"])
-                    self._check_group(group)
-                except ValueError as error:
-                    raise ValueError(f"param group {i} of this bitsandbytes checkpoint: {error}") from None
+            source = "bitsandbytes checkpoint"
         structural = [{k: g[k] for k in _STRUCTURAL_KEYS + self._structural_keys if k in g} for g in self.param_groups]
         saved = {}
+
+        def check_hyper_parameters(optimizer, loaded: dict) -> None:
+            # the constructor's checks, before anything is loaded: a step must not run on what it refuses
+            for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
+                try:
+                    merged = {**self.defaults, **group, **keep, "params": ours["params"]}
+                    _check_lr(merged["lr"])
+                    self._check_group(merged)
+                except ValueError as error:
+                    raise ValueError(f"param group {i} of this {source}: {error}") from None
 
         def keep_saved_tensors(optimizer, loaded: dict) -> None:
             # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
@@ -695,7 +701,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                         self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
                         self._convert_loaded_state(p, group, self.state[p], i)
 
-        hooks = [self.register_load_state_dict_pre_hook(keep_saved_tensors), self.register_load_state_dict_post_hook(convert, prepend=True)]
+        hooks = [
+            self.register_load_state_dict_pre_hook(check_hyper_parameters),
+            self.register_load_state_dict_pre_hook(keep_saved_tensors),
+            self.register_load_state_dict_post_hook(convert, prepend=True),
+        ]
         try:
             super().load_state_dict(state_dict)
         finally:
@@ -748,6 +758,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 block_size = self._block_size(fmt, group)
                 signed = self._signed(name)
                 value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
+            else:  # the fused kernel reads it element by element beside the parameter
+                value = map_local(lambda v: v.contiguous(), value)
             state[name] = value.to(param.device)
         if not declared:
             state.pop("step", None)
@@ -760,6 +772,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         # 0-dim, as the counters it makes: a (1, 1) one would broadcast the compiled step's parameter
         state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu().reshape(())
+        count = float(state["step"])
+        if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
+            raise ValueError(f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {count}: it must count steps, a finite number >= 0")
 
 
 @torch.compiler.disable
@@ -885,6 +900,8 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
             local(value).check_layout()
         except ValueError as error:
             raise ValueError(f"{where} is corrupt: {error}") from None
+    if isinstance(local(value), OptimState) and bool((local(value).scale < 0).any()):  # NaN: a poisoned block, as it was saved
+        raise ValueError(f"{where} is corrupt: a block scale is negative ({float(local(value).scale.min())}), where scales are block maxima")
 
 
 # each state's 1-D wrapper, kept while the state lives: its inner tensors are written in place

@@ -28,7 +28,7 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 import lowbit_optim
-from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats
+from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats, stored_format
 from lowbit_optim import FactoredState, LowRankState, OptimState, StateTensor, StochasticBF16State, quant
 from lowbit_optim.formats import PlainFormat, get_format, paired_label, paired_state_format, registered_formats
 
@@ -374,15 +374,6 @@ def quantization_probe_params() -> dict[str, nn.Parameter]:
     return {name: nn.Parameter(torch.randn(shape)) for name, shape in shapes.items()}
 
 
-def stored_format(info, key: str, numel: int, min_quantize_numel: int = 4096) -> str:
-    """The format AdamW keeps moment ``key`` of a ``numel``-element parameter in under ``info``'s
-    format: fp32 below min_quantize_numel, or where a whole-blocks-only format (4bit-torchao) would
-    pad."""
-    name = info.moment_format(key)
-    whole_blocks_only = getattr(get_format(name), "whole_blocks_only", False)
-    return "fp32" if numel < min_quantize_numel or whole_blocks_only and numel % info.block_size else name
-
-
 @pytest.mark.parametrize("min_quantize_numel", [4096, 0])
 @quantized_formats
 def test_which_params_are_quantized(info, min_quantize_numel):
@@ -397,7 +388,7 @@ def test_which_params_are_quantized(info, min_quantize_numel):
     opt.step()
     for name, p in params.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            expected = stored_format(info, key, p.numel(), min_quantize_numel)
+            expected = stored_format(info.moment_format(key), p.numel(), min_quantize_numel)
             quantized = expected != "fp32"
             assert opt.state_format_of(p, opt.param_groups[0], key).name == expected, name
             state = opt.state[p][key]
@@ -1052,6 +1043,6 @@ def test_bf16_params_train(info, stochastic_round):
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and bool(p.isfinite().all())
         state = opt.state[p]["exp_avg_sq"]
-        stored = stored_format(info, "exp_avg_sq", p.numel())
+        stored = stored_format(info.moment_format("exp_avg_sq"), p.numel())
         assert stored_as(state) == stored
         assert state.dtype == (torch.bfloat16 if isinstance(state, StateTensor) else get_format(stored).dtype)

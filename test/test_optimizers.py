@@ -25,7 +25,7 @@ import inspect
 import expecttest
 import pytest
 import torch
-from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info
+from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info, stored_format
 from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, compiled_matrix, matrix, matrix_optimizers
 from test_optim import (
     COMPILED_PARAM_ATOL,
@@ -166,7 +166,7 @@ def test_trains_with_states_in_their_format(opt_info, info):
         assert set(state) == {"step", *(s.name for s in opt_info.cls.states if s.when is None or group[s.when])}, name
         for key, value in state.items():
             if key != "step":
-                expected = opt_info.format_of(info, key) if p.numel() >= group["min_quantize_numel"] or not info.quantized else "fp32"
+                expected = stored_format(opt_info.format_of(info, key), p.numel(), group["min_quantize_numel"])
                 assert stored_as(value) == expected and value.shape == p.shape, (name, key)
 
 

@@ -69,16 +69,36 @@ def test_torchao_checkpoint_resumes_bit_exactly(state_format, step_kind):
     check_resume(state_format, model, reference, checkpoint, resumed_model, resumed, atol=0 if step_kind == "eager" else 1e-6)
 
 
-@pytest.mark.parametrize("state_format", TORCHAO_CLASSES)
+@pytest.mark.parametrize("state_format", ["4bit-torchao", "fp8"])
 def test_torchao_checkpoint_of_partial_blocks_resumes_bit_exactly(state_format):
     """torchao keeps fp32 state for a tensor that is not a whole number of its blocks (here a 71 x 64
-    weight of 4544 elements, and the biases); its aliases (and ``4bit-torchao``) do too, so such a
+    weight of 4544 elements, and the biases); ``AdamWFp8`` and ``4bit-torchao`` do too, so such a
     model's checkpoint resumes as exactly as a bias-free one."""
     model, reference, checkpoint = torchao_run(TORCHAO_CLASSES[state_format], lambda: make_mlp(71))
     assert model[2].weight.numel() >= 4096 and type(checkpoint["state"][2]["exp_avg"]) is torch.Tensor
     resumed_model = copy.deepcopy(model)
     resumed = MIGRATED[state_format](resumed_model.parameters())
     check_resume(state_format, model, reference, checkpoint, resumed_model, resumed, atol=1e-6)
+
+
+def test_torchao_8bit_checkpoint_of_partial_blocks_is_quantized():
+    """``AdamW8bit`` is bitsandbytes' name too and quantizes a tensor that is not whole blocks, as
+    bitsandbytes (and "8bit") does: torchao's fp32 state of such a tensor loads quantized from its
+    values; the whole-block tensors keep torchao's codes."""
+    model, reference, checkpoint = torchao_run("AdamW8bit", lambda: make_mlp(71))
+    resumed_model = copy.deepcopy(model)
+    resumed = MIGRATED["8bit"](resumed_model.parameters())
+    resumed.load_state_dict(checkpoint)
+    uneven = resumed_model[2].weight
+    for key, state in moments(reference, model).items():
+        ours = moments(resumed, resumed_model)[key]
+        if type(state) is not torch.Tensor:
+            assert_same_bits(ours, in_our_layout(state), key)
+        elif key[0] == 2:  # the 71 x 64 weight
+            assert_same_bits(ours, get_format("8bit").from_float(state, ours.signed), key)
+        else:
+            assert torch.equal(ours, state), key
+    assert isinstance(resumed.state[uneven]["exp_avg"], OptimState)
 
 
 def check_resume(state_format, model, reference, checkpoint, resumed_model, resumed, atol: float) -> None:

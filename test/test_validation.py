@@ -11,6 +11,7 @@ test/test_validation.py``), so that a crash, the bug these tests guard against, 
 instead of killing pytest.
 """
 
+import copy
 import io
 import json
 import os
@@ -27,7 +28,7 @@ from conftest import QUANTIZED_FORMATS, ROOT, quantized_formats
 from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu
 
 # a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
-SHAPES = [(71, 64), (96,)]
+SHAPES = [(70, 64), (96,)]  # 4480 elements: whole 128-blocks (4bit-torchao quantizes it), a padded last 256-block
 OPTIONS = dict(lr=1e-2, amsgrad=True, min_quantize_numel=256)
 CHECKED = "exp_avg_sq"  # quantized in every quantized format's spec (factored holds only this one)
 
@@ -114,15 +115,15 @@ def test_corrupt_checkpoint_state_is_refused(info, corruption):
     state_dict = load(checkpoint(info.spec))
     corrupt(state_dict["state"][0][CHECKED])
     _, opt = fresh_optimizer(info.spec)
-    with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(71, 64\)\) is corrupt: .*({message})"):
+    with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(70, 64\)\) is corrupt: .*({message})"):
         opt.load_state_dict(load(save(state_dict)))
 
 
 @pytest.mark.parametrize(
     "value, message",
     [
-        (torch.zeros(71, 64, dtype=torch.int32), "has dtype torch.int32, not a floating-point dtype"),
-        (torch.zeros(70, 64), "has shape \\(70, 64\\) but the parameter has shape \\(71, 64\\)"),
+        (torch.zeros(70, 64, dtype=torch.int32), "has dtype torch.int32, not a floating-point dtype"),
+        (torch.zeros(69, 64), "has shape \\(69, 64\\) but the parameter has shape \\(70, 64\\)"),
         ([0.0] * 4544, "is a list, not a tensor"),
     ],
     ids=["integer", "another shape", "not a tensor"],
@@ -143,6 +144,79 @@ def test_checkpoint_step_must_be_a_number(step):
     expected = r"checkpoint state 'step' of parameter 1 \(shape \(96,\)\) is .*: it must be a number or a one-element tensor"
     with pytest.raises(ValueError, match=expected):
         opt.load_state_dict(load(save(state_dict)))
+
+
+@pytest.mark.parametrize("step", [-1.0, float("nan"), float("inf")], ids=["negative", "NaN", "inf"])
+def test_checkpoint_step_must_count_steps(step):
+    """A step counter that no run makes (negative, NaN, infinite) would make every element of the
+    parameter NaN through its bias correction: refused."""
+    state_dict = load(checkpoint("8bit"))
+    state_dict["state"][1]["step"] = torch.tensor(step)
+    _, opt = fresh_optimizer("8bit")
+    with pytest.raises(ValueError, match=r"checkpoint state 'step' of parameter 1 \(shape \(96,\)\) is .*: it must count steps, a finite number >= 0"):
+        opt.load_state_dict(load(save(state_dict)))
+
+
+@quantized_formats
+def test_negative_block_scale_is_refused(info):
+    """Scales are block maxima: a negative one (an edited checkpoint) would turn a second moment
+    negative and the step NaN, and is refused; a NaN one is a block a non-finite gradient poisoned,
+    saved as it was."""
+    state_dict = load(checkpoint(info.spec))
+    state = state_dict["state"][0][CHECKED]
+    if not isinstance(state, lowbit_optim.OptimState):
+        pytest.skip(f"{type(state).__name__} keeps no block scales")
+    state.scale[3] = -state.scale[3].abs() - 1.0
+    _, opt = fresh_optimizer(info.spec)
+    with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(70, 64\)\) is corrupt: a block scale is negative"):
+        opt.load_state_dict(load(save(state_dict)))
+
+
+BAD_HYPER_PARAMETERS = {
+    "lr=-1": ("lr", -1.0, "invalid learning rate -1.0"),
+    "beta2=1.5": ("betas", (0.9, 1.5), r"invalid betas \(0.9, 1.5\): each beta must be in \[0, 1\)"),
+    "three betas": ("betas", (0.9, 0.99, 0.999), r"invalid betas \(0.9, 0.99, 0.999\): Adam takes two"),
+    "NaN weight decay": ("weight_decay", float("nan"), "invalid weight_decay nan"),
+    "weight decay a str": ("weight_decay", "0.1", "invalid weight_decay '0.1'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HYPER_PARAMETERS))
+def test_checkpoint_hyper_parameters_are_checked(case):
+    """A checkpoint's param groups pass the constructor's checks before anything is loaded: a value
+    the constructor refuses would train silently wrong (lr=-1) or NaN, or fail at the next step with
+    an unrelated error. The optimizer keeps its own groups and states."""
+    key, value, message = BAD_HYPER_PARAMETERS[case]
+    state_dict = load(checkpoint("8bit"))
+    state_dict["param_groups"][0][key] = value
+    _, opt = fresh_optimizer("8bit")
+    before = copy.deepcopy(opt.param_groups)
+    with pytest.raises(ValueError, match=rf"param group 0 of this checkpoint: {message}"):
+        opt.load_state_dict(load(save(state_dict)))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [{k: v for k, v in g.items() if k != "params"} for g in before]
+    assert not opt.state
+
+
+def test_a_non_contiguous_correction_loads_and_steps_in_the_kernel():
+    """An int8-correction saved from a transposed view (non-contiguous) is loaded contiguous: the
+    fused kernel, which reads it beside the parameter, steps it as it steps the saved one."""
+    runs = []
+    for transposed in (False, True):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+        opt = lowbit_optim.AdamW([param], state_format="8bit", param_update="int8-correction", fused=True)
+        param.grad = torch.randn(64, 96, dtype=torch.bfloat16)
+        opt.step()
+        state_dict = opt.state_dict()
+        if transposed:
+            correction = state_dict["state"][0]["param_correction"]
+            state_dict["state"][0]["param_correction"] = correction.t().contiguous().t()
+            assert not state_dict["state"][0]["param_correction"].is_contiguous()
+        opt.load_state_dict(state_dict)
+        param.grad = torch.randn(64, 96, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        runs.append((param.detach().clone(), opt.state[param]["param_correction"].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_a_one_element_step_loads_as_a_counter():
@@ -171,7 +245,7 @@ def test_gradient_of_another_shape_is_refused(options):
     set_grads(params)
     params[0].grad.data = torch.randn(10)
     before = [p.detach().clone() for p in params]
-    expected = r"gradient of a parameter of shape \(71, 64\) has shape \(10,\); it was probably set through \.data"
+    expected = r"gradient of a parameter of shape \(70, 64\) has shape \(10,\); it was probably set through \.data"
     with pytest.raises(RuntimeError, match=expected):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
@@ -253,7 +327,7 @@ def test_fused_kernel_checks_every_tensor_it_is_given(child_results, info):
     failures = [
         f"{r['case']}: {r['outcome']}: {r['detail']}"
         for r in _results(child_results, "kernel", info.name)
-        if r["outcome"] != "refused" or "cannot step a parameter of shape (71, 64)" not in r["detail"]
+        if r["outcome"] != "refused" or "cannot step a parameter of shape (70, 64)" not in r["detail"]
     ]
     assert not failures, "\n".join(failures)
 
@@ -322,7 +396,7 @@ def state_mutations(index, key, state: StateTensor, rng: random.Random) -> list:
     cases.append((f"{where} signed flipped", _attribute_setter(index, key, "signed", not state.signed), False, True))
     if isinstance(state, OptimState):  # twice the block size, with scales to match: valid, and loads
         cases.append((f"{where} block_size doubled consistently", _double_blocks(index, key), False, False))
-    for shape in [(64, 71), (71, 63), (4544,), (0,), (71, 64, 1)]:
+    for shape in [(64, 70), (70, 63), (4480,), (0,), (70, 64, 1)]:
         if torch.Size(shape) != state.shape:
             cases.append((f"{where} shape {shape}", _reshaper(index, key, shape), True, False))
     return cases
