@@ -692,26 +692,35 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
     assert losses == pytest.approx(rank0["ref_losses"], rel=1e-2)  # observed within 2e-4
 
 
+def _sharded_and_resumed(job, name: str, optimizer: str) -> list[dict]:
+    """Both ranks' results of the special scenario ``name`` (an _other_optimizer_scenario run of
+    ``optimizer``) after the checks such scenarios share: a DCP checkpoint loads and resumes
+    bit-exactly, the ranks agree on the losses, and the parameters stay within a few lr of one
+    process's (each rank's states are its own rows' and draw by its own blocks)."""
+    results = [found.get(name) for found in job]
+    for rank, result in enumerate(results):
+        if result is None or "error" in result:
+            pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
+    rank0, rank1 = results
+    for found in results:
+        assert found["loaded_exact"] and found["resume_final_exact"]
+        assert found["resume_losses"] == found["more_losses"]
+    assert rank0["losses"] == rank1["losses"]
+    for n, reference in rank0["ref_final"].items():
+        torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS[optimizer]["lr"], msg=n)
+    assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
+    return results
+
+
 @needs_gloo
 def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
     """Muon with 8bit-lowrank momentum under fully_shard on 2 ranks: each rank's momentum rows are a
     low-rank part of their own plus codes (not one process's factors), so the parameters stay within
     a few lr of one process's, as where a shard boundary cuts an 8bit block; a DCP checkpoint loads
     each rank's state whole (codes, scales and factors) and resumes bit-exactly."""
-    results = [found.get("muon_lowrank") for found in job]
-    for rank, result in enumerate(results):
-        if result is None or "error" in result:
-            pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
-    rank0, rank1 = results
-    for found in results:
+    for found in _sharded_and_resumed(job, "muon_lowrank", "Muon"):
         kinds = {tuple(kind) for param, states in found["state_kinds"].items() for kind in states.values()}
         assert kinds == {("DTensor", "OptimState8bitLowRank")}, found["state_kinds"]
-        assert found["loaded_exact"] and found["resume_final_exact"]
-        assert found["resume_losses"] == found["more_losses"]
-    assert rank0["losses"] == rank1["losses"]
-    for n, reference in rank0["ref_final"].items():
-        torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["Muon"]["lr"], msg=n)
-    assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
 
 
 @needs_gloo
@@ -720,21 +729,10 @@ def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job):
     moment) under fully_shard on 2 ranks: each rank's bf16-sr shard keeps its own count of writes, a
     DCP checkpoint restores values and counts and resumes bit-exactly, and the parameters stay within
     a few lr of one process's (the stochastic roundings of a shard draw by its own block indices)."""
-    results = [found.get("ademamix_recipe") for found in job]
-    for rank, result in enumerate(results):
-        if result is None or "error" in result:
-            pytest.fail(f"rank {rank}: {result['error'] if result else job[rank]['log']}")
-    rank0, rank1 = results
-    for found in results:
+    for found in _sharded_and_resumed(job, "ademamix_recipe", "AdEMAMix"):
         kinds = {key: tuple(kind) for states in found["state_kinds"].values() for key, kind in states.items()}
         assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", "StochasticBF16State"),
                          "exp_avg_sq": ("DTensor", "StochasticBF16State")}, found["state_kinds"]  # fmt: skip
-        assert found["loaded_exact"] and found["resume_final_exact"]
-        assert found["resume_losses"] == found["more_losses"]
-    assert rank0["losses"] == rank1["losses"]
-    for n, reference in rank0["ref_final"].items():
-        torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=4 * OTHER_OPTIMIZERS["AdEMAMix"]["lr"], msg=n)
-    assert rank0["losses"] + rank0["more_losses"] == pytest.approx(rank0["ref_losses"], rel=1e-2)
 
 
 @needs_gloo
