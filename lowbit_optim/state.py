@@ -236,7 +236,10 @@ class StateTensor(Tensor):
         # load graphs compiled for the old one)
         cls = type(self)
         meta = ":".join(map(str, (*self._meta(), self.dtype)))
-        return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{meta}"
+        # and which inner sizes are 0 or 1: compiling specializes on those (a factored state's row
+        # sums of a (1, n) parameter against an (n,) one's), so a graph must not serve the other
+        sizes = ",".join(f"{name}{tuple(d if d < 2 else 'n' for d in t.shape)}" for name, t in self._inner().items())
+        return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{meta}:{sizes}"
 
     @classmethod
     @functools.cache

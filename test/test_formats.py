@@ -31,6 +31,7 @@ from conftest import (
     quantized_formats,
     signedness_id,
 )
+import lowbit_optim
 from lowbit_optim import quant
 from lowbit_optim.factored import factor_shape
 from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
@@ -1166,3 +1167,20 @@ def test_compile_cache_key_covers_the_numbers():
     keys = [cls.zeros(256)._stable_hash_for_caching() for cls in (old, new)]
     assert keys[0] != keys[1]
     assert keys[0] == old.zeros(512)._stable_hash_for_caching()  # shape is not part of it: one graph per format
+
+
+def test_compile_cache_key_tells_inner_sizes_of_one():
+    """Compiling specializes on inner sizes of 0 and 1, so the key says which there are: a factored
+    second moment of an (n,) parameter (n row sums and one column sum) and of a (1, n) one (one
+    row sum, n column sums) once shared a graph, and the compiled step of a model with both failed
+    in inductor's size assertion. Both now step."""
+    factored = lowbit_optim.FactoredState.zeros
+    assert factored((4096,), False)._stable_hash_for_caching() == factored((8192,), False)._stable_hash_for_caching()
+    assert factored((4096,), False)._stable_hash_for_caching() != factored((1, 4096), False)._stable_hash_for_caching()
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(4096,), (1, 4096)]]
+    opt = lowbit_optim.AdamW(params, state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, fused=False)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert all(bool(p.isfinite().all()) for p in params)
