@@ -226,6 +226,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
     states: tuple[State, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        names = [s.name for s in cls.states]
+        reserved = sorted({"step", "compensation", "param_correction"} & set(names))
+        if reserved:
+            raise TypeError(f"{cls.__name__} declares a state named {reserved[0]!r}, a name lowbit_optim keeps for its own: rename that state")
+        if len(set(names)) != len(names):
+            raise TypeError(f"{cls.__name__} declares two states named {next(n for n in names if names.count(n) > 1)!r}: give each state its own name")
     flat_step = True  # the step function sees 1-D views (one graph for every shape); False: the parameter's shape
     # each element's new values depend on the same element of every input only (no sum over the
     # parameter): a large parameter is then stepped in slices (COMPILED_CHUNK), bounding the scratch
@@ -344,11 +353,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_new_group(self.param_groups[-1], block_size_given)
+            if self._step_in_backward:  # checks every parameter before it hooks any
+                in_backward.hook_params(self, self.param_groups[-1], len(self.param_groups) - 1)
         except BaseException:
             self.param_groups.pop()  # a refused group must not be stepped (torch.optim refuses before adding)
             raise
-        if self._step_in_backward:
-            in_backward.hook_params(self, self.param_groups[-1], len(self.param_groups) - 1)
 
     def _check_new_group(self, group: dict, block_size_given: bool) -> None:
         """Validates and normalizes the group add_param_group has just added (the last one)."""
@@ -359,11 +368,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_group(group)
         if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
             raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
-        if group["fused"] and self._fused_step is None:
-            raise ValueError(
-                f"fused=True, but the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only; {self._family} "
-                "takes the compiled step. Pass fused=None (the default) or False"
-            )
+        if group["fused"] and _no_kernel_reason(type(self)) is not None:
+            raise ValueError(f"fused=True, but {_no_kernel_reason(type(self))}. Pass fused=None (the default) or False")
         if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
             group["param_update"] = "stochastic"
         precision.check_param_update(group["param_update"])
@@ -390,6 +396,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         for p in group["params"]:
             _check_param(p, self.torch_name)
+        if group["param_update"] != "nearest" and any(p.dtype == torch.float16 for p in group["params"]):
+            raise ValueError(
+                f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
+                "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
+            )
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -624,7 +635,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, values: list, mode: str) -> bool:
         """Whether the fused CPU kernel steps ``p`` (``values``: its states in ``self.states``' order,
         None where absent)."""
-        if self._fused_step is None or fused is False or (fused is None and param.device.type != "cpu"):
+        if fused is False or (fused is None and param.device.type != "cpu") or _no_kernel_reason(type(self)) is not None:
             return False
         reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, values, mode)
         if reason is not None and fused:
@@ -775,6 +786,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         count = float(state["step"])
         if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
             raise ValueError(f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {count}: it must count steps, a finite number >= 0")
+
+
+@functools.cache
+def _no_kernel_reason(cls: type) -> str | None:
+    """Why the fused CPU kernel does not step optimizer class ``cls``; None where it does. It computes
+    the numbers of the class that defines ``_fused_step``: a subclass with a step of its own (another
+    step function, numbers or states) takes the compiled step."""
+    if cls._fused_step is None:
+        return f"the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only; {cls.family or cls.__name__} takes the compiled step"
+    owner = next(k for k in cls.__mro__ if "_fused_step" in vars(k))
+    changed = [name for name in ("step_function", "_step_arguments", "states") if getattr(cls, name) is not getattr(owner, name)]
+    if changed:
+        return f"{cls.__name__} has its own {' and '.join(changed)}, and the fused CPU kernel computes {owner.__name__}'s step; it takes the compiled step"
+    return None
 
 
 @torch.compiler.disable

@@ -34,12 +34,19 @@ _CLIP_EPS = 1e-6
 def hook_params(optimizer, group: dict, index: int) -> None:
     """Step each parameter of param group ``index`` in backward."""
     owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
-    for p in group["params"]:
+    for p in group["params"]:  # every check before any hook: a refused group leaves none behind
         if optimizer._max_grad_norm is not None and is_dtensor(p) and p.device_mesh.ndim != 1:
             raise ValueError(
                 f"max_grad_norm with step_in_backward=True sums gradient norms over a 1-D mesh (FSDP2's fully_shard); "
                 f"this parameter is on a {p.device_mesh.ndim}-D mesh: drop max_grad_norm"
             )
+        if not p.requires_grad:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} does not require grad: step_in_backward=True steps each parameter "
+                "from a hook on its gradient, made with the optimizer. Pass the trainable ones "
+                "([p for p in model.parameters() if p.requires_grad]) and add others with add_param_group once unfrozen"
+            )
+    for p in group["params"]:
         p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
 
 

@@ -5,13 +5,30 @@ StateTensor subclass with a ``name`` registers itself when it is defined; a Plai
 made.
 """
 
+import inspect
+
 _REGISTRY: dict = {}
+
+
+def _defined_in(cls) -> str | None:
+    try:
+        return inspect.getfile(cls)
+    except (TypeError, OSError):  # a PlainFormat instance, or a class of no file
+        return None
 
 
 def _same_format(existing, fmt) -> bool:
     # a module imported twice (e.g. an example run as a script and imported by the tests) defines its
-    # format class twice: the same format, not a name clash
-    return existing is fmt or (existing is not None and getattr(existing, "__qualname__", None) == getattr(fmt, "__qualname__", 0))
+    # format class twice: the same format, not a name clash. Another file's class of the same name,
+    # or a class made again with other numbers, is another format.
+    if existing is fmt:
+        return True
+    if existing is None or getattr(existing, "__qualname__", None) != getattr(fmt, "__qualname__", 0) or _defined_in(existing) != _defined_in(fmt):
+        return False
+    try:
+        return all(existing._numerics_fingerprint(signed) == fmt._numerics_fingerprint(signed) for signed in (True, False))
+    except Exception:  # noqa: BLE001 - numbers it cannot tell apart: the same definition, as before
+        return True
 
 
 def register_format(fmt) -> None:

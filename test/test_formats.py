@@ -8,6 +8,7 @@ Regenerate the pinned strings with ``EXPECTTEST_ACCEPT=1 python -m pytest test/t
 """
 
 import copy
+import importlib.util
 import io
 import itertools
 import math
@@ -1184,3 +1185,24 @@ def test_compile_cache_key_tells_inner_sizes_of_one():
             p.grad = torch.randn_like(p)
         opt.step()
     assert all(bool(p.isfinite().all()) for p in params)
+
+
+def test_a_format_of_another_file_cannot_take_a_builtin_name(tmp_path):
+    """A user's class that happens to share a built-in format's class name and ``name`` (another
+    file) is refused, not registered over the built-in that every optimizer (and AdamW8bit) would
+    then use; the same file imported twice is still the same format."""
+    source = (
+        "import lowbit_optim\n"
+        "class OptimState8bit(lowbit_optim.CodebookState):\n"
+        "    name = '8bit'\n"
+        "    bits = 8\n"
+        "    @classmethod\n"
+        "    def codebook(cls, signed):\n"
+        "        return [k / 7 for k in range(-7, 8)] if signed else [(k + 1) / 16 for k in range(16)]\n"
+    )
+    (tmp_path / "user_formats.py").write_text(source)
+    builtin = get_format("8bit")
+    spec = importlib.util.spec_from_file_location("user_formats", tmp_path / "user_formats.py")
+    with pytest.raises(ValueError, match="state format name '8bit' is already taken by <class 'lowbit_optim.formats.OptimState8bit'>"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert get_format("8bit") is builtin

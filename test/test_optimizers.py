@@ -29,6 +29,7 @@ from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info, stored_form
 from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, compiled_matrix, matrix, matrix_optimizers
 from test_optim import (
     COMPILED_PARAM_ATOL,
+    LR,
     PARITY_PARAM_TOL,
     PARITY_STATE_TOL,
     assert_same_bits,
@@ -558,3 +559,41 @@ def test_declared_initial_value(state_format):
     opt.step()
     assert stored_as(opt.state[p]["square_avg"]) == state_format
     assert torch.equal(opt.state[p]["square_avg"].float(), torch.full((64, 96), 0.5))
+
+
+class LrTwice(lowbit_optim.AdamW):
+    """A subclass with numbers of its own: twice the lr."""
+
+    def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
+        (lr, *numbers), flags = super()._step_arguments(group)
+        return (2 * lr, *numbers), flags
+
+
+def test_a_subclass_with_its_own_step_takes_the_compiled_step():
+    """The fused CPU kernel computes the step of the class that defines ``_fused_step``: a subclass
+    with its own step function, numbers (``_step_arguments``) or states takes the compiled step,
+    which gives its numbers, and fused=True says why it cannot be had."""
+    runs = []
+    for fused in (None, False):
+        model = make_mlp()
+        opt = LrTwice(model.parameters(), lr=LR, state_format="8bit", fused=fused)
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs[0], *runs[1])
+    model = make_mlp()
+    reference = lowbit_optim.AdamW(model.parameters(), lr=2 * LR, state_format="8bit")
+    train(model, reference, 2)
+    assert_same_training(model, reference, *runs[0])  # lr twice is AdamW at 2 lr
+    with pytest.raises(ValueError, match="LrTwice has its own _step_arguments, and the fused CPU kernel computes Adam's step"):
+        LrTwice(make_mlp().parameters(), fused=True)
+
+
+@pytest.mark.parametrize("states, message", [
+    ((lowbit_optim.State("step", signed=True),), "declares a state named 'step', a name lowbit_optim keeps for its own"),
+    ((lowbit_optim.State("m", signed=True), lowbit_optim.State("m", signed=True)), "declares two states named 'm'"),
+], ids=["reserved", "twice"])  # fmt: skip
+def test_state_names_are_checked_when_the_class_is_made(states, message):
+    """A state named as the step counter overwrote it (silently wrong steps, then a checkpoint that
+    does not load); two states of one name shadowed each other."""
+    with pytest.raises(TypeError, match=message):
+        type("Custom", (lowbit_optim.AdamW,), {"states": states})

@@ -209,3 +209,13 @@ def test_loading_without_precision_buffer_starts_from_zero_error():
     kahan.load_state_dict(plain.state_dict())
     assert torch.equal(kahan.state[model[0].weight]["compensation"], torch.zeros(64, 80, dtype=torch.bfloat16))
     _train(model, kahan, 1)
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan", "int8-correction"])
+def test_fp16_parameters_refuse_a_bf16_param_update(mode):
+    """The param_update modes keep bf16 weights precise; fp16 weights would be rounded to nearest
+    whatever was asked (small updates vanishing silently): refused with the alternatives."""
+    p = torch.nn.Parameter(torch.ones(256, dtype=torch.float16))
+    with pytest.raises(ValueError, match=rf"param_update='{mode}' applies to bf16 parameters; fp16 ones are rounded to nearest"):
+        lowbit_optim.SGD([p], lr=1e-4, param_update=mode)
+    lowbit_optim.SGD([p], lr=1e-4)  # nearest, as torch.optim

@@ -329,3 +329,19 @@ def test_a_correction_of_another_dtype_is_refused_at_load():
     saved["state"][0]["param_correction"] = saved["state"][0]["param_correction"].to(torch.int16)
     with pytest.raises(ValueError, match="param_correction.* has dtype torch.int16: int8-correction keeps int8"):
         opt.load_state_dict(saved)
+
+
+def test_frozen_parameters_are_refused_before_any_hook():
+    """A parameter that does not require grad cannot be hooked: the error says which to pass (the
+    trainable ones) instead of torch's, and a group refused for it leaves no group and no hook."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(8,\) does not require grad: .*\[p for p in model.parameters\(\) if p.requires_grad\]"):
+        lowbit_optim.AdamW(model.parameters(), step_in_backward=True)
+    opt = lowbit_optim.AdamW(model[0].parameters(), lr=0.1, step_in_backward=True, compile=False)
+    with pytest.raises(ValueError, match="does not require grad"):
+        opt.add_param_group({"params": list(model[1].parameters())})
+    assert len(opt.param_groups) == 1
+    before = model[1].weight.detach().clone()
+    model(torch.randn(4, 8)).square().sum().backward()
+    assert torch.equal(model[1].weight, before) and model[1].weight.grad is not None  # not hooked: not stepped, not freed
