@@ -506,6 +506,8 @@ def train_run_mlp(spec: OptimizerSpec, data: MLPDataset, args, seed: int, lr: fl
 def _mean_sd(values: list[float]) -> tuple[float, float]:
     values = list(values)
     mean = statistics.fmean(values)
+    if not all(math.isfinite(v) for v in values):  # a diverged run: statistics.stdev raises on NaN
+        return mean, math.nan
     return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 

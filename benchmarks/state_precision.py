@@ -12,7 +12,11 @@ probability equal to the dropped fraction, unbiased; random bits from a generato
 runs repeat) and ``<M>ld`` (as sr, but each element's draws over the steps are a low-discrepancy
 sequence: a random phase per element plus the step count times the golden ratio, mod 1; a constant
 fraction then rounds up in a share of steps as close to it as any sequence can come, where
-independent draws wander by the square root of the steps). Paired per-seed gaps of the final
+independent draws wander by the square root of the steps). ``<M>bf<E>`` rounds stochastically to a
+block floating point: each block of BLOCK consecutive values shares the exponent of its largest
+magnitude, and a value keeps E exponent bits below it and M mantissa bits (smaller values take the
+lowest binade's spacing, as subnormals): M + E bits per value, a sign bit more for a signed state,
+what a format of that many bits with a per-block scale could hold. Paired per-seed gaps of the final
 training-set loss, as convergence.py reports them; written to
 benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
 
@@ -21,6 +25,7 @@ benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
 
 import argparse
 import pathlib
+import re
 import sys
 
 import torch
@@ -45,6 +50,42 @@ def round_mantissa(x: torch.Tensor, mantissa_bits: int, draws: torch.Tensor | No
         add = draws
     rounded = ((bits + add) >> drop) << drop
     bits.copy_(torch.where(torch.isfinite(x), rounded, bits))
+
+
+BLOCK = 256  # values per shared exponent (``<M>bf<E>``)
+
+
+def round_block_float(x: torch.Tensor, mantissa_bits: int, exponent_bits: int, generator: torch.Generator) -> None:
+    """Round fp32 ``x`` in place, stochastically, to the block floating point of ``<M>bf<E>`` (module
+    doc): the spacing at a value is 2**(e - mantissa_bits), e its binade's exponent, at least the
+    exponent of its block's largest magnitude less 2**exponent_bits - 1. In float64, where the grid
+    and the draws are exact; non-finite values stay as they are."""
+    flat = x.view(-1)
+    y = torch.nn.functional.pad(flat.double(), (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+    top = torch.frexp(y.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1, keepdim=True)).exponent - 1  # of the finite values
+    exponent = torch.maximum(torch.frexp(y).exponent - 1, top - (2**exponent_bits - 1))
+    spacing = torch.ldexp(torch.ones_like(y), exponent - mantissa_bits)
+    draws = torch.rand(y.shape, generator=generator, dtype=torch.float64)
+    rounded = (torch.floor(y / spacing + draws) * spacing).view(-1)[: flat.numel()].float()
+    flat.copy_(torch.where(torch.isfinite(flat), rounded, flat))
+
+
+ROUNDING = re.compile(r"(\d+)(rn|sr|ld|bf(\d+))")
+
+
+def parse_rounding(rounding: str) -> tuple[int, str, int | None] | None:
+    """``<M>rn|sr|ld`` or ``<M>bf<E>`` as (M, kind, E or None); None if it is neither."""
+    match = ROUNDING.fullmatch(rounding)
+    if not match or not 1 <= int(match[1]) <= 22 or match[3] is not None and not 0 <= int(match[3]) <= 7:
+        return None
+    return int(match[1]), match[2][:2], None if match[3] is None else int(match[3])
+
+
+def label(state: str, rounding: str) -> str:
+    mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
+    if kind == "bf":
+        return f"{state} {mantissa_bits}-bit mantissa, {exponent_bits}-bit exponent below its block's, sr"
+    return f"{state} {mantissa_bits}-bit mantissa {kind}"
 
 
 GOLDEN_32 = 0x9E3779B9  # 2**32 / golden ratio: the Weyl sequence's step, mod 2**32
@@ -76,15 +117,19 @@ def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
     def make(params, lr, weight_decay, **_):
         opt = cls(params, lr=lr, weight_decay=weight_decay, state_format="fp32", **info.kwargs(args))
         if rounding is not None:
-            mantissa_bits = int(rounding[:-2])
-            draws, steps = draw_source(rounding, mantissa_bits), [0]
+            mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
+            draws, steps = None if kind == "bf" else draw_source(rounding, mantissa_bits), [0]
+            generator = torch.Generator().manual_seed(1234)
 
             def round_state(optimizer, *_):
                 steps[0] += 1
                 with torch.no_grad():
                     for key, state in optimizer.state.items():
                         x = state[args.state]
-                        round_mantissa(x, mantissa_bits, draws and draws(steps[0], key, x))
+                        if kind == "bf":
+                            round_block_float(x, mantissa_bits, exponent_bits, generator)
+                        else:
+                            round_mantissa(x, mantissa_bits, draws and draws(steps[0], key, x))
 
             opt.register_step_post_hook(round_state)
         return opt
@@ -96,15 +141,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=("ademamix", "adamw"), default="ademamix")
     p.add_argument("--state", default="exp_avg_sq", help="the state to round (exp_avg, exp_avg_sq; AdEMAMix: exp_avg_slow)")
-    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld")
+    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld or <mantissa bits>bf<exponent bits>")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out-md", help="default: benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md")
     args = p.parse_args(argv)
     for r in args.rounding.split(","):
-        if not (r[-2:] in ("rn", "sr", "ld") and r[:-2].isdigit() and 1 <= int(r[:-2]) <= 22):
-            p.error(f"--rounding takes <mantissa bits 1..22>rn, sr or ld, got {r!r}")
+        if parse_rounding(r) is None:
+            p.error(f"--rounding takes <mantissa bits 1..22>rn, sr or ld, or <mantissa bits>bf<exponent bits 0..7>, got {r!r}")
     return args
 
 
@@ -118,7 +163,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--state {args.state!r}: {args.optimizer} keeps {sorted(known)}")
     task.state = args.state
     specs = [spec(convergence.REFERENCE, task, None)]
-    specs += [spec(f"{args.state} {r[:-2]}-bit mantissa {r[-2:]}", task, r) for r in args.rounding.split(",")]
+    specs += [spec(label(args.state, r), task, r) for r in args.rounding.split(",")]
     out = convergence.compare(task, specs, convergence.make_mlp_dataset(task))
     retitle(pathlib.Path(out_md), task)
     return out

@@ -36,6 +36,14 @@ def test_convergence_smoke(convergence, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_convergence_summary_of_a_diverged_run(convergence):
+    """A run that diverged (NaN losses, as a too-coarse state can make) is summarized as nan, not
+    a crash that loses the other rows (statistics.stdev raises on NaN)."""
+    nan = float("nan")
+    assert all(math.isnan(v) for v in convergence._mean_sd([0.1, nan]))
+    assert convergence._mean_sd([1.0, 2.0, 3.0]) == (2.0, 1.0)
+
+
 def test_convergence_mlp_smoke(convergence, tmp_path):
     """--task mlp: losses on the whole training and validation sets, paired gaps for both; the weight
     matrices (4,096 elements and more at width 128) hold quantized states."""
@@ -305,6 +313,35 @@ def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
     assert text.startswith("# State precision: AdEMAMix with `exp_avg_sq` rounded") and "| exp_avg_sq 10-bit mantissa rn |" in text
     with pytest.raises(SystemExit):
         precision.main(["--state", "exp_avg_slow", "--optimizer", "adamw", "--steps", "1", "--out-md", str(md)])
+
+
+def test_state_precision_block_float_grid():
+    """state_precision.py's <M>bf<E>: every value lands on its spacing's grid next to where it was
+    (the spacing of its binade, at least that of its block's largest exponent less 2**E - 1), zeros
+    and non-finite values stay, and the rounding is unbiased over draws."""
+    precision = import_script("benchmarks/state_precision")
+    assert precision.parse_rounding("7bf3") == (7, "bf", 3) and precision.parse_rounding("7bf") is None and precision.parse_rounding("7bf9") is None
+    generator = torch.Generator().manual_seed(0)
+    block = torch.ldexp(torch.rand(precision.BLOCK, generator=generator) + 0.5, torch.arange(precision.BLOCK) % 24 - 20)  # 2**-21 .. 2**3
+    block[:3] = torch.tensor([0.0, -1.5, math.inf])
+    x = torch.cat([block, torch.full((10,), -3e-3)])  # a second block, padded
+    mantissa_bits, exponent_bits = 3, 2
+    tops = [max(math.floor(math.log2(abs(v))) for v in values.tolist() if v and math.isfinite(v)) for values in (block, x[precision.BLOCK :])]
+    exponent = torch.frexp(x).exponent - 1
+    lowest = torch.cat([torch.full((precision.BLOCK,), tops[0]), torch.full((10,), tops[1])]) - (2**exponent_bits - 1)
+    spacing = torch.ldexp(torch.ones_like(x), torch.maximum(exponent, lowest) - mantissa_bits).double()
+    finite = torch.isfinite(x)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    draws = 400
+    for _ in range(draws):
+        y = x.clone()
+        precision.round_block_float(y, mantissa_bits, exponent_bits, generator)
+        assert y[2] == math.inf and y[0] == 0.0
+        steps = y[finite].double() / spacing[finite]
+        assert torch.equal(steps, steps.round()) and bool(((y[finite].double() - x[finite].double()).abs() < spacing[finite]).all())
+        total += y.double()
+    bias = (total[finite] / draws - x[finite].double()).abs() / spacing[finite]
+    assert float(bias.max()) < 0.15  # the mean of 400 draws within 0.15 spacings (sd <= 0.025)
 
 
 def test_state_precision_low_discrepancy_draws():
