@@ -229,6 +229,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if cls.step_function is None and cls.states:
+            raise TypeError(f"{cls.__name__} declares states but no step_function: set step_function = staticmethod(your_step)")
         names = [s.name for s in cls.states]
         reserved = sorted({"step", "compensation", "param_correction"} & set(names))
         if reserved:
@@ -365,6 +367,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if key != "params":
                 group[key] = type(value)(map(_plain_number, value)) if isinstance(value, (tuple, list)) else _plain_number(value)
         _check_lr(group["lr"])
+        for state in self.states:
+            if state.when is not None and state.when not in group:
+                raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
         self._check_group(group)
         if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
             raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")

@@ -425,7 +425,7 @@ class CodebookState(OptimState):
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{cls.__name__} defines no codebook: a CodebookState subclass returns its code values from codebook(signed)")
 
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
@@ -470,6 +470,8 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     codebook = torch.tensor(cls.codebook(signed), dtype=torch.float32).tolist()
     if len(codebook) > 2**cls.bits:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
+    if not all(a < b for a, b in zip(codebook, codebook[1:])):  # NaN fails too
+        raise ValueError(f"{cls.__name__}.codebook({signed}) must list its values strictly increasing (as fp32), without NaN: sort them and drop repeats")
     space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
     thresholds = quant.decision_thresholds(codebook, space)
     base_code, threshold = quant.nearest_code_tables(thresholds)

@@ -597,3 +597,13 @@ def test_state_names_are_checked_when_the_class_is_made(states, message):
     does not load); two states of one name shadowed each other."""
     with pytest.raises(TypeError, match=message):
         type("Custom", (lowbit_optim.AdamW,), {"states": states})
+
+
+def test_an_incomplete_optimizer_class_says_what_it_lacks():
+    """States without a step function are refused when the class is made (not as 'NoneType is not
+    callable' at the first step); a state's ``when`` that names no option, when the optimizer is."""
+    with pytest.raises(TypeError, match="NoStep declares states but no step_function: set step_function = staticmethod"):
+        type("NoStep", (lowbit_optim.LowBitOptimizer,), {"states": (lowbit_optim.State("m", signed=True),)})
+    when = type("When", (lowbit_optim.AdamW,), {"states": (*lowbit_optim.AdamW.states, lowbit_optim.State("extra", signed=True, when="nope"))})
+    with pytest.raises(TypeError, match="When's state 'extra' exists when='nope', which is no option of its groups"):
+        when(make_mlp().parameters())
