@@ -118,8 +118,11 @@ def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
         opt = cls(params, lr=lr, weight_decay=weight_decay, state_format="fp32", **info.kwargs(args))
         if rounding is not None:
             mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
-            draws, steps = None if kind == "bf" else draw_source(rounding, mantissa_bits), [0]
-            generator = torch.Generator().manual_seed(1234)
+            steps = [0]
+            if kind == "bf":
+                generator = torch.Generator().manual_seed(1234)
+            else:
+                draws = draw_source(rounding, mantissa_bits)
 
             def round_state(optimizer, *_):
                 steps[0] += 1

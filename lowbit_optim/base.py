@@ -366,15 +366,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for key, value in group.items():  # NumPy scalars as Python numbers: the step's float64 arithmetic (1 - beta) then holds
             if key != "params":
                 group[key] = type(value)(map(_plain_number, value)) if isinstance(value, (tuple, list)) else _plain_number(value)
-        _check_lr(group["lr"])
         for state in self.states:
             if state.when is not None and state.when not in group:
                 raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
-        self._check_group(group)
+        self._check_hyper_parameters(group)
         if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
             raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
-        if group["fused"] and _no_kernel_reason(type(self)) is not None:
-            raise ValueError(f"fused=True, but {_no_kernel_reason(type(self))}. Pass fused=None (the default) or False")
+        no_kernel = _no_kernel_reason(type(self))
+        if group["fused"] and no_kernel is not None:
+            raise ValueError(f"fused=True, but {no_kernel}. Pass fused=None (the default) or False")
         if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
             group["param_update"] = "stochastic"
         precision.check_param_update(group["param_update"])
@@ -406,6 +406,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
                 "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
             )
+
+    def _check_hyper_parameters(self, group: dict) -> None:
+        """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
+        _check_lr(group["lr"])
+        self._check_group(group)
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -694,9 +699,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             # the constructor's checks, before anything is loaded: a step must not run on what it refuses
             for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
                 try:
-                    merged = {**self.defaults, **group, **keep, "params": ours["params"]}
-                    _check_lr(merged["lr"])
-                    self._check_group(merged)
+                    self._check_hyper_parameters({**self.defaults, **group, **keep, "params": ours["params"]})
                 except ValueError as error:
                     raise ValueError(f"param group {i} of this {source}: {error}") from None
 
@@ -930,8 +933,9 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
             local(value).check_layout()
         except ValueError as error:
             raise ValueError(f"{where} is corrupt: {error}") from None
-    if isinstance(local(value), OptimState) and bool((local(value).scale < 0).any()):  # NaN: a poisoned block, as it was saved
-        raise ValueError(f"{where} is corrupt: a block scale is negative ({float(local(value).scale.min())}), where scales are block maxima")
+    scale = local(value).scale if isinstance(local(value), OptimState) else None
+    if scale is not None and bool((scale < 0).any()):  # NaN: a poisoned block, as it was saved
+        raise ValueError(f"{where} is corrupt: a block scale is negative ({float(scale.min())}), where scales are block maxima")
 
 
 # each state's 1-D wrapper, kept while the state lives: its inner tensors are written in place
