@@ -181,7 +181,7 @@ def _slice_view(view: ShardView, dim: int = 0, start=None, end=None, step: int =
 def _codes_unpacked(state: OptimState, first_block: int, end_block: int) -> Tensor:
     per_block = state.block_size * state.bits // 8
     codes = state.codes[first_block * per_block : end_block * per_block]
-    return quant.unpack_nibbles(codes) if state.bits == 4 else codes
+    return quant.unpack_codes(codes, state.bits, state.block_size)
 
 
 def _element_codes_and_scales(state: OptimState, first: int, last: int) -> tuple[Tensor, Tensor]:
@@ -284,7 +284,7 @@ def _stage(state: OptimState, first: int, last: int, values: Tensor, codes: Tens
         n = state.numel()
         staging = state._dcp_staging = {
             "values": torch.zeros(n, dtype=torch.float32, device=device),
-            "codes": torch.zeros(n, dtype=torch.uint8, device=device),
+            "codes": torch.zeros(n, dtype=quant.code_dtype(state.bits), device=device),
             "scales": torch.zeros(n, dtype=torch.float32, device=device),
             "exact": torch.zeros(n, dtype=torch.bool, device=device),  # code and scale known, in this state's codebook
             "covered": torch.zeros(n, dtype=torch.bool, device=device),
@@ -316,7 +316,7 @@ def _finish_blocks(state: OptimState, staging: dict, blocks: Tensor) -> None:
     # requantized, as quantize_ would do it (padding elements are zeros)
     fresh = type(state).zeros(index.numel(), state.signed, bs, device=device)
     fresh.quantize_(torch.where(real, staging["values"][index], 0.0).view(-1))
-    codes = (quant.unpack_nibbles(fresh.codes) if state.bits == 4 else fresh.codes).view(-1, bs)
+    codes = fresh.unpacked_codes().view(-1, bs)
     scale = fresh.scale
     # exact instead where every element carries a code of this codebook and all share one scale
     scales = staging["scales"][index]
@@ -325,7 +325,7 @@ def _finish_blocks(state: OptimState, staging: dict, blocks: Tensor) -> None:
     codes = torch.where(exact[:, None] & real, staging["codes"][index], codes)
     scale = torch.where(exact, scales[:, 0], scale)
     per_block = bs * state.bits // 8
-    packed = quant.pack_nibbles(codes.reshape(-1)) if state.bits == 4 else codes.reshape(-1)
+    packed = quant.pack_codes(codes.reshape(-1), state.bits, bs)
     state.codes[(blocks[:, None] * per_block + torch.arange(per_block, device=device)).view(-1)] = packed
     state.scale[blocks] = scale
     staging["waiting"][blocks] = False

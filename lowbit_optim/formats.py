@@ -274,10 +274,12 @@ class OptimStateFp8(OptimState):
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
 from .lowrank import LowRankState, OptimState4bitLowRank, OptimState4bitLowRankMuLaw, OptimState8bitLowRank  # noqa: E402
 from .stochastic_bf16 import StochasticBF16State  # noqa: E402
+from .block_float import BlockFloatState  # noqa: E402
 
 
 __all__ = [
     "BF16",
+    "BlockFloatState",
     "FactoredState",
     "FP32",
     "LowRankState",

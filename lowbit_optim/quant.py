@@ -230,6 +230,37 @@ def calibrated_scale(scale: Tensor, normalized: Tensor, decoded: Tensor) -> Tens
     return (scale.double() * c).float()
 
 
+def code_dtype(bits: int) -> torch.dtype:
+    """The dtype of ``bits``-bit codes one per element (unpacked): uint8 up to 8 bits, else int16."""
+    return torch.uint8 if bits <= 8 else torch.int16
+
+
+def pack_codes(codes: Tensor, bits: int, block_size: int) -> Tensor:
+    """Flat unpacked codes (whole blocks) as the bytes a state stores, ``block_size * bits / 8`` per
+    block: 8-bit codes as they are, 4-bit two per byte (pack_nibbles), 10-bit per block as the block's
+    top 8 bits of every code, then its low 2 bits four per byte (the first code in the lowest two)."""
+    if bits == 8:
+        return codes
+    if bits == 4:
+        return pack_nibbles(codes)
+    blocks = codes.view(-1, block_size).to(torch.int32)
+    low = (blocks & 3).view(blocks.shape[0], block_size // 4, 4)
+    low = low[..., 0] | (low[..., 1] << 2) | (low[..., 2] << 4) | (low[..., 3] << 6)
+    return torch.cat([blocks >> 2, low], dim=1).to(torch.uint8).view(-1)
+
+
+def unpack_codes(packed: Tensor, bits: int, block_size: int) -> Tensor:
+    """The codes, one per element (``code_dtype(bits)``), of bytes ``pack_codes`` made."""
+    if bits == 8:
+        return packed
+    if bits == 4:
+        return unpack_nibbles(packed)
+    rows = packed.view(-1, block_size * bits // 8).to(torch.int32)
+    high, low = rows[:, :block_size], rows[:, block_size:]
+    low = torch.stack([low & 3, (low >> 2) & 3, (low >> 4) & 3, low >> 6], dim=-1).view(-1, block_size)
+    return ((high << 2) | low).to(torch.int16).view(-1)
+
+
 def pack_nibbles(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte: element 2i in the high nibble, 2i+1 in the low one (torchao's order)."""
     pairs = codes.view(-1, 2)
@@ -312,6 +343,41 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
     h = (h * 0x5BD1E995) & _MASK32
     h = h ^ (h >> 16)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # the top 24 bits: exact in fp32
+
+
+def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool, u: Tensor) -> Tensor:
+    """Codes (int32) of fp32 ``x`` in a small float with ``exponent_bits`` and ``mantissa_bits``
+    (and a sign bit above them if ``signed``), rounded up with probability ``u`` < the fraction of a
+    spacing it lies above the value below (``u`` uniform in [0, 1): unbiased; 0.5: nearest, ties
+    down). Its top binade is [1, 2), the binades below it down to 2**(2 - 2**exponent_bits), and
+    subnormals below those with the lowest binade's spacing, as IEEE floats: a code's magnitude bits
+    count its value's steps of that spacing up through the binades, so the next code up is the next
+    value. |x| above the largest value (2 - 2**-mantissa_bits) and NaN take the largest code."""
+    lowest = 2 - 2**exponent_bits
+    magnitude = x.abs()
+    binade = torch.clamp(torch.frexp(magnitude).exponent - 1, min=lowest)  # frexp(0) is 0 * 2**0: not 0's binade
+    binade = torch.where(magnitude > 0, binade, lowest)
+    steps = torch.ldexp(magnitude, mantissa_bits - binade)  # exact: a power of two; < 2**(mantissa_bits + 1)
+    below = torch.floor(steps)
+    up = (steps - below) > u  # steps - below is exact
+    code = (binade - lowest) * 2**mantissa_bits + below.to(torch.int32) + up.to(torch.int32)
+    code = torch.where(magnitude <= 2.0, code, 2 ** (exponent_bits + mantissa_bits))  # NaN, +-inf
+    code = code.clamp(max=2 ** (exponent_bits + mantissa_bits) - 1)
+    if signed:
+        code = code | ((x.view(torch.int32) < 0).to(torch.int32) << (exponent_bits + mantissa_bits))
+    return code
+
+
+def small_float_values(codes: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool) -> Tensor:
+    """The fp32 values of ``small_float_codes``' codes (exact)."""
+    codes = codes.to(torch.int32)
+    magnitude = codes & (2 ** (exponent_bits + mantissa_bits) - 1)
+    field, mantissa = magnitude >> mantissa_bits, magnitude & (2**mantissa_bits - 1)
+    significand = (mantissa + torch.where(field > 0, 2**mantissa_bits, 0)).to(torch.float32)
+    values = torch.ldexp(significand, (torch.clamp(field, min=1) + 1 - 2**exponent_bits - mantissa_bits).to(torch.float32))
+    if signed:
+        values = torch.where(codes >> (exponent_bits + mantissa_bits) > 0, -values, values)
+    return values
 
 
 def encode_stochastic(x: Tensor, nearest: Tensor, codebook: Tensor, u: Tensor) -> Tensor:

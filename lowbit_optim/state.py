@@ -73,8 +73,9 @@ def computes_as(cls, base, *methods: str) -> bool:
 def check_block_size(block_size, bits: int = 8) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two (e.g. 128 or 256), got {block_size!r}")
-    if block_size * bits < 8:
-        raise ValueError(f"block_size {block_size} is smaller than one byte of {bits}-bit codes; use at least {8 // bits}")
+    if block_size * bits % 8:
+        least = 8 // math.gcd(bits, 8)
+        raise ValueError(f"block_size {block_size} does not hold whole bytes of {bits}-bit codes; use at least {least}")
     return block_size
 
 
@@ -280,7 +281,7 @@ class OptimState(StateTensor):
 
     inner_names = ("codes", "scale")
     inner_dtypes = (torch.uint8, torch.float32)
-    bits: ClassVar[int] = 8  # 8, or 4 (two codes per byte)
+    bits: ClassVar[int] = 8  # 8, 4 (two codes per byte) or 10 (quant.pack_codes)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
     independent_blocks = True
@@ -293,12 +294,12 @@ class OptimState(StateTensor):
 
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
-        """fp32 values in [-scale_max, scale_max] -> uint8 codes (one per element, unpacked)."""
+        """fp32 values in [-scale_max, scale_max] -> codes (one per element, unpacked; uint8 up to 8 bits)."""
         raise NotImplementedError
 
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
-        """uint8 codes (unpacked) -> fp32 values."""
+        """Codes (unpacked) -> fp32 values."""
         raise NotImplementedError
 
     @classmethod
@@ -322,8 +323,8 @@ class OptimState(StateTensor):
     # ---- construction ------------------------------------------------------------------------
 
     def __init_subclass__(cls, **kwargs):
-        if cls.bits not in (4, 8):
-            raise TypeError(f"{cls.__name__}.bits must be 8 or 4, got {cls.bits}")
+        if cls.bits not in (4, 8, 10):
+            raise TypeError(f"{cls.__name__}.bits must be 8, 4 or 10, got {cls.bits}")
         super().__init_subclass__(**kwargs)
 
     @staticmethod
@@ -350,10 +351,7 @@ class OptimState(StateTensor):
         block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
         blocks = quant.num_blocks(numel, block_size)
         codes = cls.encode(torch.zeros(block_size, dtype=torch.float32, device=device), signed)  # zero's code, once
-        codes = codes.repeat(blocks)
-        if cls.bits == 4:
-            codes = quant.pack_nibbles(codes)
-        return codes, torch.zeros(blocks, dtype=torch.float32, device=device), block_size
+        return quant.pack_codes(codes.repeat(blocks), cls.bits, block_size), torch.zeros(blocks, dtype=torch.float32, device=device), block_size
 
     def _meta(self) -> tuple:
         return (self.block_size, self.signed)
@@ -380,21 +378,29 @@ class OptimState(StateTensor):
 
     def quantize_(self, x: Tensor) -> None:
         """Overwrite codes and scales with the quantization of float tensor ``x`` (same numel)."""
-        blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
-        scale = quant.block_absmax(blocks) / self.scale_max
-        normalized = blocks / scale[:, None]
+        normalized, scale = self._normalized_blocks(x)
         codes = self.encode_blocks(normalized, scale, self.signed)
         if self.calibrated(self.signed):
             scale = quant.calibrated_scale(scale, normalized, self.decode(codes, self.signed))
-        codes = codes.view(-1)
-        if self.bits == 4:
-            codes = quant.pack_nibbles(codes)
-        self.codes.copy_(codes)
+        self._store(codes, scale)
+
+    def _normalized_blocks(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` in blocks (rows) divided by their scales, which map each block's absmax to scale_max."""
+        blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
+        scale = quant.block_absmax(blocks) / self.scale_max
+        return blocks / scale[:, None], scale
+
+    def _store(self, codes: Tensor, scale: Tensor) -> None:
+        self.codes.copy_(quant.pack_codes(codes.view(-1), self.bits, self.block_size))
         self.scale.copy_(scale)
+
+    def unpacked_codes(self) -> Tensor:
+        """The codes, one per element of the padded blocks (``quant.code_dtype(bits)``)."""
+        return quant.unpack_codes(self.codes, self.bits, self.block_size)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The plain tensor this state stands for, in ``dtype`` (default: its appearance dtype)."""
-        codes = quant.unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+        codes = self.unpacked_codes()
         values = self.decode(codes, self.signed).view(-1, self.block_size) * self.scale[:, None]
         return values.view(-1)[: self.numel()].view(self.shape).to(dtype or self.dtype)
 

@@ -38,15 +38,21 @@ def round_bf16_stochastically(x: Tensor, writes: Tensor) -> Tensor:
     NaN and infinities as bf16 conversion gives them."""
     count = quant.num_blocks(x.numel(), HASH_BLOCK)
     blocks = quant.to_blocks(x, HASH_BLOCK, count * HASH_BLOCK)
-    # the salt in the 22 bits above the 10 that dither drops, as fp32 bits (dither reads a scale's)
-    index = torch.arange(count, dtype=torch.int64, device=x.device)
-    salt = ((((writes * WRITES_MIX + index * BLOCK_MIX) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
-    u = quant.dither(blocks, salt).view(-1)[: x.numel()]
+    u = quant.dither(blocks, write_salt(writes, count)).view(-1)[: x.numel()]
     bits = x.view(torch.int32)
     # adding u * 2**16 to the 16 bits bf16 drops carries into the kept ones exactly when the dropped
     # fraction exceeds u (sign-magnitude: the same for negative values)
     rounded = ((bits + (u * 65536.0).to(torch.int32)) >> 16).to(torch.int16).view(torch.bfloat16)
     return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+
+
+def write_salt(writes: Tensor, blocks: int) -> Tensor:
+    """The salt ``quant.dither`` takes in place of a block's scale, for each of ``blocks`` blocks of a
+    state written ``writes`` times (an int64 count, this write included): a value that comes back
+    draws anew on every write, where a scale that did not move would draw the same again."""
+    index = torch.arange(blocks, dtype=torch.int64, device=writes.device)
+    # in the 22 bits above the 10 that dither drops, as fp32 bits (dither reads a scale's)
+    return ((((writes * WRITES_MIX + index * BLOCK_MIX) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
 
 
 class StochasticBF16State(StateTensor):
@@ -90,7 +96,7 @@ class StochasticBF16State(StateTensor):
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in module functions: a change there must not reuse graphs compiled before it
         constants = (HASH_BLOCK, WRITES_MIX, BLOCK_MIX, quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
-        text = "".join(inspect.getsource(f) for f in (round_bf16_stochastically, quant.dither)) + str(constants)
+        text = "".join(inspect.getsource(f) for f in (round_bf16_stochastically, write_salt, quant.dither)) + str(constants)
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     @classmethod

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lowbit_optim
+from lowbit_optim import quant
 from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ class FormatInfo:
 
     def code_values(self, signed: bool) -> torch.Tensor:
         """Every value a normalized code can stand for (sorted, finite, unique), in float64."""
-        codes = torch.arange(2**self.fmt.bits, dtype=torch.uint8)
+        codes = torch.arange(2**self.fmt.bits, dtype=quant.code_dtype(self.fmt.bits))
         values = self.fmt.decode(codes, signed).double()
         return torch.unique(values[torch.isfinite(values)]) / self.fmt.scale_max
 
@@ -134,7 +135,7 @@ class FormatInfo:
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
 BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-linear", "fp8", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-linear", "fp8", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr", "10bit-sr"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])

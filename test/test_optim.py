@@ -363,7 +363,8 @@ class TestStateBytes(expecttest.TestCase):
 8bit-lowrank: 2.6563
 4bit-lowrank: 2.3125
 4bit-lowrank-mulaw: 2.3750
-bf16-sr: 4.0001""",
+bf16-sr: 4.0001
+10bit-sr: 2.5313""",
         )
 
 
