@@ -14,7 +14,7 @@ to the largest value. The random numbers are ``quant.dither``'s hash salted, as 
 the block's index and a count of the state's writes (stochastic_bf16.write_salt): a slow average
 whose block scale does not move still draws anew on every write. Stored per block: 256 bytes of
 the codes' top 8 bits, 64 of their low 2 bits (quant.pack_codes) and an fp32 scale, 1.27 bytes per
-value. Only the compiled step computes it (no fused CPU kernel layout).
+value. The fused CPU kernel steps it (csrc/block_float.h), bit for bit as the compiled step.
 """
 
 import functools
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import OptimState, extend_fingerprint
+from .state import KernelLayout, OptimState, computes_as, extend_fingerprint
 from .stochastic_bf16 import write_salt
 
 
@@ -81,6 +81,11 @@ class BlockFloatState(OptimState):
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
         return quant.small_float_values(codes, cls.exponent_bits(signed), cls.mantissa_bits, signed)
+
+    @classmethod
+    def kernel_layout(cls, signed: bool) -> KernelLayout | None:
+        same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "quantize_", "dequantize", "exponent_bits")
+        return KernelLayout("block-float") if same and cls.bits == 10 else None
 
     def quantize_(self, x: Tensor) -> None:
         self.writes.add_(1)

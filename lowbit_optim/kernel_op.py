@@ -236,10 +236,12 @@ def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tens
     else:
         buffer[at : at + w.state_size] = _format_description(k, type(state), state.signed)
         kind = format_kind(type(state), state.signed)
-        if kind in ("codebook", "e4m3"):
+        if kind in ("codebook", "e4m3", "block-float"):
             w.block_size.write(buffer, at, state.block_size)
             w.data.write(buffer, at, state.codes.data_ptr())
             w.scale.write(buffer, at, state.scale.data_ptr())
+            if kind == "block-float":  # and the count of writes the kernel adds to
+                w.writes.write(buffer, at, state.writes.data_ptr())
         elif kind == "bf16-sr":  # bf16 values and the count of writes the kernel adds to
             w.data.write(buffer, at, state.values.data_ptr())
             w.writes.write(buffer, at, state.writes.data_ptr())
@@ -260,8 +262,10 @@ def _format_description(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
     built once: a step only adds each state's block size and pointers."""
     kind = format_kind(cls, signed)
     described = k.structs["state_t"](kind=k.kinds[kind])
-    if kind in ("codebook", "e4m3"):
+    if kind in ("codebook", "e4m3", "block-float"):
         described.bits, described.scale_max, described.calibrated = cls.bits, cls.scale_max, cls.calibrated(signed)
+    if kind == "block-float":
+        described.exponent_bits, described.mantissa_bits = cls.exponent_bits(signed), cls.mantissa_bits
     if kind == "codebook":
         declared = layout(cls, signed)
         described.stochastic = declared.stochastic

@@ -48,7 +48,7 @@ def implements(*ops):
 @dataclass(frozen=True)
 class KernelLayout:
     """How the fused CPU kernel (fused_cpu.py) steps a format: ``kind`` names the codec it runs
-    ("codebook", "e4m3", "factored", "bf16-sr"); ``tables`` holds the format's numbers that codec reads (CPU
+    ("codebook", "e4m3", "factored", "bf16-sr", "block-float"); ``tables`` holds the format's numbers that codec reads (CPU
     tensors, e.g. a codebook's values and its nearest-code tables); ``stochastic``: codes are rounded
     stochastically between the two codebook values around each value (quant.encode_stochastic with
     quant.dither), not to the nearest one."""

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats
-from lowbit_optim import FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
+from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
@@ -232,13 +232,12 @@ def quantize_with_kernel(state, x: torch.Tensor) -> None:
     """Stores into ``state`` what a step stores for the values ``x`` (lowbit_quantize: block scales,
     then codes), a chunk at a time."""
     size = kernel_op.kernel().limits["max_chunk"]  # a whole number of blocks
+    if hasattr(state, "writes"):  # a step counts the write before it stores (scheduler.h), as quantize_ does
+        state.writes.add_(1)
     for start in range(0, x.numel(), size):
         piece = x[start : start + size]
-        chunk = type(state).zeros(piece.numel(), signed=state.signed, block_size=state.block_size)
-        values = torch.cat([piece, piece.new_zeros(chunk.padded_numel - piece.numel())])  # room to the block boundary
-        fused_cpu.library().lowbit_quantize(state_t(chunk), values.data_ptr(), 0, piece.numel())
-        state.codes[start * state.bits // 8 :][: chunk.codes.numel()] = chunk.codes
-        state.scale[start // state.block_size :][: chunk.scale.numel()] = chunk.scale
+        values = torch.cat([piece, piece.new_zeros(-piece.numel() % state.block_size)])  # room to the block boundary
+        fused_cpu.library().lowbit_quantize(state_t(state), values.data_ptr(), start, piece.numel())
 
 
 # what each build must step like the native one: both code widths in both moments, fp8, calibrated
@@ -258,6 +257,7 @@ OTHER_BUILD_CASES = [
     dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "fp8", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit"}, t_alpha=5, t_beta3=7),
     dict(cls=lowbit_optim.AdEMAMix, state_format="bf16", maximize=True),
     dict(state_format="bf16-sr"),  # the hash and carry, as each build compiles them
+    dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}),
 ]
 
 
@@ -292,6 +292,35 @@ def test_kernel_rounds_bf16_like_the_format(flag):
                 fused_cpu.library().lowbit_quantize(state_t(state), piece.data_ptr(), start, end - start)
             expected = round_bf16_stochastically(x, torch.tensor([writes]))
             assert torch.equal(state.values.view(torch.int16), expected.view(torch.int16)), writes
+
+
+@build_flags
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_stores_block_floats_like_the_format(signed, flag):
+    """10bit-sr's store (csrc/block_float.h) gives quantize_'s codes and scales, chunk by chunk
+    (chunks start on a block; the last block is partial), at any count of writes, on values across
+    every binade and subnormal of its small float, zeros and exact codes, a block's absmax and a NaN
+    block (NaN scale, largest codes)."""
+    g = torch.Generator().manual_seed(0)
+    n, bs = 5 * 256 + 77, 256
+    x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-14, 3, (n,), generator=g).float()
+    x = x if signed else x.abs()
+    x[:4] = torch.tensor([0.0, -0.0 if signed else 0.0, 4.0, 1e-30])
+    x[300] = math.nan
+    with kernel_built_with(flag):
+        for writes in (0, 12345, 2**62 + 3):
+            state, expected = BlockFloatState.zeros(n, signed), BlockFloatState.zeros(n, signed)
+            state.writes.fill_(writes + 1)  # the kernel counts the write first; quantize_ does
+            expected.writes.fill_(writes)
+            expected.copy_(x)
+            for start, end in ((0, 512), (512, 768), (768, n)):
+                piece = torch.cat([x[start:end], x.new_zeros(-(end - start) % bs)])
+                fused_cpu.library().lowbit_quantize(state_t(state), piece.data_ptr(), start, end - start)
+            assert torch.equal(state.codes, expected.codes), writes
+            torch.testing.assert_close(state.scale, expected.scale, rtol=0, atol=0, equal_nan=True)
+            out = torch.empty(n)
+            fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
+            torch.testing.assert_close(out, expected.dequantize(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_fused_step_compiles_nothing():
@@ -556,8 +585,8 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
     as the format's tables give them. In every build, in its vector loops
     (a multiple of 16 values) and in its tails (7 values at a time)."""
     state = info.fmt.zeros(256, signed=signed)
-    if kernel_op.kernel_kind(state) is None:
-        pytest.skip(f"the kernel does not take {info.name}")
+    if kernel_op.kernel_kind(state) not in ("codebook", "e4m3"):
+        pytest.skip(f"the kernel's block encoder does not take {info.name} (10bit-sr: test_kernel_stores_block_floats_like_the_format)")
     top = float(info.fmt.scale_max)
     beyond = torch.tensor([1.0000001, 1.5, 1.9999999, 2.0, 3.0, 1e6, 3e38]) * top
     beyond = (torch.cat([beyond, -beyond]) if signed else beyond)[: None if kernel_op.kernel_kind(state) == "codebook" else 0]
@@ -636,10 +665,10 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     state = info.fmt.from_float(sample((n,), signed, seed=1), signed)
     if kernel_op.kernel_kind(state) is None:
         pytest.skip(f"the kernel does not take {info.name}")
-    every = torch.arange(2**info.fmt.bits, dtype=torch.uint8).repeat(n // 2**info.fmt.bits + 1)[:n]
+    every = torch.arange(2**info.fmt.bits, dtype=quant.code_dtype(info.fmt.bits)).repeat(n // 2**info.fmt.bits + 1)[:n]
     codes = every[torch.randperm(n, generator=g)]
     padded = torch.cat([codes, codes.new_zeros(state.padded_numel - n)])
-    state.codes.copy_(quant.pack_nibbles(padded) if info.fmt.bits == 4 else padded)
+    state.codes.copy_(quant.pack_codes(padded, info.fmt.bits, state.block_size))
     out = torch.empty(n)
     with kernel_built_with(flag):
         fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
@@ -779,7 +808,7 @@ def test_structures_come_from_the_c_table():
     state, param = kernel.structs["state_t"], kernel.structs["param_t"]
     assert {"kind", "block_size", "codebook", "near_code", "stochastic", "col", "col_sums"} <= dict(state._fields_).keys()
     assert dict(param._fields_)["state"]._length_ == kernel.limits["max_states"]
-    assert kernel.kinds.keys() == {"none", "f32", "bf16", "codebook", "e4m3", "factored", "bf16-sr"} and kernel.kinds["none"] == 0
+    assert kernel.kinds.keys() == {"none", "f32", "bf16", "codebook", "e4m3", "factored", "bf16-sr", "block-float"} and kernel.kinds["none"] == 0
     assert kernel.optimizers["adam"].states == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     with pytest.raises(AttributeError, match="'state_t' object has no attribute 'blocksize'"):
         state(blocksize=256)

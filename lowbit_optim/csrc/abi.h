@@ -16,7 +16,7 @@
 /* How a state, parameter or gradient is stored. The names are KernelLayout.kind's (state.py) and
  * the tensors' dtypes'; Python reads the numbers from the table (lowbit_abi_constant). */
 #define KINDS(KIND) KIND(NONE, "none") KIND(F32, "f32") KIND(BF16, "bf16") KIND(CODEBOOK, "codebook") KIND(E4M3, "e4m3") KIND(FACTORED, "factored") \
-    KIND(BF16_SR, "bf16-sr")
+    KIND(BF16_SR, "bf16-sr") KIND(BLOCK_FLOAT, "block-float")
 #define DECLARE_KIND(id, name) KIND_##id,
 enum { KINDS(DECLARE_KIND) };
 
@@ -44,7 +44,7 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
 /* One state of a parameter. */
 #define STATE_FIELDS(FIELD, ARRAY, S)                                                                           \
     FIELD(S, int32_t, kind)                 /* KIND_*: KIND_NONE where the optimizer has no such state */    \
-    FIELD(S, int32_t, bits)                 /* 8, or 4: two codes per byte, element 2i in the high nibble */ \
+    FIELD(S, int32_t, bits)                 /* 8; 4: two codes per byte, element 2i in the high nibble; 10 */ \
     FIELD(S, int64_t, block_size)           /* quantized kinds: elements per scale */                         \
     FIELD(S, float, scale_max)              /* a block's absmax maps to this code value */                    \
     FIELD(S, void *, data)                  /* values (plain kinds), codes, or a factored state's row sums */ \
@@ -64,7 +64,9 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
     FIELD(S, float *, col_scaled)           /* the kernel's, for one step: col / total */                     \
     FIELD(S, float, zero)                   /* the kernel's: total - total (0, or NaN if not finite) */       \
     FIELD(S, double *, col_sums)            /* the kernel's: each task's sums of the new columns */          \
-    FIELD(S, int64_t *, writes)             /* KIND_BF16_SR: its count of writes, incremented first */
+    FIELD(S, int64_t *, writes)             /* KIND_BF16_SR, KIND_BLOCK_FLOAT: its count of writes, incremented first */ \
+    FIELD(S, int32_t, exponent_bits)        /* KIND_BLOCK_FLOAT: the small float's (quant.small_float_codes); */ \
+    FIELD(S, int32_t, mantissa_bits)        /* bits less these two is its sign bit (1 signed, 0 not) */
 DECLARE_STRUCT(state_t, STATE_FIELDS)
 
 /* One parameter: its values, gradient, step counter and states. */

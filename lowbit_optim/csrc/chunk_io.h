@@ -52,6 +52,10 @@ static float *load_state(const state_t *s, int64_t start, int64_t n, float *buff
         load_factored(s, start, n, buffer);
         return buffer;
     }
+    if (s->kind == KIND_BLOCK_FLOAT) {
+        load_block_float(s, start, n, buffer);
+        return buffer;
+    }
     int64_t bs = s->block_size, b = 0;
     const float *codebook = s->kind == KIND_E4M3 ? e4m3_values : s->codebook;
     const uint8_t *value_bytes = s->kind == KIND_E4M3 ? e4m3_value_bytes : s->value_bytes;
@@ -88,6 +92,10 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
     int64_t bs = s->block_size;
     int64_t padded = (n + bs - 1) / bs * bs;
     for (int64_t i = n; i < padded; i++) x[i] = 0.0f;
+    if (s->kind == KIND_BLOCK_FLOAT) {
+        store_block_float(s, start, padded, x);
+        return;
+    }
     uint8_t codes[MAX_CHUNK];
     double vv[s->calibrated ? bs : 1], vq[s->calibrated ? bs : 1];
     calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};

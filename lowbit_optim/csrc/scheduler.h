@@ -88,7 +88,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
                 *t->step = step;
             }
             for (int i = 0; i < MAX_STATES; i++)
-                if (t->state[i].kind == KIND_BF16_SR) *t->state[i].writes += 1;  /* as quantize_ counts its write */
+                if (t->state[i].kind == KIND_BF16_SR || t->state[i].kind == KIND_BLOCK_FLOAT) *t->state[i].writes += 1;  /* as quantize_ counts its write */
             o->prepare(hyper, step, scalars + j * stride);
         }
         int64_t total = first_task[count];

@@ -30,6 +30,12 @@ static inline uint32_t dither_hash(float v, uint32_t j, uint32_t salt) {
 
 static inline float dither(float v, uint32_t j, uint32_t salt) { return (float)(int32_t)(dither_hash(v, j, salt) >> 8) * 0x1p-24f; }
 
+/* the dither_salt of stochastic_bf16.write_salt: block's after writes writes */
+static inline uint32_t write_salt(int64_t writes, int64_t block) {
+    uint64_t mixed = ((uint64_t)writes * BF16_SR_WRITES_MIX + (uint64_t)block * BF16_SR_BLOCK_MIX) & 0x3FFFFFu;
+    return dither_salt_of_bits(((uint32_t)mixed << 10) ^ 0x80000000u);  /* the Python's int32 salt bits */
+}
+
 /* stochastic_bf16.round_bf16_stochastically of the n values x of elements start.. of a state whose
  * count of writes (this one included) is writes: the hash salted per block of BF16_SR_HASH_BLOCK by
  * the block's index and the count; the dither's top 16 bits added below bf16's 16 carry into the
@@ -37,8 +43,7 @@ static inline float dither(float v, uint32_t j, uint32_t salt) { return (float)(
 static void store_bf16_stochastic(uint16_t *dst, int64_t start, int64_t n, const float *x, int64_t writes) {
     for (int64_t i = 0; i < n;) {
         int64_t j = start + i, block = j / BF16_SR_HASH_BLOCK, end = (block + 1) * BF16_SR_HASH_BLOCK - start;
-        uint64_t mixed = ((uint64_t)writes * BF16_SR_WRITES_MIX + (uint64_t)block * BF16_SR_BLOCK_MIX) & 0x3FFFFFu;
-        uint32_t salt = dither_salt_of_bits(((uint32_t)mixed << 10) ^ 0x80000000u);  /* the Python's int32 salt bits */
+        uint32_t salt = write_salt(writes, block);
         for (; i < n && i < end; i++) {
             float v = x[i];
             uint32_t place = (uint32_t)((start + i) % BF16_SR_HASH_BLOCK);
