@@ -7,7 +7,10 @@ state by state"). Within a block of 256 values the exponents span a few binades 
 exponent bits are mostly wasted: a block float keeps bf16's 7 mantissa bits and 2 exponent bits
 below its block's largest value (a signed state; 3 for a nonnegative one), 10 bits in all. The
 experiment that sized it (benchmarks/state_precision.py ``--rounding 7bf2`` / ``7bf3``) ended
-within 0.4 % of fp32 state for either slow average, as ``bf16-sr`` does in 16 bits.
+within 0.4 % of fp32 state for either slow average, as ``bf16-sr`` does in 16 bits. As a format it
+holds the slow momentum so; a second moment in it failed on one seed of ten (+28 %, README,
+"AdEMAMix state by state"): a value far below its block's absmax lies among the subnormals, whose
+spacing is 2**-13 of the block's largest value, and rounded to 0 it leaves the update dividing by eps.
 
 Codes are ``quant.small_float_codes``: subnormals below the lowest binade, the block's absmax maps
 to the largest value. The random numbers are ``quant.dither``'s hash salted, as ``bf16-sr``'s, by
