@@ -99,6 +99,6 @@ class BlockFloatState(OptimState):
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in module functions: a change there must not reuse graphs compiled before it
-        functions = (quant.small_float_codes, quant.small_float_values, quant.dither, write_salt)
+        functions = (quant.small_float_codes, quant.small_float_values, quant.power_of_two, quant.dither, write_salt)
         text = "".join(inspect.getsource(f) for f in functions) + str(cls.mantissa_bits)
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)

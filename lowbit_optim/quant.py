@@ -345,6 +345,11 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # the top 24 bits: exact in fp32
 
 
+def power_of_two(exponent: Tensor) -> Tensor:
+    """2**exponent (an int32 tensor, within fp32's normal exponents) as fp32, built from its bits."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
 def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool, u: Tensor) -> Tensor:
     """Codes (int32) of fp32 ``x`` in a small float with ``exponent_bits`` and ``mantissa_bits``
     (and a sign bit above them if ``signed``), rounded up with probability ``u`` < the fraction of a
@@ -352,17 +357,17 @@ def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed:
     down). Its top binade is [1, 2), the binades below it down to 2**(2 - 2**exponent_bits), and
     subnormals below those with the lowest binade's spacing, as IEEE floats: a code's magnitude bits
     count its value's steps of that spacing up through the binades, so the next code up is the next
-    value. |x| above the largest value (2 - 2**-mantissa_bits) and NaN take the largest code."""
-    lowest = 2 - 2**exponent_bits
+    value. |x| above the largest value (2 - 2**-mantissa_bits) and NaN take the largest code. Exponent
+    bits, not frexp / ldexp: the fused kernel computes the same without a library call per value."""
+    lowest, largest = 2 - 2**exponent_bits, 2 ** (exponent_bits + mantissa_bits) - 1
     magnitude = x.abs()
-    binade = torch.clamp(torch.frexp(magnitude).exponent - 1, min=lowest)  # frexp(0) is 0 * 2**0: not 0's binade
-    binade = torch.where(magnitude > 0, binade, lowest)
-    steps = torch.ldexp(magnitude, mantissa_bits - binade)  # exact: a power of two; < 2**(mantissa_bits + 1)
+    # |x|'s binade from its fp32 exponent field (zero and fp32 subnormals: below the lowest)
+    binade = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=lowest)
+    steps = magnitude * power_of_two(mantissa_bits - binade)  # exact; < 2**(mantissa_bits + 1) for |x| <= 2
     below = torch.floor(steps)
     up = (steps - below) > u  # steps - below is exact
     code = (binade - lowest) * 2**mantissa_bits + below.to(torch.int32) + up.to(torch.int32)
-    code = torch.where(magnitude <= 2.0, code, 2 ** (exponent_bits + mantissa_bits))  # NaN, +-inf
-    code = code.clamp(max=2 ** (exponent_bits + mantissa_bits) - 1)
+    code = torch.where(magnitude <= 2.0, code.clamp(max=largest), largest)  # NaN, +-inf: largest
     if signed:
         code = code | ((x.view(torch.int32) < 0).to(torch.int32) << (exponent_bits + mantissa_bits))
     return code
@@ -374,7 +379,7 @@ def small_float_values(codes: Tensor, exponent_bits: int, mantissa_bits: int, si
     magnitude = codes & (2 ** (exponent_bits + mantissa_bits) - 1)
     field, mantissa = magnitude >> mantissa_bits, magnitude & (2**mantissa_bits - 1)
     significand = (mantissa + torch.where(field > 0, 2**mantissa_bits, 0)).to(torch.float32)
-    values = torch.ldexp(significand, (torch.clamp(field, min=1) + 1 - 2**exponent_bits - mantissa_bits).to(torch.float32))
+    values = significand * power_of_two(torch.clamp(field, min=1) + 1 - 2**exponent_bits - mantissa_bits)
     if signed:
         values = torch.where(codes >> (exponent_bits + mantissa_bits) > 0, -values, values)
     return values
