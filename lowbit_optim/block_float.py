@@ -45,6 +45,16 @@ class BlockFloatState(OptimState):
 
     writes: Tensor  # (1,): how many times the state was written
 
+    def __init_subclass__(cls, **kwargs):
+        # the kernel and quant.pack_codes lay out 10-bit codes; quant.power_of_two needs fp32's
+        # normal exponents for every binade: 1 to 6 exponent bits
+        if cls.bits != 10 or not 4 <= cls.mantissa_bits <= 8:
+            raise TypeError(
+                f"{cls.__name__}: a BlockFloatState keeps bits = 10 and 4 to 8 mantissa bits (1 to 6 exponent bits), "
+                f"got bits={cls.bits}, mantissa_bits={cls.mantissa_bits}"
+            )
+        super().__init_subclass__(**kwargs)
+
     @classmethod
     def exponent_bits(cls, signed: bool) -> int:
         """The bits left to the exponent: a nonnegative state's sign bit is one more."""

@@ -4,6 +4,7 @@ move follows its exact value. The registry runs it through every other format te
 
 import itertools
 
+import pytest
 import torch
 
 from lowbit_optim import BlockFloatState, quant
@@ -103,3 +104,11 @@ def test_slow_average_follows_where_nearest_and_scale_salted_stall():
     assert abs(float(state.dequantize()[moving].double().mean() / exact[moving].mean()) - 1) < 0.005
     assert float(scale_salted[moving].double().mean() / exact[moving].mean()) < 0.9
     assert int(state.writes) == 1001 and torch.equal(write_salt(state.writes, 2), write_salt(state.writes.clone(), 2))
+
+
+@pytest.mark.parametrize("change", [{"mantissa_bits": 9}, {"mantissa_bits": 3}, {"bits": 8}], ids=str)
+def test_subclass_keeps_a_layout_the_kernel_reads(change):
+    """A subclass may split its 10 bits otherwise (test_fused_cpu: BlockFloat5), within what the
+    packing and fp32's exponents hold: a sign and exponent bit at least, at most 6 exponent bits."""
+    with pytest.raises(TypeError, match="4 to 8 mantissa bits"):
+        type("Odd", (BlockFloatState,), {"name": None, **change})

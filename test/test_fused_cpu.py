@@ -294,13 +294,21 @@ def test_kernel_rounds_bf16_like_the_format(flag):
             assert torch.equal(state.values.view(torch.int16), expected.view(torch.int16)), writes
 
 
+class BlockFloat5(BlockFloatState):
+    """A user's block float with 5 mantissa bits (4 or 5 exponent bits): the kernel reads the split."""
+
+    name = None
+    mantissa_bits = 5
+
+
 @build_flags
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_kernel_stores_block_floats_like_the_format(signed, flag):
+@pytest.mark.parametrize("fmt", [BlockFloatState, BlockFloat5], ids=["10bit-sr", "mantissa5"])
+def test_kernel_stores_block_floats_like_the_format(fmt, signed, flag):
     """10bit-sr's store (csrc/block_float.h) gives quantize_'s codes and scales, chunk by chunk
     (chunks start on a block; the last block is partial), at any count of writes, on values across
     every binade and subnormal of its small float, zeros and exact codes, a block's absmax and a NaN
-    block (NaN scale, largest codes)."""
+    block (NaN scale, largest codes); so does a subclass with another split of its bits."""
     g = torch.Generator().manual_seed(0)
     n, bs = 5 * 256 + 77, 256
     x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-14, 3, (n,), generator=g).float()
@@ -309,7 +317,7 @@ def test_kernel_stores_block_floats_like_the_format(signed, flag):
     x[300] = math.nan
     with kernel_built_with(flag):
         for writes in (0, 12345, 2**62 + 3):
-            state, expected = BlockFloatState.zeros(n, signed), BlockFloatState.zeros(n, signed)
+            state, expected = fmt.zeros(n, signed), fmt.zeros(n, signed)
             state.writes.fill_(writes + 1)  # the kernel counts the write first; quantize_ does
             expected.writes.fill_(writes)
             expected.copy_(x)
