@@ -40,6 +40,9 @@ _STRUCTURAL_KEYS = (
     "foreach", "capturable", "differentiable", "fused",
 )  # fmt: skip
 
+# the per-parameter states lowbit_optim keeps beside an optimizer's declared ones
+_OWN_STATE_NAMES = ("step", "compensation", "param_correction")
+
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
@@ -226,23 +229,23 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     step_function = None  # the plain step: (param, grad, step, *states, param_extra, *numbers, **flags, param_update)
     states: tuple[State, ...] = ()
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.step_function is None and cls.states:
-            raise TypeError(f"{cls.__name__} declares states but no step_function: set step_function = staticmethod(your_step)")
-        names = [s.name for s in cls.states]
-        reserved = sorted({"step", "compensation", "param_correction"} & set(names))
-        if reserved:
-            raise TypeError(f"{cls.__name__} declares a state named {reserved[0]!r}, a name lowbit_optim keeps for its own: rename that state")
-        if len(set(names)) != len(names):
-            raise TypeError(f"{cls.__name__} declares two states named {next(n for n in names if names.count(n) > 1)!r}: give each state its own name")
     flat_step = True  # the step function sees 1-D views (one graph for every shape); False: the parameter's shape
     # each element's new values depend on the same element of every input only (no sum over the
     # parameter): a large parameter is then stepped in slices (COMPILED_CHUNK), bounding the scratch
     elementwise_step = False
     family: str | None = None  # how messages name the optimizer (default: the class name)
     torch_name: str | None = None  # the torch.optim class computing the same step, if any (named in errors)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.step_function is None and cls.states:
+            raise TypeError(f"{cls.__name__} declares states but no step_function: set step_function = staticmethod(your_step)")
+        names = [s.name for s in cls.states]
+        reserved = sorted(set(_OWN_STATE_NAMES) & set(names))
+        if reserved:
+            raise TypeError(f"{cls.__name__} declares a state named {reserved[0]!r}, a name lowbit_optim keeps for its own: rename that state")
+        if len(set(names)) != len(names):
+            raise TypeError(f"{cls.__name__} declares two states named {next(n for n in names if names.count(n) > 1)!r}: give each state its own name")
 
     def __init__(
         self,
@@ -755,7 +758,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
                 f"not a checkpoint of {self._family}{' with ' + ', '.join(options) if options else ''}"
             )
-        foreign = sorted(set(state) - {"step", "compensation", "param_correction", *(s.name for s in self.states)})
+        foreign = sorted(set(state) - {*_OWN_STATE_NAMES, *(s.name for s in self.states)})
         if foreign:
             raise ValueError(
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) holds {foreign}, which "
