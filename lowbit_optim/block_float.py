@@ -38,7 +38,7 @@ class BlockFloatState(OptimState):
     bits = 10
     mantissa_bits = 7
     default_block_size = 256
-    scale_max = 2.0 - 2.0**-7  # the largest value: a block's absmax
+    scale_max = 2.0 - 2.0**-mantissa_bits  # the largest value: a block's absmax (a subclass's from its mantissa_bits)
     inner_names = ("codes", "scale", "writes")
     inner_dtypes = (torch.uint8, torch.float32, torch.int64)
     stochastic = True
@@ -53,6 +53,7 @@ class BlockFloatState(OptimState):
                 f"{cls.__name__}: a BlockFloatState keeps bits = 10 and 4 to 8 mantissa bits (1 to 6 exponent bits), "
                 f"got bits={cls.bits}, mantissa_bits={cls.mantissa_bits}"
             )
+        cls.scale_max = 2.0 - 2.0**-cls.mantissa_bits
         super().__init_subclass__(**kwargs)
 
     @classmethod
@@ -98,7 +99,7 @@ class BlockFloatState(OptimState):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "quantize_", "dequantize", "exponent_bits")
-        return KernelLayout("block-float") if same and cls.bits == 10 else None
+        return KernelLayout("block-float") if same else None
 
     def quantize_(self, x: Tensor) -> None:
         self.writes.add_(1)

@@ -112,3 +112,15 @@ def test_subclass_keeps_a_layout_the_kernel_reads(change):
     packing and fp32's exponents hold: a sign and exponent bit at least, at most 6 exponent bits."""
     with pytest.raises(TypeError, match="4 to 8 mantissa bits"):
         type("Odd", (BlockFloatState,), {"name": None, **change})
+
+
+def test_subclass_maps_each_block_absmax_to_its_largest_value():
+    """scale_max follows mantissa_bits, so that a block's largest magnitude is stored exactly."""
+    fmt = type("BlockFloat5", (BlockFloatState,), {"name": None, "mantissa_bits": 5})
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    for signed in (True, False):
+        values = x if signed else x.abs()
+        stored = fmt.from_float(values, signed).dequantize()
+        largest = 2 ** (fmt.exponent_bits(signed) + fmt.mantissa_bits) - 1
+        assert float(fmt.decode(torch.tensor([largest]), signed)) == fmt.scale_max == 2 - 2**-5
+        assert torch.equal(stored.abs().amax(dim=1), values.abs().amax(dim=1))
