@@ -8,9 +8,12 @@ exponent bits are mostly wasted: a block float keeps bf16's 7 mantissa bits and 
 below its block's largest value (a signed state; 3 for a nonnegative one), 10 bits in all. The
 experiment that sized it (benchmarks/state_precision.py ``--rounding 7bf2`` / ``7bf3``) ended
 within 0.4 % of fp32 state for either slow average, as ``bf16-sr`` does in 16 bits. As a format it
-holds the slow momentum so; a second moment in it failed on one seed of ten (+28 %, README,
-"AdEMAMix state by state"): a value far below its block's absmax lies among the subnormals, whose
-spacing is 2**-13 of the block's largest value, and rounded to 0 it leaves the update dividing by eps.
+holds the slow momentum so. A second moment's value far below its block's absmax lies among the
+subnormals, whose spacing is 2**-13 of the block's largest value: rounded to 0 it would leave the
+update dividing by eps alone (a second moment in the first version of this format ended +28 % from
+fp32 on one seed of ten, README, "AdEMAMix state by state"), so a nonnegative state rounds a
+nonzero value no lower than the smallest subnormal, as the 4-bit formats' second moments have no
+zero code.
 
 Codes are ``quant.small_float_codes``: subnormals below the lowest binade, the block's absmax maps
 to the largest value. The random numbers are ``quant.dither``'s hash salted, as ``bf16-sr``'s, by
@@ -42,6 +45,7 @@ class BlockFloatState(OptimState):
     inner_names = ("codes", "scale", "writes")
     inner_dtypes = (torch.uint8, torch.float32, torch.int64)
     stochastic = True
+    positive_stays_positive = True  # unsigned, a nonzero value never rounds to 0 (quant.small_float_codes)
 
     writes: Tensor  # (1,): how many times the state was written
 

@@ -357,8 +357,11 @@ def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed:
     down). Its top binade is [1, 2), the binades below it down to 2**(2 - 2**exponent_bits), and
     subnormals below those with the lowest binade's spacing, as IEEE floats: a code's magnitude bits
     count its value's steps of that spacing up through the binades, so the next code up is the next
-    value. |x| above the largest value (2 - 2**-mantissa_bits) and NaN take the largest code. Exponent
-    bits, not frexp / ldexp: the fused kernel computes the same without a library call per value."""
+    value. |x| above the largest value (2 - 2**-mantissa_bits) and NaN take the largest code. Unsigned
+    codes hold a nonzero x above 0 (the smallest subnormal at least): a nonnegative state is a second
+    moment, and a zero there leaves its update dividing by eps alone (as the 4-bit formats' second
+    moments have no zero code). Exponent bits, not frexp / ldexp: the fused kernel computes the same
+    without a library call per value."""
     lowest, largest = 2 - 2**exponent_bits, 2 ** (exponent_bits + mantissa_bits) - 1
     magnitude = x.abs()
     # |x|'s binade from its fp32 exponent field (zero and fp32 subnormals: below the lowest)
@@ -369,8 +372,8 @@ def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed:
     code = (binade - lowest) * 2**mantissa_bits + below.to(torch.int32) + up.to(torch.int32)
     code = torch.where(magnitude <= 2.0, code.clamp(max=largest), largest)  # NaN, +-inf: largest
     if signed:
-        code = code | ((x.view(torch.int32) < 0).to(torch.int32) << (exponent_bits + mantissa_bits))
-    return code
+        return code | ((x.view(torch.int32) < 0).to(torch.int32) << (exponent_bits + mantissa_bits))
+    return torch.maximum(code, (magnitude > 0).to(torch.int32))
 
 
 def small_float_values(codes: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool) -> Tensor:

@@ -99,6 +99,12 @@ class FormatInfo:
         (unbiased, e.g. 4bit) instead of to the nearest one."""
         return bool(getattr(self.fmt, "stochastic", False))
 
+    @property
+    def positive_stays_positive(self) -> bool:
+        """Whether an unsigned state's nonzero values never encode to 0 (10bit-sr: a second moment's 0
+        would leave the update dividing by eps): between 0 and the smallest code rounding goes up."""
+        return bool(getattr(self.fmt, "positive_stays_positive", False))
+
     def rounding_space(self, values: torch.Tensor, signed: bool) -> torch.Tensor:
         """The space (float64, normalized values) in which ``encode`` picks the nearest code."""
         return self.fmt.rounding_space(values * self.fmt.scale_max, signed)

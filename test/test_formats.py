@@ -293,10 +293,14 @@ def test_encode_picks_nearest_code(info, signed):
 def test_stochastic_rounding_is_unbiased_and_deterministic(info, signed):
     """A stochastic format's codes average to the value they round: between every pair of
     neighbouring codes, at 1/4, 1/2 and 3/4 of the gap, the mean decoded value of 4096 inputs spread
-    over 1 % of the gap around that point lies within 5 standard errors of their mean. Encoding the
-    same inputs twice gives the same codes."""
+    over 1 % of the gap around that point lies within 5 standard errors of their mean (but between 0
+    and the smallest code of a format whose unsigned values stay positive: test_positive_values_stay_positive).
+    Encoding the same inputs twice gives the same codes."""
     fmt = info.fmt
     points = encode_domain_codes(info, signed)
+    if not signed and info.positive_stays_positive:
+        assert float(points[0]) == 0.0
+        points = points[1:]
     low, high = points[:-1], points[1:]
     spread = 0.01 * (torch.arange(4096, dtype=torch.float64) / 4095 - 0.5)
     x = torch.cat([low[:, None] + (f + spread) * (high - low)[:, None] for f in (0.25, 0.5, 0.75)]).float()
@@ -307,6 +311,23 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(info, signed):
     bad = error > tolerance
     assert not bad.any(), f"biased near {x[bad, 0][:5].tolist()}: mean error {error[bad][:5].tolist()}, tolerance {tolerance[bad][:5].tolist()}"
     assert torch.equal(fmt.encode(x, signed), fmt.encode(x.clone(), signed))
+
+
+@pytest.mark.parametrize("info", [i for i in BLOCKWISE_FORMATS if i.positive_stays_positive], ids=str)
+def test_positive_values_stay_positive(info):
+    """A format that declares it never stores a nonzero value of an unsigned state as 0: values from
+    fp32's smallest subnormal to the smallest code decode to that code, on every draw; 0 stays 0.
+    A signed state's small values still round to 0 or the smallest code, unbiased."""
+    fmt = info.fmt
+    smallest = float(encode_domain_codes(info, False)[1])
+    tiny = torch.tensor([1e-45, 1e-38, 1e-30, smallest / 1000, smallest / 2, smallest * 0.999]).repeat_interleave(256)
+    decoded = fmt.decode(fmt.encode(tiny, False), False)
+    assert bool((decoded == smallest).all()), decoded.unique()
+    assert float(fmt.decode(fmt.encode(torch.zeros(256), False), False).abs().max()) == 0.0
+    codes = encode_domain_codes(info, True)
+    smallest = float(codes[codes > 0][0])
+    signed = fmt.decode(fmt.encode(torch.full((4096,), smallest / 4), True), True)
+    assert set(signed.unique().tolist()) == {0.0, smallest} and abs(float(signed.double().mean()) - smallest / 4) < smallest / 20
 
 
 def _slow_average_error(fmt, signed: bool, steps: int = 1000, beta: float = 0.999, n: int = 8192) -> float:

@@ -19,7 +19,8 @@ static inline float small_float_value(uint32_t code, int exponent_bits, int mant
     return float_of(bits_of(value) | negative << 31);
 }
 
-/* the code of normalized value v, rounded up where the dropped fraction exceeds u (quant.small_float_codes) */
+/* the code of normalized value v, rounded up where the dropped fraction exceeds u; unsigned, a nonzero
+ * v never takes code 0 (quant.small_float_codes) */
 static inline uint32_t small_float_code(float v, float u, int exponent_bits, int mantissa_bits, int sign_bit) {
     int32_t lowest = 2 - (1 << exponent_bits), largest = (1 << (exponent_bits + mantissa_bits)) - 1;
     uint32_t magnitude_bits = bits_of(v) & 0x7FFFFFFFu;
@@ -32,6 +33,7 @@ static inline uint32_t small_float_code(float v, float u, int exponent_bits, int
     int32_t below = (int32_t)steps;  /* floor: steps >= 0 */
     int32_t code = (binade - lowest) * (1 << mantissa_bits) + below + ((steps - (float)below) > u);
     code = inside & (code < largest) ? code : largest;
+    code += (code == 0) & (magnitude_bits != 0) & !sign_bit;  /* an unsigned code keeps a nonzero value above 0 */
     return (uint32_t)code | ((bits_of(v) >> 31) * (uint32_t)sign_bit) << (exponent_bits + mantissa_bits);
 }
 
