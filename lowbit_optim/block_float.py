@@ -44,6 +44,7 @@ class BlockFloatState(OptimState):
     scale_max = 2.0 - 2.0**-mantissa_bits  # the largest value: a block's absmax (a subclass's from its mantissa_bits)
     inner_names = ("codes", "scale", "writes")
     inner_dtypes = (torch.uint8, torch.float32, torch.int64)
+    whole_state_names = ("writes",)
     stochastic = True
     positive_stays_positive = True  # unsigned, a nonzero value never rounds to 0 (quant.small_float_codes)
 

@@ -20,7 +20,9 @@ as they are (no size overhead). Copying a saved window into a wanted one:
 - other elements are staged with their code and scale until their block is complete; a block whose
   elements all share one scale takes their codes and that scale (exact values again), a block that
   mixes saved blocks is requantized from the exact saved values (at most half a code step of error;
-  no single-scale block can hold values from two scales exactly).
+  no single-scale block can hold values from two scales exactly);
+- a state's inner tensors that describe it whole (``whole_state_names``: 10bit-sr's count of writes)
+  are copied as saved, so that its stochastic rounding draws on as it would have.
 
 A state whose blocks are not independent (``8bit-lowrank``: a low-rank part spans every row) is
 loaded whole instead: from the same state saved whole (an unchanged world size) it copies every inner
@@ -207,6 +209,9 @@ def _copy_into(dst, src) -> None:
     if dst.shape != src.shape:
         raise RuntimeError(f"copy_ into {dst!r} from shape {tuple(src.shape)}: shapes must match")
     state = dst.state
+    if isinstance(src, ShardView):  # a count of writes: the saved state's, so that its draws go on as they would have
+        for name in set(state.whole_state_names) & set(src.state.whole_state_names):
+            getattr(state, name).copy_(getattr(src.state, name))
     t0, t1 = dst.elements
     if t1 == t0:
         return

@@ -285,6 +285,9 @@ class OptimState(StateTensor):
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
     independent_blocks = True
+    # inner tensors that describe the whole state rather than its elements (10bit-sr's count of
+    # writes): a DCP checkpoint that reshards the codes carries these over as saved (distributed.py)
+    whole_state_names: ClassVar[tuple[str, ...]] = ()
 
     codes: Tensor
     scale: Tensor

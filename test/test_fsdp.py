@@ -319,7 +319,8 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
 # SGD, Lion and AdEMAMix with 8bit state: the same sharding and DCP machinery as AdamW's (base.py), so
 # one cheap scenario each (eager step): they train sharded and a 2 -> 2 DCP checkpoint resumes exactly
 OTHER_OPTIMIZERS = {"SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2)}
-ADEMAMIX_RECIPE = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}  # the README's
+ADEMAMIX_RECIPE = {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}  # the README's
+ADEMAMIX_BF16_SR = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}  # its 16-bit alternative
 
 
 # 2 ranks against 1 process after STEPS + MORE steps, where shard boundaries fall on block boundaries:
@@ -460,6 +461,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         # Muon with 8bit-lowrank momentum: each rank keeps the low-rank part of its own rows
         "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank"),
         "ademamix_recipe": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_RECIPE),
+        "ademamix_bf16_sr": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_BF16_SR),
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -724,15 +726,17 @@ def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
 
 
 @needs_gloo
-def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job):
-    """AdEMAMix with the README's recipe (8bit-linear fast momentum, bf16-sr slow momentum and second
-    moment) under fully_shard on 2 ranks: each rank's bf16-sr shard keeps its own count of writes, a
-    DCP checkpoint restores values and counts and resumes bit-exactly, and the parameters stay within
-    a few lr of one process's (the stochastic roundings of a shard draw by its own block indices)."""
-    for found in _sharded_and_resumed(job, "ademamix_recipe", "AdEMAMix"):
+@pytest.mark.parametrize("scenario, slow_kind", [("ademamix_recipe", "BlockFloatState"), ("ademamix_bf16_sr", "StochasticBF16State")])
+def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job, scenario, slow_kind):
+    """AdEMAMix with the README's recipe (8bit-linear fast momentum, 10bit-sr slow momentum and
+    second moment) and with both slow averages in bf16-sr, under fully_shard on 2 ranks: each rank's
+    shard of a stochastic state keeps its own count of writes, a DCP checkpoint restores codes, values
+    and counts and resumes bit-exactly, and the parameters stay within a few lr of one process's (the
+    stochastic roundings of a shard draw by its own block indices)."""
+    for found in _sharded_and_resumed(job, scenario, "AdEMAMix"):
         kinds = {key: tuple(kind) for states in found["state_kinds"].values() for key, kind in states.items()}
-        assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", "StochasticBF16State"),
-                         "exp_avg_sq": ("DTensor", "StochasticBF16State")}, found["state_kinds"]  # fmt: skip
+        assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", slow_kind),
+                         "exp_avg_sq": ("DTensor", slow_kind)}, found["state_kinds"]  # fmt: skip
 
 
 @needs_gloo
@@ -769,7 +773,8 @@ def _blockwise_formats():
 @pytest.mark.parametrize("shape, cut", SPLITS, ids=str)
 def test_shard_view_reshards(info, shape, cut):
     """2 -> 1 and 1 -> 2 copies, as dcp.load makes them: exact where the shard boundary is a block
-    boundary (or the blocks' elements come from one saved block), else within half a code step."""
+    boundary (or the blocks' elements come from one saved block), else within half a code step; a
+    whole-state inner tensor (10bit-sr's count of writes) as saved."""
     from conftest import reshard
     from lowbit_optim.distributed import ShardView
 
@@ -778,8 +783,13 @@ def test_shard_view_reshards(info, shape, cut):
     one = fmt.from_float(x)  # the 1-rank layout, and the 2-rank one below (each shard padded alone)
     two = [fmt.from_float(one.dequantize()[:cut]), fmt.from_float(one.dequantize()[cut:])]
     assert isinstance(one.__get_tensor_shard__(None), ShardView)  # what DCP reads and writes
+    for t in (one, *two):
+        for name in fmt.whole_state_names:
+            getattr(t, name).fill_(41)
 
     joined, split = reshard(fmt, one, two, cut)
+    for t in (joined, *split):
+        assert all(getattr(t, name).eq(41).all() for name in fmt.whole_state_names), name
 
     row = x.numel() // shape[0]
     on_blocks = cut * row % fmt.default_block_size == 0
