@@ -150,7 +150,8 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
     stochastic rounding depends on an element's place in its block). The step counter is counted
     once: the later slices get a copy of its value before the step. A state whose blocks are not
-    independent (factored sums, a low-rank part) is never cut, nor a parameter of one chunk."""
+    independent (factored sums, a low-rank part) or that counts its writes (bf16-sr, 10bit-sr: the
+    count and the block's index salt its draws) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
     if n <= limit or not cut[0]:
@@ -158,7 +159,7 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     unit = 1
     for a, sliced in zip(call, cut):
         if sliced and isinstance(a, StateTensor):
-            if not a.independent_blocks:
+            if not a.independent_blocks or a.whole_state_names:
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(limit // unit, 1) * unit

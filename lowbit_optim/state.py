@@ -93,6 +93,11 @@ class StateTensor(Tensor):
     # boundaries is a state of its own (the compiled step cuts large parameters so, base._pieces; DCP
     # reshards so, distributed.py): OptimState's are, factored sums and low-rank parts are not
     independent_blocks: ClassVar[bool] = False
+    # inner tensors that describe the whole state rather than its elements (a count of writes, which
+    # salts stochastic rounding): the compiled step never cuts such a state into slices (each would
+    # count its own write, base._pieces), and a DCP checkpoint that reshards its codes carries them
+    # over as saved (distributed.py)
+    whole_state_names: ClassVar[tuple[str, ...]] = ()
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
     format_version: ClassVar[int] = 1
@@ -285,9 +290,6 @@ class OptimState(StateTensor):
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
     independent_blocks = True
-    # inner tensors that describe the whole state rather than its elements (10bit-sr's count of
-    # writes): a DCP checkpoint that reshards the codes carries these over as saved (distributed.py)
-    whole_state_names: ClassVar[tuple[str, ...]] = ()
 
     codes: Tensor
     scale: Tensor

@@ -61,6 +61,7 @@ class StochasticBF16State(StateTensor):
     name = "bf16-sr"
     bits = 16
     inner_names = ("values", "writes")
+    whole_state_names = ("writes",)
     inner_dtypes = (torch.bfloat16, torch.int64)
     default_block_size = None  # no blocks: block_size is accepted and ignored
     stochastic = True
