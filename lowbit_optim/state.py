@@ -483,6 +483,12 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
         raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
     if not all(a < b for a, b in zip(codebook, codebook[1:])):  # NaN fails too
         raise ValueError(f"{cls.__name__}.codebook({signed}) must list its values strictly increasing (as fp32), without NaN: sort them and drop repeats")
+    top = torch.tensor(float(cls.scale_max), dtype=torch.float32).item()
+    if codebook and codebook[-1] != top:  # a block's absmax maps to scale_max: below it, every block's largest value would be clipped
+        raise ValueError(
+            f"{cls.__name__}.codebook({signed}) ends at {codebook[-1]!r}, not at scale_max = {top!r} (as fp32), where each block's "
+            f"absmax lands: end the codebook there, or set scale_max to its largest value"
+        )
     space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
     thresholds = quant.decision_thresholds(codebook, space)
     base_code, threshold = quant.nearest_code_tables(thresholds)

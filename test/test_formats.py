@@ -1238,12 +1238,16 @@ def test_a_format_of_another_file_cannot_take_a_builtin_name(tmp_path):
 
 
 def test_a_codebook_out_of_order_is_named():
-    """A user's codebook that is not strictly increasing (unsorted, repeated, NaN) or missing is
-    refused naming the class and codebook(signed), at the first use."""
+    """A user's codebook that is not strictly increasing (unsorted, repeated, NaN), does not end at
+    scale_max (where a block's absmax lands) or is missing is refused naming the class and
+    codebook(signed), at the first use."""
     for values in ([0.5, -1.0, 1.0], [-1.0, 0.0, 0.0, 1.0], [-1.0, math.nan, 1.0]):
         fmt = type("OutOfOrder", (CodebookState,), {"bits": 4, "default_block_size": 128, "codebook": classmethod(lambda cls, signed, v=values: v)})
         with pytest.raises(ValueError, match=r"OutOfOrder.codebook\(True\) must list its values strictly increasing"):
             fmt.from_float(torch.randn(256), True)
+    short = type("ShortOfOne", (CodebookState,), {"bits": 4, "default_block_size": 128, "codebook": classmethod(lambda cls, signed: [-0.5, 0.0, 0.5])})
+    with pytest.raises(ValueError, match=r"ShortOfOne.codebook\(True\) ends at 0.5, not at scale_max = 1.0"):
+        short.from_float(torch.randn(256), True)
     missing = type("NoCodebook", (CodebookState,), {"bits": 4, "default_block_size": 128})
     with pytest.raises(NotImplementedError, match="NoCodebook defines no codebook"):
         missing.from_float(torch.randn(256), True)
