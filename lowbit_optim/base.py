@@ -149,9 +149,10 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     consecutive slices of at most about ``limit`` elements on the states' block boundaries, so
     each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
     stochastic rounding depends on an element's place in its block). The step counter is counted
-    once: the later slices get a copy of its value before the step. A state whose blocks are not
-    independent (factored sums, a low-rank part) or that counts its writes (bf16-sr, 10bit-sr: the
-    count and the block's index salt its draws) is never cut, nor a parameter of one chunk."""
+    once: the later slices get a copy of its value before the step, and so of a state's count of
+    writes (10bit-sr: StateTensor.later_slice, which also makes the count salt a slice's blocks as
+    their place in the whole state does). A state whose blocks are not independent (factored sums,
+    a low-rank part) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
     if n <= limit or not cut[0]:
@@ -159,7 +160,7 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     unit = 1
     for a, sliced in zip(call, cut):
         if sliced and isinstance(a, StateTensor):
-            if not a.independent_blocks or a.whole_state_names:
+            if not a.independent_blocks:
                 return [call]
             unit = math.lcm(unit, a.block_size)
     size = max(limit // unit, 1) * unit
@@ -170,6 +171,10 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     if step is not None:  # the first slice counts the step; the others count copies of its value before it
         before = step.clone()
         pieces[1:] = [(*piece[:2], before.clone(), *piece[3:]) for piece in pieces[1:]]
+    for i, a in enumerate(call):
+        if cut[i] and isinstance(a, StateTensor) and a.whole_state_names:
+            for k in range(1, len(pieces)):
+                pieces[k] = (*pieces[k][:i], pieces[k][i].later_slice(k * size // a.block_size), *pieces[k][i + 1 :])
     return pieces
 
 

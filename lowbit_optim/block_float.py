@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import quant
 from .state import KernelLayout, OptimState, computes_as, extend_fingerprint
-from .stochastic_bf16 import write_salt
+from .stochastic_bf16 import write_salt, writes_from_block
 
 
 class BlockFloatState(OptimState):
@@ -46,7 +46,7 @@ class BlockFloatState(OptimState):
     inner_dtypes = (torch.uint8, torch.float32, torch.int64)
     whole_state_names = ("writes",)
     stochastic = True
-    positive_stays_positive = True  # unsigned, a nonzero value never rounds to 0 (quant.small_float_codes)
+    positive_stays_positive = True  # says (for the tests) that unsigned, quant.small_float_codes rounds no nonzero value to 0
 
     writes: Tensor  # (1,): how many times the state was written
 
@@ -105,6 +105,9 @@ class BlockFloatState(OptimState):
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "quantize_", "dequantize", "exponent_bits")
         return KernelLayout("block-float") if same else None
+
+    def later_slice(self, first_block: int) -> "BlockFloatState":
+        return self._like(writes=writes_from_block(self.writes, first_block))
 
     def quantize_(self, x: Tensor) -> None:
         self.writes.add_(1)

@@ -93,10 +93,10 @@ class StateTensor(Tensor):
     # boundaries is a state of its own (the compiled step cuts large parameters so, base._pieces; DCP
     # reshards so, distributed.py): OptimState's are, factored sums and low-rank parts are not
     independent_blocks: ClassVar[bool] = False
-    # inner tensors that describe the whole state rather than its elements (a count of writes, which
-    # salts stochastic rounding): the compiled step never cuts such a state into slices (each would
-    # count its own write, base._pieces), and a DCP checkpoint that reshards its codes carries them
-    # over as saved (distributed.py)
+    # inner tensors that describe the whole state rather than its elements (10bit-sr's count of
+    # writes, which salts its stochastic rounding with the block index): a slice of one step takes
+    # them from later_slice (base._pieces), and a DCP checkpoint that reshards the state's codes
+    # carries them over as saved (distributed.py)
     whole_state_names: ClassVar[tuple[str, ...]] = ()
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
@@ -136,6 +136,12 @@ class StateTensor(Tensor):
     def _rows(self, start: int, end: int) -> "StateTensor":
         """The view of rows [start, end) that aten.slice along dim 0 returns."""
         raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
+
+    def later_slice(self, first_block: int) -> "StateTensor":
+        """This slice (from block ``first_block`` of its state) as a step's later slice holds it: the
+        first slice counts the write in ``whole_state_names``' tensors, the later ones take copies
+        that make them write as the whole state would (base._pieces)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps whole-state tensors {self.whole_state_names}: define later_slice for the compiled step's slices")
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:

@@ -55,13 +55,24 @@ def write_salt(writes: Tensor, blocks: int) -> Tensor:
     return ((((writes * WRITES_MIX + index * BLOCK_MIX) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
 
 
+# write_salt is linear in the count and the block index mod 2**22, and WRITES_MIX is odd (invertible):
+# a count larger by this much salts block b as the original count salts block b + 1
+WRITES_PER_BLOCK = BLOCK_MIX * pow(WRITES_MIX, -1, 1 << 22) % (1 << 22)
+
+
+def writes_from_block(writes: Tensor, first_block: int) -> Tensor:
+    """A count whose salts for blocks 0, 1, ... are those of ``writes`` for blocks ``first_block``,
+    ``first_block`` + 1, ... (a new tensor): a slice of a state that starts at that block and counts
+    it draws as the whole state does there (base._pieces)."""
+    return (writes + first_block * WRITES_PER_BLOCK) & 0x3FFFFF
+
+
 class StochasticBF16State(StateTensor):
     """A state stored as bf16 values written with stochastic rounding (module docstring)."""
 
     name = "bf16-sr"
     bits = 16
     inner_names = ("values", "writes")
-    whole_state_names = ("writes",)
     inner_dtypes = (torch.bfloat16, torch.int64)
     default_block_size = None  # no blocks: block_size is accepted and ignored
     stochastic = True

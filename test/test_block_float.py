@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit_optim import BlockFloatState, quant
-from lowbit_optim.stochastic_bf16 import write_salt
+from lowbit_optim.stochastic_bf16 import write_salt, writes_from_block
 
 
 def brute_force_grid(exponent_bits: int, mantissa_bits: int) -> list[float]:
@@ -124,3 +124,16 @@ def test_subclass_maps_each_block_absmax_to_its_largest_value():
         largest = 2 ** (fmt.exponent_bits(signed) + fmt.mantissa_bits) - 1
         assert float(fmt.decode(torch.tensor([largest]), signed)) == fmt.scale_max == 2 - 2**-5
         assert torch.equal(stored.abs().amax(dim=1), values.abs().amax(dim=1))
+
+
+@pytest.mark.parametrize("writes", [0, 7, 2**40 + 5, 2**62 + 3])
+def test_a_later_slice_draws_as_its_blocks_in_the_whole_state(writes):
+    """A step's later slice from block b (base._pieces: StateTensor.later_slice) counts from
+    writes_from_block: its salts for blocks 0, 1, ... are the whole state's for blocks b, b + 1, ...
+    at this write and the next, so the slices of a large parameter draw as one call on it."""
+    count = torch.tensor([writes])
+    for first in (0, 1, 3, 1000, 2**21 + 17):
+        shifted = writes_from_block(count, first)
+        for step in (0, 1):
+            whole = write_salt(count + step, first + 64)[first:]
+            assert torch.equal(write_salt(shifted + step, 64).view(torch.int32), whole.view(torch.int32)), (first, step)
