@@ -210,10 +210,10 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
     rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "4bit")]
     if optimizer == "ademamix":  # the MLP task's recipes (README, "AdEMAMix state by state")
         recipes = {
-            "lowbit-recipe": {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"},
-            "lowbit-recipe-lowrank": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "bf16-sr"},
-            "lowbit-recipe-10bit": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "bf16-sr"},
-            "lowbit-all-10bit": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"},
+            "lowbit-recipe": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"},
+            "lowbit-recipe-bf16-sr-second": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "bf16-sr"},
+            "lowbit-bf16-sr-slow": {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"},
+            "lowbit-lowrank-slow": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "bf16-sr"},
         }
         rows += [(label, lambda params, f=f: cls(params, **kwargs, state_format=f)) for label, f in recipes.items()]
     return rows

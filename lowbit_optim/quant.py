@@ -373,7 +373,7 @@ def small_float_codes(x: Tensor, exponent_bits: int, mantissa_bits: int, signed:
     code = torch.where(magnitude <= 2.0, code.clamp(max=largest), largest)  # NaN, +-inf: largest
     if signed:
         return code | ((x.view(torch.int32) < 0).to(torch.int32) << (exponent_bits + mantissa_bits))
-    return torch.maximum(code, (magnitude > 0).to(torch.int32))
+    return torch.maximum(code, (magnitude.view(torch.int32) != 0).to(torch.int32))  # bits: fp32 subnormals too, as the kernel, when denormals flush
 
 
 def small_float_values(codes: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool) -> Tensor:

@@ -789,7 +789,7 @@ def test_shard_view_reshards(info, shape, cut):
 
     joined, split = reshard(fmt, one, two, cut)
     for t in (joined, *split):
-        assert all(getattr(t, name).eq(41).all() for name in fmt.whole_state_names), name
+        assert all(getattr(t, name).eq(41).all() for name in fmt.whole_state_names), {name: getattr(t, name) for name in fmt.whole_state_names}
 
     row = x.numel() // shape[0]
     on_blocks = cut * row % fmt.default_block_size == 0
