@@ -362,7 +362,8 @@ class OptimState(StateTensor):
         block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
         blocks = quant.num_blocks(numel, block_size)
         codes = cls.encode(torch.zeros(block_size, dtype=torch.float32, device=device), signed)  # zero's code, once
-        return quant.pack_codes(codes.repeat(blocks), cls.bits, block_size), torch.zeros(blocks, dtype=torch.float32, device=device), block_size
+        packed = quant.pack_codes(codes, cls.bits, block_size)  # one block's bytes: packing all would hold int32 copies of every code
+        return packed.repeat(blocks), torch.zeros(blocks, dtype=torch.float32, device=device), block_size
 
     def _meta(self) -> tuple:
         return (self.block_size, self.signed)
