@@ -150,8 +150,8 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     each slice computes exactly what the whole would (blocks are quantized alone, and the dither of
     stochastic rounding depends on an element's place in its block). The step counter is counted
     once: the later slices get a copy of its value before the step, and so of a state's count of
-    writes (10bit-sr: StateTensor.later_slice, which also makes the count salt a slice's blocks as
-    their place in the whole state does). A state whose blocks are not independent (factored sums,
+    writes (10bit-sr, bf16-sr: StateTensor.later_slice, which also makes the count salt a slice's
+    blocks as their place in the whole state does). A state without a slice_unit (factored sums,
     a low-rank part) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
@@ -160,9 +160,9 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     unit = 1
     for a, sliced in zip(call, cut):
         if sliced and isinstance(a, StateTensor):
-            if not a.independent_blocks:
+            if a.slice_unit is None:
                 return [call]
-            unit = math.lcm(unit, a.block_size)
+            unit = math.lcm(unit, a.slice_unit)
     size = max(limit // unit, 1) * unit
     # detached views, as _flat's: dynamo cannot bind a view's size as its base's size minus its offset
     # (a first graph traced on slices whose last one ends in a partial block failed)
@@ -174,7 +174,7 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     for i, a in enumerate(call):
         if cut[i] and isinstance(a, StateTensor) and a.whole_state_names:
             for k in range(1, len(pieces)):
-                pieces[k] = (*pieces[k][:i], pieces[k][i].later_slice(k * size // a.block_size), *pieces[k][i + 1 :])
+                pieces[k] = (*pieces[k][:i], pieces[k][i].later_slice(k * size // a.slice_unit), *pieces[k][i + 1 :])
     return pieces
 
 

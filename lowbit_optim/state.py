@@ -93,8 +93,8 @@ class StateTensor(Tensor):
     # boundaries is a state of its own (the compiled step cuts large parameters so, base._pieces; DCP
     # reshards so, distributed.py): OptimState's are, factored sums and low-rank parts are not
     independent_blocks: ClassVar[bool] = False
-    # inner tensors that describe the whole state rather than its elements (10bit-sr's count of
-    # writes, which salts its stochastic rounding with the block index): a slice of one step takes
+    # inner tensors that describe the whole state rather than its elements (the count of writes of
+    # 10bit-sr and bf16-sr, which salts their rounding with the block index): a slice of one step takes
     # them from later_slice (base._pieces), and a DCP checkpoint that reshards the state's codes
     # carries them over as saved (distributed.py)
     whole_state_names: ClassVar[tuple[str, ...]] = ()
@@ -137,10 +137,16 @@ class StateTensor(Tensor):
         """The view of rows [start, end) that aten.slice along dim 0 returns."""
         raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
 
+    @property
+    def slice_unit(self) -> int | None:
+        """The elements a step's slice starts at a multiple of (base._pieces): a block, or None
+        where no slice computes what the whole does (factored sums, a low-rank part)."""
+        return self.block_size if self.independent_blocks else None
+
     def later_slice(self, first_block: int) -> "StateTensor":
-        """This slice (from block ``first_block`` of its state) as a step's later slice holds it: the
-        first slice counts the write in ``whole_state_names``' tensors, the later ones take copies
-        that make them write as the whole state would (base._pieces)."""
+        """This slice (from block ``first_block`` of its state, in slice units) as a step's later
+        slice holds it: the first slice counts the write in ``whole_state_names``' tensors, the later
+        ones take copies that make them write as the whole state would (base._pieces)."""
         raise NotImplementedError(f"{type(self).__name__} keeps whole-state tensors {self.whole_state_names}: define later_slice for the compiled step's slices")
 
     @classmethod

@@ -73,6 +73,7 @@ class StochasticBF16State(StateTensor):
     name = "bf16-sr"
     bits = 16
     inner_names = ("values", "writes")
+    whole_state_names = ("writes",)
     inner_dtypes = (torch.bfloat16, torch.int64)
     default_block_size = None  # no blocks: block_size is accepted and ignored
     stochastic = True
@@ -114,6 +115,13 @@ class StochasticBF16State(StateTensor):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         return KernelLayout("bf16-sr") if computes_as(cls, StochasticBF16State, "quantize_", "dequantize") else None
+
+    @property
+    def slice_unit(self) -> int:
+        return HASH_BLOCK  # its draws' blocks: a slice from one (with later_slice's count) rounds as the whole
+
+    def later_slice(self, first_block: int) -> "StochasticBF16State":
+        return self._like(writes=writes_from_block(self.writes, first_block))
 
     def quantize_(self, x: Tensor) -> None:
         self.writes.add_(1)
