@@ -444,8 +444,9 @@ class OptimState(StateTensor):
 
 class CodebookState(OptimState):
     """A format given by a table of code values: ``codebook(signed)`` returns up to 2**bits sorted
-    floats in [-1, 1]; encoding picks the exact nearest one (ties to the larger), via lookup tables,
-    nearest in value or in the format's ``rounding_space``."""
+    floats in [-1, 1] that end at ``scale_max`` (1.0, where each block's absmax lands); encoding picks
+    the exact nearest one (ties to the larger), via lookup tables, nearest in value or in the
+    format's ``rounding_space``."""
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
