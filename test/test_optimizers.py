@@ -268,12 +268,20 @@ def test_step_inside_torch_compile(opt_info):
     check_step_inside_torch_compile(lambda params: opt_info.make(params, state_format="8bit"), opt_info.lr, opt_info.mlp)
 
 
+def test_ademamix_recipe_steps_inside_torch_compile():
+    """The README's AdEMAMix recipe, whose 10bit-sr states count their writes inside the opaque op:
+    the same bits and counts as the eager step."""
+    ademamix = next(o for o in OPTIMIZERS if o.cls is lowbit_optim.AdEMAMix)
+    recipe = {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}
+    check_step_inside_torch_compile(lambda params: ademamix.make(params, state_format=recipe), ademamix.lr, ademamix.mlp)
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 # every optimizer with 8bit states, and AdamW with a state of each other kind (foreach is the GPU's default)
 FOREACH_CASES = [pytest.param(o, "8bit", id=f"{o.name}-8bit") for o in OPTIMIZERS] + [
-    pytest.param(ADAMW, name, id=f"AdamW-{name}") for name in ("4bit", "fp8", "8bit-sr", "factored", "8bit-lowrank")
+    pytest.param(ADAMW, name, id=f"AdamW-{name}") for name in ("4bit", "fp8", "8bit-sr", "factored", "8bit-lowrank", "bf16-sr", "10bit-sr")
 ]
 
 
