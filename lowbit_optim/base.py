@@ -734,8 +734,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self.register_load_state_dict_pre_hook(keep_saved_tensors),
             self.register_load_state_dict_post_hook(convert, prepend=True),
         ]
+        kept = self.state, self.param_groups  # torch.optim's load builds new ones: a refused checkpoint leaves these
         try:
             super().load_state_dict(state_dict)
+        except BaseException:
+            self.state, self.param_groups = kept  # as torch.optim, whose checks all come before it assigns
+            raise
         finally:
             for hook in hooks:
                 hook.remove()

@@ -111,10 +111,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
             raise ValueError("a MuonWithAdamW state_dict is {'muon': ..., 'adamw': ...}; this one is not (saved by another optimizer?)")
         if (state_dict["adamw"] is None) != (self.adamw is None):
             raise ValueError("the checkpoint's split between Muon and AdamW differs from this model's")
-        self.muon.load_state_dict(state_dict["muon"])
-        if self.adamw:
-            self.adamw.load_state_dict(state_dict["adamw"])
-        self._link()
+        kept = [(o, o.state, o.param_groups) for o in self.optimizers]
+        try:
+            self.muon.load_state_dict(state_dict["muon"])
+            if self.adamw:
+                self.adamw.load_state_dict(state_dict["adamw"])
+        except BaseException:  # AdamW's part refused: Muon's as it was too
+            for optimizer, state, groups in kept:
+                optimizer.state, optimizer.param_groups = state, groups
+            raise
+        finally:
+            self._link()
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping

@@ -181,3 +181,25 @@ def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
         resumed.load_state_dict(resumed.muon.state_dict())
     with pytest.raises(TypeError, match="opt.muon or opt.adamw"):
         resumed.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
+
+
+def test_muon_with_adamw_refused_checkpoint_leaves_both_as_they_were():
+    """A checkpoint whose AdamW part is refused (after Muon's part loaded) leaves Muon's part as it
+    was too: the next steps are those of an untouched copy."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    _lm_steps([opt], model, 2)
+    saved = opt.state_dict()
+    _lm_steps([opt], model, 1)  # the checkpoint is now a step behind
+    copied_model, copied = copy.deepcopy((model, opt))
+    bad = copy.deepcopy(saved)
+    next(iter(bad["adamw"]["state"].values()))["step"] = "1"
+    with pytest.raises(ValueError, match="checkpoint state 'step' of parameter"):
+        opt.load_state_dict(bad)
+    assert [id(g) for g in opt.param_groups] == [id(g) for o in opt.optimizers for g in o.param_groups]
+    assert _lm_steps([opt], model, 2) == _lm_steps([copied], copied_model, 2)
+    for p, q in zip(model.parameters(), copied_model.parameters()):
+        assert torch.equal(p, q)

@@ -146,6 +146,33 @@ def test_checkpoint_step_must_be_a_number(step):
         opt.load_state_dict(load(save(state_dict)))
 
 
+@pytest.mark.parametrize("spec", ["8bit", {"exp_avg": "8bit-linear", "exp_avg_sq": "10bit-sr"}], ids=["8bit", "10bit-sr"])
+def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was(spec):
+    """A checkpoint refused part-way (parameter 1's step is bad, after parameter 0's states were
+    converted) leaves the optimizer's states and groups as they were, as torch.optim does, whose
+    checks all come before it assigns: its next step is the one it would have taken."""
+    params, opt = fresh_optimizer(spec)
+    set_grads(params)
+    opt.step()
+    reference_params, reference = copy.deepcopy((params, opt))
+    state_dict = load(checkpoint(spec))
+    state_dict["state"][1]["step"] = "1"
+    state_dict["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match=r"checkpoint state 'step' of parameter 1"):
+        opt.load_state_dict(state_dict)
+    assert opt.param_groups[0]["lr"] == OPTIONS["lr"]
+    for ps, o in ((params, opt), (reference_params, reference)):
+        set_grads(ps)
+        o.step()
+    for p, q in zip(params, reference_params):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == reference.state[q].keys()
+        for name, value in opt.state[p].items():
+            inner = value._inner() if isinstance(value, StateTensor) else {"": value}
+            for part, t in inner.items():
+                assert torch.equal(t, reference.state[q][name]._inner()[part] if part else reference.state[q][name]), (name, part)
+
+
 @pytest.mark.parametrize("step", [-1.0, float("nan"), float("inf")], ids=["negative", "NaN", "inf"])
 def test_checkpoint_step_must_count_steps(step):
     """A step counter that no run makes (negative, NaN, infinite) would make every element of the
