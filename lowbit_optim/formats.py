@@ -177,6 +177,13 @@ class StochasticRounding:
 
     stochastic = True  # codes are not the nearest: tests check unbiased rounding between neighbours instead
 
+    def __init_subclass__(cls, **kwargs):
+        mro = cls.__mro__
+        if CodebookState in mro and mro.index(StochasticRounding) > mro.index(CodebookState):
+            # after the codebook format, its nearest-code encode would win: stochastic in name only
+            raise TypeError(f"{cls.__name__}: put StochasticRounding before the codebook format in the bases, e.g. class {cls.__name__}(StochasticRounding, OptimState8bit)")
+        super().__init_subclass__(**kwargs)
+
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
         return cls.encode_blocks(normalized, normalized.new_ones(normalized.shape[:-1]), signed)  # rows of scale 1

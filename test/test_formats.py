@@ -1237,6 +1237,16 @@ def test_a_format_of_another_file_cannot_take_a_builtin_name(tmp_path):
     assert get_format("8bit") is builtin
 
 
+def test_stochastic_rounding_after_the_codebook_format_is_refused():
+    """StochasticRounding after the codebook format in the bases would leave the codebook's nearest
+    encode in charge while the format claims to be stochastic: refused before it registers."""
+    from lowbit_optim.formats import OptimState8bit, StochasticRounding
+
+    with pytest.raises(TypeError, match=r"WrongOrder: put StochasticRounding before the codebook format"):
+        type("WrongOrder", (OptimState8bit, StochasticRounding), {"name": "wrong-order"})
+    assert "wrong-order" not in lowbit_optim.registered_formats()
+
+
 def test_a_codebook_out_of_order_is_named():
     """A user's codebook that is not strictly increasing (unsorted, repeated, NaN), does not end at
     scale_max (where a block's absmax lands) or is missing is refused naming the class and
