@@ -108,6 +108,12 @@ class StateTensor(Tensor):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
+        if cls.name is not None and "name" not in vars(cls):
+            owner = next(k for k in cls.__mro__[1:] if "name" in vars(k))
+            raise TypeError(
+                f"{cls.__name__} inherits the format name {cls.name!r} from {owner.__name__}: give it a name of its own "
+                f"(name = '...') to register it, or name = None for a base that is not a format"
+            )
         if cls.name is not None:
             register_format(cls)
 

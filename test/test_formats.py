@@ -1237,6 +1237,17 @@ def test_a_format_of_another_file_cannot_take_a_builtin_name(tmp_path):
     assert get_format("8bit") is builtin
 
 
+def test_a_subclass_without_a_name_of_its_own_is_told_so():
+    """A format subclass that sets no name would register under its parent's: refused naming both
+    and the two ways out, before it registers; name = None makes an unregistered base."""
+    from lowbit_optim.formats import OptimState8bit
+
+    with pytest.raises(TypeError, match=r"Mine inherits the format name '8bit' from OptimState8bit: give it a name of its own"):
+        type("Mine", (OptimState8bit,), {})
+    assert registered_formats()["8bit"] is OptimState8bit
+    assert type("Base", (OptimState8bit,), {"name": None}).name is None
+
+
 def test_stochastic_rounding_after_the_codebook_format_is_refused():
     """StochasticRounding after the codebook format in the bases would leave the codebook's nearest
     encode in charge while the format claims to be stochastic: refused before it registers."""
