@@ -268,8 +268,11 @@ def _copy_into_whole(dst: ShardView, src) -> None:
     staging["covered"][first:last] = True
     if bool(staging["covered"].all()):
         del state._dcp_staging
+        counts = {name: getattr(state, name).clone() for name in state.whole_state_names}  # as saved: these writes are not steps
         for _ in range(WHOLE_STATE_WRITES):
             state.quantize_(staging["values"].view(state.shape))
+        for name, saved in counts.items():
+            getattr(state, name).copy_(saved)
 
 
 def _stage_source(state: OptimState, first: int, last: int, source: OptimState, source_first: int) -> None:

@@ -107,13 +107,13 @@ class StateTensor(Tensor):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
-        if cls.name is not None and "name" not in vars(cls):
-            owner = next(k for k in cls.__mro__[1:] if "name" in vars(k))
+        owner = next(k for k in cls.__mro__ if "name" in vars(k))
+        if cls.name is not None and owner is not cls and issubclass(owner, StateTensor):
             raise TypeError(
                 f"{cls.__name__} inherits the format name {cls.name!r} from {owner.__name__}: give it a name of its own "
                 f"(name = '...') to register it, or name = None for a base that is not a format"
             )
+        torch.serialization.add_safe_globals([cls])  # torch.load(weights_only=True) may rebuild it
         if cls.name is not None:
             register_format(cls)
 
@@ -146,8 +146,10 @@ class StateTensor(Tensor):
     @property
     def slice_unit(self) -> int | None:
         """The elements a step's slice starts at a multiple of (base._pieces): a block, or None
-        where no slice computes what the whole does (factored sums, a low-rank part)."""
-        return self.block_size if self.independent_blocks else None
+        where no slice computes what the whole does (factored sums, a low-rank part, whole-state
+        tensors that no later_slice of the class hands out)."""
+        hands_out = not self.whole_state_names or type(self).later_slice is not StateTensor.later_slice
+        return self.block_size if self.independent_blocks and hands_out else None
 
     def later_slice(self, first_block: int) -> "StateTensor":
         """This slice (from block ``first_block`` of its state, in slice units) as a step's later

@@ -133,3 +133,26 @@ def test_per_parameter_slices_are_longer_on_an_accelerator(monkeypatch, device, 
     param.grad = torch.ones_like(param)
     opt.step()
     assert pieces == [sizes]
+
+
+def test_a_state_is_cut_only_where_its_class_hands_out_later_slices():
+    """A state with whole-state tensors (a count of writes) is cut only where its class's
+    later_slice matches its quantize_: a subclass with a quantize_ of its own, or a format that
+    declares such tensors without a later_slice, is stepped whole instead of failing or drawing
+    otherwise on a large parameter."""
+    from lowbit_optim import BlockFloatState, OptimState8bit
+    from lowbit_optim.stochastic_bf16 import StochasticBF16State
+
+    class OwnQuantize(BlockFloatState):
+        name = None
+
+        def quantize_(self, x):
+            super().quantize_(x)
+
+    class CountsWithoutLaterSlice(OptimState8bit):
+        name = None
+        whole_state_names = ("scale",)
+
+    assert BlockFloatState.zeros(512).slice_unit == 256 and StochasticBF16State.zeros(512).slice_unit == 256
+    assert OwnQuantize.zeros(512).slice_unit is None and CountsWithoutLaterSlice.zeros(512).slice_unit is None
+    assert OptimState8bit.zeros(512, block_size=64).slice_unit == 64
