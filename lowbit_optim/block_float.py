@@ -106,11 +106,6 @@ class BlockFloatState(OptimState):
         same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "quantize_", "dequantize", "exponent_bits")
         return KernelLayout("block-float") if same else None
 
-    @property
-    def slice_unit(self) -> int | None:
-        # later_slice's count salts as this quantize_ does: a subclass with its own is not cut
-        return super().slice_unit if computes_as(type(self), BlockFloatState, "quantize_", "later_slice") else None
-
     def later_slice(self, first_block: int) -> "BlockFloatState":
         return self._like(writes=writes_from_block(self.writes, first_block))
 

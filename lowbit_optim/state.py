@@ -148,8 +148,17 @@ class StateTensor(Tensor):
         """The elements a step's slice starts at a multiple of (base._pieces): a block, or None
         where no slice computes what the whole does (factored sums, a low-rank part, whole-state
         tensors that no later_slice of the class hands out)."""
-        hands_out = not self.whole_state_names or type(self).later_slice is not StateTensor.later_slice
-        return self.block_size if self.independent_blocks and hands_out else None
+        return self.block_size if self.independent_blocks and self._later_slices_fit() else None
+
+    def _later_slices_fit(self) -> bool:
+        """Whether later_slice hands out this state's whole-state tensors as its quantize_ uses them:
+        it has none, or its class's later_slice was written with (at or below) the class whose
+        quantize_ it runs; a subclass with a quantize_ of its own, or none of later_slice, is stepped whole."""
+        if not self.whole_state_names:
+            return True
+        mro = type(self).__mro__
+        defined = {m: next(k for k in mro if m in vars(k)) for m in ("later_slice", "quantize_")}
+        return issubclass(defined["later_slice"], defined["quantize_"])
 
     def later_slice(self, first_block: int) -> "StateTensor":
         """This slice (from block ``first_block`` of its state, in slice units) as a step's later

@@ -118,9 +118,8 @@ class StochasticBF16State(StateTensor):
 
     @property
     def slice_unit(self) -> int | None:
-        # its draws' blocks: a slice from one, with later_slice's count, rounds as the whole (a
-        # subclass with a quantize_ of its own is not cut)
-        return HASH_BLOCK if computes_as(type(self), StochasticBF16State, "quantize_", "later_slice") else None
+        # its draws' blocks: a slice from one, with later_slice's count, rounds as the whole
+        return HASH_BLOCK if self._later_slices_fit() else None
 
     def later_slice(self, first_block: int) -> "StochasticBF16State":
         return self._like(writes=writes_from_block(self.writes, first_block))
