@@ -228,10 +228,10 @@ def state_t(state):
     return ctypes.byref(kernel_op.describe(kernel_op.kernel(), state))
 
 
-def quantize_with_kernel(state, x: torch.Tensor) -> None:
+def quantize_with_kernel(state, x: torch.Tensor, size: int | None = None) -> None:
     """Stores into ``state`` what a step stores for the values ``x`` (lowbit_quantize: block scales,
-    then codes), a chunk at a time."""
-    size = kernel_op.kernel().limits["max_chunk"]  # a whole number of blocks
+    then codes), a chunk of ``size`` elements (whole blocks; default: the kernel's) at a time."""
+    size = size or kernel_op.kernel().limits["max_chunk"]
     if hasattr(state, "writes"):  # a step counts the write before it stores (scheduler.h), as quantize_ does
         state.writes.add_(1)
     for start in range(0, x.numel(), size):
@@ -306,7 +306,7 @@ class BlockFloat5(BlockFloatState):
 @pytest.mark.parametrize("fmt", [BlockFloatState, BlockFloat5], ids=["10bit-sr", "mantissa5"])
 def test_kernel_stores_block_floats_like_the_format(fmt, signed, flag):
     """10bit-sr's store (csrc/block_float.h) gives quantize_'s codes and scales, chunk by chunk
-    (chunks start on a block; the last block is partial), at any count of writes, on values across
+    (chunks of two blocks; the last block is partial), at any count of writes, on values across
     every binade and subnormal of its small float, zeros and exact codes, a block's absmax and a NaN
     block (NaN scale, largest codes); so does a subclass with another split of its bits."""
     g = torch.Generator().manual_seed(0)
@@ -318,12 +318,10 @@ def test_kernel_stores_block_floats_like_the_format(fmt, signed, flag):
     with kernel_built_with(flag):
         for writes in (0, 12345, 2**62 + 3):
             state, expected = fmt.zeros(n, signed), fmt.zeros(n, signed)
-            state.writes.fill_(writes + 1)  # the kernel counts the write first; quantize_ does
-            expected.writes.fill_(writes)
+            for counted in (state, expected):
+                counted.writes.fill_(writes)
             expected.copy_(x)
-            for start, end in ((0, 512), (512, 768), (768, n)):
-                piece = torch.cat([x[start:end], x.new_zeros(-(end - start) % bs)])
-                fused_cpu.library().lowbit_quantize(state_t(state), piece.data_ptr(), start, end - start)
+            quantize_with_kernel(state, x, 2 * bs)
             assert torch.equal(state.codes, expected.codes), writes
             torch.testing.assert_close(state.scale, expected.scale, rtol=0, atol=0, equal_nan=True)
             out = torch.empty(n)
