@@ -26,6 +26,7 @@ import torch
 import lowbit_optim
 from conftest import QUANTIZED_FORMATS, ROOT, quantized_formats
 from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu
+from test_optim import assert_same_bits
 
 # a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
 SHAPES = [(70, 64), (96,)]  # 4480 elements: whole 128-blocks (4bit-torchao quantizes it), a padded last 256-block
@@ -168,9 +169,7 @@ def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was(spec):
         assert torch.equal(p, q)
         assert opt.state[p].keys() == reference.state[q].keys()
         for name, value in opt.state[p].items():
-            inner = value._inner() if isinstance(value, StateTensor) else {"": value}
-            for part, t in inner.items():
-                assert torch.equal(t, reference.state[q][name]._inner()[part] if part else reference.state[q][name]), (name, part)
+            assert_same_bits(value, reference.state[q][name], name)
 
 
 @pytest.mark.parametrize("step", [-1.0, float("nan"), float("inf")], ids=["negative", "NaN", "inf"])
