@@ -56,6 +56,29 @@ def defines() -> list[str]:
     ]
 
 
+def _cpuinfo_field(name: str) -> str | None:
+    """A field of /proc/cpuinfo's first processor (None where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def tuning() -> list[str]:
+    """Choices of code path by the CPU where measurement decided them (the C's defaults elsewhere):
+    FAST_DIVIDER (csrc/divide.h) on AMD's family 26 (Zen 5), whose divider keeps up with a real
+    division where other cores take a multiplication and an FMA correction. An explicit -D in FLAGS
+    comes later on the command line and wins."""
+    if _cpuinfo_field("vendor_id") == "AuthenticAMD" and _cpuinfo_field("cpu family") == "26":
+        return ["-DFAST_DIVIDER=1"]
+    return []
+
+
 def sources() -> list[pathlib.Path]:
     """Every file the build reads."""
     return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
@@ -63,11 +86,7 @@ def sources() -> list[pathlib.Path]:
 
 def _machine_key() -> str:
     # -march=native: a library built on one CPU may not run on another sharing the cache directory
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return os.uname().machine
+    return _cpuinfo_field("flags") or os.uname().machine
 
 
 def library_path(cc: str) -> pathlib.Path:
@@ -76,14 +95,14 @@ def library_path(cc: str) -> pathlib.Path:
     digest = hashlib.sha256()
     for source in sources():
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    digest.update(" ".join([cc, *FLAGS, *defines(), _machine_key()]).encode())
+    digest.update(" ".join([cc, *tuning(), *FLAGS, *defines(), _machine_key()]).encode())
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 
 
 def command(cc: str, source: pathlib.Path, output: pathlib.Path) -> list[str]:
     """The compiler command that builds ``source`` (the kernel, or a file that includes it: its
     headers are found in SOURCE_DIR) into the shared library ``output``, as the kernel is built."""
-    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *FLAGS, *defines(), "-o", str(output), "-lm"]
+    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *tuning(), *FLAGS, *defines(), "-o", str(output), "-lm"]
 
 
 def build() -> pathlib.Path:

@@ -203,6 +203,13 @@ AVX2_LOOKUPS = {"AVX2 gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"), "AVX2 no g
 # The codecs with both lookups in both vector builds (AVX-512 without gathers: the 8-bit affine map, affine.h)
 CODEC_BUILDS = {**BUILDS, "gathers": "-DSLOW_GATHERS=0", "no gathers": "-DSLOW_GATHERS=1", **AVX2_LOOKUPS}
 codec_build_flags = pytest.mark.parametrize("flag", CODEC_BUILDS.values(), ids=CODEC_BUILDS.keys())
+# Both vector builds with the update's sqrt(v) / sqrt(bias correction) either way, whichever the CPU
+# chose (divide.h, kernel_build.tuning): a real division, or a product and an FMA correction
+DIVIDER_BUILDS = {
+    f"{isa}{way} roots": (*flags, f"-DFAST_DIVIDER={fast}")
+    for isa, flags in (("", ()), ("AVX2 ", ("-mno-avx512f",)))
+    for way, fast in (("divided", 1), ("corrected", 0))
+}
 
 
 @contextlib.contextmanager
@@ -261,14 +268,15 @@ OTHER_BUILD_CASES = [
 ]
 
 
-OTHER_BUILDS = {**AVX2_LOOKUPS, "no VBMI": "-mno-avx512vbmi", "portable": "-march=x86-64"}
+OTHER_BUILDS = {**AVX2_LOOKUPS, **DIVIDER_BUILDS, "no VBMI": "-mno-avx512vbmi", "portable": "-march=x86-64"}
 
 
 @pytest.mark.parametrize("flag", OTHER_BUILDS.values(), ids=OTHER_BUILDS.keys())
 def test_builds_for_other_cpus_match(flag):
     """Built without AVX-512 the kernel runs AVX2 lookups (gathers, or scalar loads where gathers
     are slow) and compiler-vectorized loops, without VBMI it decodes 8-bit codes with gathers, for
-    x86-64 it runs its portable loops alone: the same bits again."""
+    x86-64 it runs its portable loops alone, and either vector build may divide the update's square
+    root by a real division or a corrected product: the same bits again."""
     expected = [run(True, **kwargs) for kwargs in OTHER_BUILD_CASES]
     with kernel_built_with(flag):
         for kwargs, reference in zip(OTHER_BUILD_CASES, expected):
@@ -569,7 +577,7 @@ def test_division_by_a_shared_divisor_is_exact(divisor, flag):
         assert_divides_exactly(dividends(), divisor)
 
 
-@build_flags
+@pytest.mark.parametrize("flag", [*BUILDS.values(), *DIVIDER_BUILDS.values()], ids=[*BUILDS, *DIVIDER_BUILDS])
 @pytest.mark.parametrize("divisor", [1.0, 0.0316, 0.5, 2.0**-34, 2.0**-40, 2.0**30, math.nan])
 def test_division_of_square_roots_is_exact(divisor, flag):
     """sqrt(v) / sqrt(1 - beta2**t) checks its lanes for special values only (a square root of a
@@ -873,6 +881,23 @@ def test_build_key_covers_every_source_and_constant(monkeypatch, tmp_path):
     edited = kernel_build.library_path("cc")
     monkeypatch.setattr(quant, "MIN_BLOCK_SCALE", 1e-10)
     assert kernel_build.library_path("cc") != edited
+
+
+@pytest.mark.parametrize(
+    "vendor, family, expected",
+    [("AuthenticAMD", "26", ["-DFAST_DIVIDER=1"]), ("AuthenticAMD", "25", []), ("GenuineIntel", "6", []), (None, None, [])],
+    ids=["Zen 5", "Zen 4", "Intel", "no cpuinfo"],
+)
+def test_tuning_follows_the_cpu_and_keys_the_build(monkeypatch, vendor, family, expected):
+    """The divider's path is chosen for the one CPU family it was measured faster on, and the
+    choice is part of the cached library's key (two CPUs sharing a cache build their own)."""
+    fields = {"vendor_id": vendor, "cpu family": family, "flags": "fpu sse2"}
+    monkeypatch.setattr(kernel_build, "_cpuinfo_field", fields.get)
+    assert kernel_build.tuning() == expected
+    assert all(flag in kernel_build.command("cc", kernel_build.MAIN_SOURCE, kernel_build.MAIN_SOURCE.with_suffix(".so")) for flag in expected)
+    key = kernel_build.library_path("cc")
+    fields["cpu family"] = "26" if family != "26" else "25"
+    assert (kernel_build.library_path("cc") != key) == (vendor == "AuthenticAMD")
 
 
 def test_package_ships_every_source():

@@ -7,7 +7,20 @@
  * (tiny, huge, non-finite) take a real division; +-0 comes out of the correction exact.
  *
  * It pays where the divider is the bottleneck (Adam's update: a square root and three divisions per
- * element), not where other work is (encoding: there the AVX2 build divides, measured faster). */
+ * element), not where other work is (encoding: there the AVX2 build divides, measured faster).
+ *
+ * Where the divider is fast (FAST_DIVIDER), the update's sqrt(v) / sqrt(bias correction) is a real
+ * division instead: the divider then takes a square root and two divisions per element while the
+ * vector ports correct the first moment's quotient, and neither waits on the other. On an AMD EPYC
+ * of family 26 (Zen 5), one thread, Adam's update of a chunk in L1 (compute_bound.py part 5): AVX2
+ * build 0.50 -> 0.41 ns per element, AVX-512 0.285 -> 0.26. kernel_build.tuning() sets it for that
+ * family only, where it was measured; an Emerald Rapids Xeon's divider is slower (0.215 ns per
+ * division per element, README) and keeps the corrected quotient. The tests build both; either way
+ * the quotient is the correctly rounded one. */
+#ifndef FAST_DIVIDER
+#define FAST_DIVIDER 0
+#endif
+
 #ifdef VECTOR_LANES
 #include <float.h>
 
@@ -54,6 +67,7 @@ static inline int root_ready(const divisor_t *d) {
 }
 
 static inline vec_t divide_root(vec_t a, const divisor_t *d, int ready) {
+    if (FAST_DIVIDER) return vec_div(a, vec_set1(d->b));
     if (!ready) return divide(a, d);
     vec_t q, corrected = corrected_quotient(a, d, &q);
     return vec_select(vec_zero_or_not_finite(a), q, corrected);
