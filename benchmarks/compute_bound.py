@@ -12,7 +12,9 @@
    real division per element (it divides by a block scale or a bias correction as a multiplication
    by the reciprocal plus an FMA correction: csrc/divide.h); with AVX2 three times: Adam's update
    divides by its bias corrections so too, but the encoding divides by each block scale with 8-lane
-   divisions (measured faster there than the corrected products).
+   divisions (measured faster there than the corrected products). Where the divider is fast
+   (FAST_DIVIDER: AMD's family 26, kernel_build.tuning), the update's square root is divided by a
+   real division too: one more per element on the divider, one corrected product fewer on the ports.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration).
 5. The stages of one chunk of an Adam step with ``--stages-format`` state (default ``4bit``), each
@@ -42,6 +44,8 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import as_avx2  # noqa: E402
 import lowbit_optim  # noqa: E402
 from lowbit_optim import fused_cpu, kernel_abi, kernel_build, kernel_op  # noqa: E402
 
@@ -236,7 +240,7 @@ def divider_seconds(isa: str, elements: int, max_divisions: int) -> dict[int, fl
 def measure(args, isa: str) -> dict:
     """Every part, in this process, as it runs here (``isa`` names the divider loop to run)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join(kernel_build.FLAGS)}, {torch.get_num_threads()} threads")
+    print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join([*kernel_build.tuning(), *kernel_build.FLAGS])}, {torch.get_num_threads()} threads")
     results = {"isa": isa, "torch_capability": capability, "adamw_ns": {}, "divider_s": None}
     for n, steps in [(2**18, 300), (args.dram_elements, 7)]:
         ns = fused_adamw_ns_per_element(n, steps)
@@ -274,7 +278,7 @@ def measure_avx2_in_child(argv: list[str]) -> dict | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "avx2.json"
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        env = {**os.environ, **as_avx2.ENV}
         subprocess.run([sys.executable, __file__, *argv, "--isa", "avx2", "--child-json", str(out)], env=env, check=True)
         results = json.loads(out.read_text())
     # JSON keys are strings: back to the element counts and division counts they were
@@ -300,8 +304,7 @@ def main(argv=None) -> dict:
     if set(isas) - {"native", "avx2"}:
         p.error(f"--isa takes native and avx2, got {args.isa!r}")
     if args.child_json:  # the child: measure as an AVX2 CPU would, and hand the results back
-        kernel_build.FLAGS = [*kernel_build.FLAGS, "-mno-avx512f"]
-        kernel_abi.load.cache_clear()
+        as_avx2.build_kernel_without_avx512()
         pathlib.Path(args.child_json).write_text(json.dumps(measure(args, "avx2")))
         return {}
     results: dict = {}

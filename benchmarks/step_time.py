@@ -87,14 +87,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--interleave", action="store_true", help="build every optimizer, then step them in turn (rounds): no peak-memory column")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: as an AVX2 + FMA CPU would run, on this one (benchmarks/as_avx2.py)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import as_avx2  # noqa: E402
+
 if __name__ == "__main__":
     ARGS = parse_args()
+    if ARGS.isa == "avx2":
+        as_avx2.reexec()  # before `import torch`, which reads the capability once
     if ARGS.cache_dir:
         # before `import torch`, so every inductor / AOT cache lookup in this process sees it
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(ARGS.cache_dir)
@@ -522,6 +528,7 @@ def environment(args, shapes, numel: int, device: torch.device) -> dict:
     return {
         "config": dict(vars(args)),
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "num_params": numel,
         "num_tensors": len(shapes),
@@ -534,6 +541,10 @@ def main(args: argparse.Namespace) -> list[Result]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
+    if args.isa == "avx2":
+        if torch.backends.cpu.get_cpu_capability() != "AVX2":
+            raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels here (run the script itself: it restarts with {as_avx2.ENV})")
+        as_avx2.build_kernel_without_avx512()
     factories = select(optimizer_factories(args.optimizer), args.only)
 
     shapes = gpt2_shapes(args.layers, args.d, args.vocab, args.ctx)
@@ -543,7 +554,8 @@ def main(args: argparse.Namespace) -> list[Result]:
     numel = sum(p.numel() for p in params)
     env = environment(args, shapes, numel, device)
     print(
-        f"{numel:,} parameters in {len(shapes)} tensors ({args.dtype}) on {env['device']}; "
+        f"{numel:,} parameters in {len(shapes)} tensors ({args.dtype}) on {env['device']} ({env['torch_cpu_capability']} torch kernels"
+        f"{', fused kernel without AVX-512' if args.isa == 'avx2' else ''}); "
         f"torch {torch.__version__}, {env['torch_threads']} threads; "
         f"{args.warmup} warmup + {args.steps} timed steps{' (interleaved)' if args.interleave else ''}; {args.optimizer}, ratios to {REFERENCES[args.optimizer]}"
     )

@@ -2,12 +2,17 @@
 benchmarks/compute_bound.py and benchmarks/memory.py: each main function runs on a tiny configuration,
 writes its files, and reports finite numbers."""
 
+import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import import_script
+from conftest import ROOT, import_script
 
 TINY = ["--layers", "1", "--d-model", "64", "--heads", "2", "--block-size", "32", "--batch-size", "16"]
 
@@ -257,6 +262,27 @@ def test_step_time_interleaved_smoke(eager_lowbit_step):
     results = step_time.main(args)
     assert [r.label for r in results] == ["torch-sgd-fused", "lowbit-fp32", "lowbit-8bit"] and results[0].ratio_to_fused == 1.0
     assert all(len(r.step_times_s) == 2 and r.state_bytes_per_param > 0 and r.peak_mem_delta_bytes is None for r in results)
+
+
+def has_avx2() -> bool:
+    try:
+        return " avx2 " in pathlib.Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not has_avx2(), reason="needs an x86 CPU with AVX2")
+def test_step_time_as_an_avx2_cpu(tmp_path):
+    """--isa avx2 restarts the script with torch's kernels forced to AVX2 and times the fused kernel
+    built without AVX-512 (benchmarks/as_avx2.py): the JSON records which kernels ran."""
+    out = tmp_path / "avx2.json"
+    argv = ["--isa", "avx2", "--layers", "1", "--d", "16", "--vocab", "64", "--ctx", "8", "--steps", "1", "--warmup", "0",
+            "--only", "torch-fused,lowbit-8bit", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), *argv], env=env, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["torch_cpu_capability"] == "AVX2" and result["config"]["isa"] == "avx2"
+    assert [r["label"] for r in result["results"]] == ["torch-fused", "lowbit-8bit"]
 
 
 def lowbit_optim_sgd_fused_step():
