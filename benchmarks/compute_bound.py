@@ -278,7 +278,7 @@ def measure_avx2_in_child(argv: list[str]) -> dict | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "avx2.json"
-        env = {**os.environ, **as_avx2.ENV}
+        env = {**os.environ, **as_avx2.environment()}
         subprocess.run([sys.executable, __file__, *argv, "--isa", "avx2", "--child-json", str(out)], env=env, check=True)
         results = json.loads(out.read_text())
     # JSON keys are strings: back to the element counts and division counts they were

@@ -543,7 +543,7 @@ def main(args: argparse.Namespace) -> list[Result]:
         raise SystemExit("--device cuda: no CUDA device available")
     if args.isa == "avx2":
         if torch.backends.cpu.get_cpu_capability() != "AVX2":
-            raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels here (run the script itself: it restarts with {as_avx2.ENV})")
+            raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels here (run the script itself: it restarts with {as_avx2.environment()})")
         as_avx2.build_kernel_without_avx512()
     factories = select(optimizer_factories(args.optimizer), args.only)
 

@@ -273,15 +273,17 @@ def has_avx2() -> bool:
 
 @pytest.mark.skipif(not has_avx2(), reason="needs an x86 CPU with AVX2")
 def test_step_time_as_an_avx2_cpu(tmp_path):
-    """--isa avx2 restarts the script with torch's kernels forced to AVX2 and times the fused kernel
-    built without AVX-512 (benchmarks/as_avx2.py): the JSON records which kernels ran."""
+    """--isa avx2 restarts the script with torch's kernels forced to AVX2, in an inductor cache of its
+    own, and times the fused kernel built without AVX-512 (benchmarks/as_avx2.py): the JSON records
+    which kernels ran."""
     out = tmp_path / "avx2.json"
     argv = ["--isa", "avx2", "--layers", "1", "--d", "16", "--vocab", "64", "--ctx", "8", "--steps", "1", "--warmup", "0",
             "--only", "torch-fused,lowbit-8bit", "--json", str(out)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), *argv], env=env, check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["torch_cpu_capability"] == "AVX2" and result["config"]["isa"] == "avx2"
+    assert result["torchinductor_cache_dir"].endswith("_avx2"), "an inductor cache of its own (as_avx2.py says why)"
     assert [r["label"] for r in result["results"]] == ["torch-fused", "lowbit-8bit"]
 
 
