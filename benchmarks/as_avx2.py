@@ -21,11 +21,18 @@ CAPABILITY = "avx2"
 KERNEL_FLAGS = ["-mno-avx512f"]
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a bare uid with no name (some containers)
+        return str(os.getuid())
+
+
 def environment() -> dict[str, str]:
     """The variables that force a fresh process to AVX2, with its own inductor cache."""
     env = {"ATEN_CPU_CAPABILITY": CAPABILITY}
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{CAPABILITY}")
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}_{CAPABILITY}")
     return env
 
 
@@ -35,10 +42,15 @@ def forced() -> bool:
 
 
 def reexec() -> None:
-    """Runs this script again from its start with torch forced to AVX2; returns only if it already is."""
-    if not forced():
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **environment()})
+    """Runs this script again from its start (the interpreter's own options too) with torch forced to
+    AVX2; returns only if it already is, having given the process its own inductor cache where the
+    caller forced it without one."""
+    if forced():
+        for name, value in environment().items():
+            os.environ.setdefault(name, value)
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **environment()})
 
 
 def build_kernel_without_avx512() -> None:

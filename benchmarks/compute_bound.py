@@ -214,11 +214,7 @@ def copy_gb_per_s(n: int) -> float:
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return set()
+    return set((kernel_build.cpuinfo_field("flags") or "").split())
 
 
 def divider_seconds(isa: str, elements: int, max_divisions: int) -> dict[int, float] | None:
@@ -240,7 +236,7 @@ def divider_seconds(isa: str, elements: int, max_divisions: int) -> dict[int, fl
 def measure(args, isa: str) -> dict:
     """Every part, in this process, as it runs here (``isa`` names the divider loop to run)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join([*kernel_build.tuning(), *kernel_build.FLAGS])}, {torch.get_num_threads()} threads")
+    print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join(kernel_build.flags())}, {torch.get_num_threads()} threads")
     results = {"isa": isa, "torch_capability": capability, "adamw_ns": {}, "divider_s": None}
     for n, steps in [(2**18, 300), (args.dram_elements, 7)]:
         ns = fused_adamw_ns_per_element(n, steps)

@@ -113,6 +113,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import lowbit_optim
+from lowbit_optim import kernel_build  # noqa: E402
 from lowbit_optim.formats import paired_label, paired_state_format  # noqa: E402
 
 REFERENCE = "torch-fused"
@@ -529,6 +530,7 @@ def environment(args, shapes, numel: int, device: torch.device) -> dict:
         "config": dict(vars(args)),
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_flags": kernel_build.flags(),
         "torch_threads": torch.get_num_threads(),
         "num_params": numel,
         "num_tensors": len(shapes),

@@ -56,7 +56,7 @@ def defines() -> list[str]:
     ]
 
 
-def _cpuinfo_field(name: str) -> str | None:
+def cpuinfo_field(name: str) -> str | None:
     """A field of /proc/cpuinfo's first processor (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -74,9 +74,14 @@ def tuning() -> list[str]:
     FAST_DIVIDER (csrc/divide.h) on AMD's family 26 (Zen 5), whose divider keeps up with a real
     division where other cores take a multiplication and an FMA correction. An explicit -D in FLAGS
     comes later on the command line and wins."""
-    if _cpuinfo_field("vendor_id") == "AuthenticAMD" and _cpuinfo_field("cpu family") == "26":
+    if cpuinfo_field("vendor_id") == "AuthenticAMD" and cpuinfo_field("cpu family") == "26":
         return ["-DFAST_DIVIDER=1"]
     return []
+
+
+def flags() -> list[str]:
+    """Every flag of the build, in order: the CPU's tuning first, so that a -D in FLAGS overrides it."""
+    return [*tuning(), *FLAGS, *defines()]
 
 
 def sources() -> list[pathlib.Path]:
@@ -86,7 +91,7 @@ def sources() -> list[pathlib.Path]:
 
 def _machine_key() -> str:
     # -march=native: a library built on one CPU may not run on another sharing the cache directory
-    return _cpuinfo_field("flags") or os.uname().machine
+    return cpuinfo_field("flags") or os.uname().machine
 
 
 def library_path(cc: str) -> pathlib.Path:
@@ -95,14 +100,14 @@ def library_path(cc: str) -> pathlib.Path:
     digest = hashlib.sha256()
     for source in sources():
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    digest.update(" ".join([cc, *tuning(), *FLAGS, *defines(), _machine_key()]).encode())
+    digest.update(" ".join([cc, *flags(), _machine_key()]).encode())
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 
 
 def command(cc: str, source: pathlib.Path, output: pathlib.Path) -> list[str]:
     """The compiler command that builds ``source`` (the kernel, or a file that includes it: its
     headers are found in SOURCE_DIR) into the shared library ``output``, as the kernel is built."""
-    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *tuning(), *FLAGS, *defines(), "-o", str(output), "-lm"]
+    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *flags(), "-o", str(output), "-lm"]
 
 
 def build() -> pathlib.Path:

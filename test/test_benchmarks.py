@@ -5,7 +5,6 @@ writes its files, and reports finite numbers."""
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, import_script
+from lowbit_optim import kernel_build
 
 TINY = ["--layers", "1", "--d-model", "64", "--heads", "2", "--block-size", "32", "--batch-size", "16"]
 
@@ -264,14 +264,7 @@ def test_step_time_interleaved_smoke(eager_lowbit_step):
     assert all(len(r.step_times_s) == 2 and r.state_bytes_per_param > 0 and r.peak_mem_delta_bytes is None for r in results)
 
 
-def has_avx2() -> bool:
-    try:
-        return " avx2 " in pathlib.Path("/proc/cpuinfo").read_text().replace("\n", " ")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not has_avx2(), reason="needs an x86 CPU with AVX2")
+@pytest.mark.skipif("avx2" not in (kernel_build.cpuinfo_field("flags") or "").split(), reason="needs an x86 CPU with AVX2")
 def test_step_time_as_an_avx2_cpu(tmp_path):
     """--isa avx2 restarts the script with torch's kernels forced to AVX2, in an inductor cache of its
     own, and times the fused kernel built without AVX-512 (benchmarks/as_avx2.py): the JSON records
@@ -279,11 +272,13 @@ def test_step_time_as_an_avx2_cpu(tmp_path):
     out = tmp_path / "avx2.json"
     argv = ["--isa", "avx2", "--layers", "1", "--d", "16", "--vocab", "64", "--ctx", "8", "--steps", "1", "--warmup", "0",
             "--only", "torch-fused,lowbit-8bit", "--json", str(out)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")} | {"TMPDIR": str(tmp_path)}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), *argv], env=env, check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["torch_cpu_capability"] == "AVX2" and result["config"]["isa"] == "avx2"
-    assert result["torchinductor_cache_dir"].endswith("_avx2"), "an inductor cache of its own (as_avx2.py says why)"
+    assert "-mno-avx512f" in result["kernel_flags"]
+    cache = result["torchinductor_cache_dir"]
+    assert cache.startswith(str(tmp_path)) and cache.endswith("_avx2"), "a cache of its own (as_avx2.py says why)"
     assert [r["label"] for r in result["results"]] == ["torch-fused", "lowbit-8bit"]
 
 

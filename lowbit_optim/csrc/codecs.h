@@ -27,17 +27,18 @@ static inline __m256 select8(__m256 low, __m256 flip, __m256i mask) {
     return _mm256_xor_ps(low, _mm256_and_ps(flip, _mm256_castsi256_ps(mask)));
 }
 
-/* e4m3_to_f32 of 8 codes, computed from their bits rather than looked up in e4m3_values (8 scalar
- * loads or a gather): on the AMD EPYC of family 26, AVX2 build, one thread, decoding both fp8
- * moments took 0.351 ns per element with scalar loads, 0.251 so (not measured against Intel's gathers) */
+/* e4m3_to_f32 of 8 codes, computed from their bits rather than looked up in e4m3_values: where
+ * gathers are slow (AMD EPYC of family 26, AVX2 build, one thread) decoding both fp8 moments took
+ * 0.351 ns per element with 8 scalar loads, 0.251 so. Intel's cores keep the gather (not measured
+ * against it). */
 static inline __m256 e4m3_to_f32_8(const uint8_t *codes) {
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
-    __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F)), shifted = _mm256_slli_epi32(magnitude, 20);
-    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(shifted, _mm256_set1_epi32(120 << 23)));
-    /* exponent 0: 2**-6 * (1 + m / 8) - 2**-6 = m * 2**-9, exactly */
-    __m256 subnormal = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(shifted, _mm256_set1_epi32(121 << 23))), _mm256_set1_ps(0x1p-6f));
+    __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F)), shifted = _mm256_slli_epi32(magnitude, E4M3_SHIFT);
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(shifted, _mm256_set1_epi32((int32_t)E4M3_BIAS)));
+    /* exponent 0: the same bits one octave up, 2**-6 * (1 + m / 8), less 2**-6: m * 2**-9, exactly */
+    __m256 subnormal = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(shifted, _mm256_set1_epi32((int32_t)(E4M3_BIAS + (1u << 23))))), _mm256_set1_ps(0x1p-6f));
     __m256 value = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude)));
-    value = _mm256_blendv_ps(value, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F))));
+    value = _mm256_blendv_ps(value, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(E4M3_NAN))));
     return _mm256_or_ps(value, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 7), 31)));
 }
 
@@ -182,7 +183,7 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
     }
 #elif defined(AVX2_ONLY)
     __m256 s = _mm256_set1_ps(scale);
-    if (codebook == e4m3_values) {  /* fp8 (load_state hands e4m3 codes this table) */
+    if (SLOW_GATHERS && codebook == e4m3_values) {  /* fp8 (load_state hands e4m3 codes this table) */
         for (; i + 8 <= m; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(e4m3_to_f32_8(c + i), s));
     } else if (bits == 8) {
         for (; i + 8 <= m; i += 8) {

@@ -20,10 +20,16 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN sta
     return (uint16_t)((rounded & ~nan) | (0x7FC0u & nan));
 }
 
+/* e4m3 -> fp32: a normal code's magnitude bits shifted into place (E4M3_SHIFT) plus the difference of
+ * the exponent biases (E4M3_BIAS: 127 - 7); magnitude E4M3_NAN is NaN (shared with the AVX2 decoder) */
+#define E4M3_SHIFT 20
+#define E4M3_BIAS (120u << 23)
+#define E4M3_NAN 0x7F
+
 static inline float e4m3_to_f32(uint8_t c) {
-    uint32_t sign = (uint32_t)(c & 0x80) << 24, exponent = (c >> 3) & 15, mantissa = c & 7;
-    float magnitude = exponent ? float_of(((exponent + 120) << 23) | (mantissa << 20)) : (float)mantissa * 0.001953125f;
-    if ((c & 0x7F) == 0x7F) magnitude = NAN;
+    uint32_t sign = (uint32_t)(c & 0x80) << 24, magnitude_bits = c & 0x7Fu;
+    float magnitude = magnitude_bits >= 8 ? float_of((magnitude_bits << E4M3_SHIFT) + E4M3_BIAS) : (float)(c & 7) * 0.001953125f;
+    if (magnitude_bits == E4M3_NAN) magnitude = NAN;
     return float_of(bits_of(magnitude) | sign);
 }
 
