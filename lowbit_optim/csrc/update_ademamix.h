@@ -80,7 +80,7 @@ static void ademamix_update(const void *hyper, const void *scalars, const chunk_
     int64_t i = 0;
 #ifdef VECTOR_LANES
     /* the same arithmetic a vector at a time, dividing by the bias corrections exactly (divide.h),
-     * as Adam's vector loop: one real division per element, not three */
+     * as Adam's vector loop: one real division per element (two with FAST_DIVIDER), not three */
     float *p = c->param, *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
     const float *g = c->grad;
     int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
