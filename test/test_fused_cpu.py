@@ -558,12 +558,17 @@ def dividends() -> torch.Tensor:
     return torch.cat([every_exponent, edges, -edges, normal])
 
 
+def assert_same_floats(out: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor, what: str) -> None:
+    """fp32 values equal bit for bit (-0.0 is not 0.0), any NaN matching any NaN; the message shows
+    the first differing ``inputs``."""
+    same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} {what} differ, e.g. at {inputs[~same][:4].tolist()}: {out[~same][:4].tolist()} != {expected[~same][:4].tolist()}"
+
+
 def assert_divides_exactly(a: torch.Tensor, divisor: float, *, root: bool = False) -> None:
     out = torch.empty_like(a)
     fused_cpu.library().lowbit_divide(a.data_ptr(), a.numel(), divisor, root, out.data_ptr())
-    expected = a / divisor
-    same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())
-    assert bool(same.all()), f"{int((~same).sum())} quotients differ, e.g. {a[~same][:3].tolist()} / {divisor}"
+    assert_same_floats(out, a / divisor, a, f"quotients by {divisor}")
 
 
 @build_flags
@@ -686,9 +691,7 @@ def test_kernel_decodes_like_the_format(info, signed, flag):
     out = torch.empty(n)
     with kernel_built_with(flag):
         fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
-    expected = state.dequantize()
-    same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())  # -0.0 too
-    assert bool(same.all()), f"{int((~same).sum())} values differ, e.g. codes {codes[~same][:4].tolist()}: {out[~same][:4].tolist()} != {expected[~same][:4].tolist()}"
+    assert_same_floats(out, state.dequantize(), codes, "decoded values (codes)")
 
 
 @build_flags
@@ -705,9 +708,7 @@ def test_kernel_decodes_short_blocks(fmt, block_size, flag):
     out = torch.empty(n)
     with kernel_built_with(flag):
         fused_cpu.library().lowbit_decode(state_t(state), n, out.data_ptr())
-    expected = state.dequantize()
-    same = (out.view(torch.int32) == expected.view(torch.int32)) | (out.isnan() & expected.isnan())  # -0.0 too
-    assert bool(same.all()), f"{int((~same).sum())} values differ, e.g. codes {codes[~same][:4].tolist()}: {out[~same][:4].tolist()} != {expected[~same][:4].tolist()}"
+    assert_same_floats(out, state.dequantize(), torch.arange(n), "decoded values (elements)")
 
 
 # ---- stochastic rounding (4bit, 8bit-sr) --------------------------------------------------------
