@@ -5,6 +5,7 @@ beside inductor's cache under a key of every source file, the compiler, the flag
 features: an edited header, another flag or another CPU sharing the cache directory builds anew.
 """
 
+import functools
 import hashlib
 import os
 import pathlib
@@ -56,17 +57,25 @@ def defines() -> list[str]:
     ]
 
 
-def cpuinfo_field(name: str) -> str | None:
-    """A field of /proc/cpuinfo's first processor (None where there is none)."""
+@functools.cache
+def _first_processor() -> dict[str, str]:
+    """/proc/cpuinfo's fields of its first processor, read once ({} where there is no such file)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
-                if key.strip() == name:
-                    return value.strip()
+                if not key.strip():  # the blank line after the first processor
+                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
+
+
+def cpuinfo_field(name: str) -> str | None:
+    """A field of /proc/cpuinfo's first processor (None where there is none)."""
+    return _first_processor().get(name)
 
 
 def tuning() -> list[str]:
