@@ -75,13 +75,14 @@ static int has_factored(const param_t *t) {
 static int step_params(const optimizer_t *o, param_t *params, int64_t count, const void *hyper, int threads) {
     size_t stride = (o->scalars_size + 15) / 16 * 16;  /* each parameter's scalars, aligned for any member */
     int64_t *first_task = malloc((count + 1) * sizeof(int64_t));
+    int64_t *sizes = malloc((count ? count : 1) * sizeof(int64_t));  /* chunk_size of each parameter, taken once */
     char *scalars = malloc(count ? count * stride : 1);
-    int failed = !first_task || !scalars;
+    int failed = !first_task || !sizes || !scalars;
     int64_t prepared = 0;  /* parameters whose factored states got their fields (or tried to) */
     if (first_task) first_task[0] = 0;
     while (!failed && prepared < count) {
         param_t *t = &params[prepared];
-        int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+        int64_t size = sizes[prepared] = chunk_size(t), chunks = (t->numel + size - 1) / size;
         int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
         first_task[prepared + 1] = first_task[prepared] + tasks;
         for (int i = 0; i < MAX_STATES; i++) failed |= begin_factored(&t->state[i], tasks);
@@ -108,9 +109,11 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
                 if (first_task[mid] <= c) lo = mid; else hi = mid - 1;
             }
             const param_t *t = &params[lo];
-            int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+            int64_t size = sizes[lo], chunks = (t->numel + size - 1) / size;
             int64_t task = c - first_task[lo], tasks = first_task[lo + 1] - first_task[lo];
-            for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
+            /* a task per chunk, but for factored states: then no divisions */
+            int64_t first = tasks == chunks ? task : task * chunks / tasks, last = tasks == chunks ? task + 1 : (task + 1) * chunks / tasks;
+            for (int64_t chunk = first; chunk < last; chunk++) {
                 int64_t start = chunk * size;
                 step_chunk(o, t, hyper, scalars + lo * stride, start, t->numel - start < size ? t->numel - start : size, task);
             }
@@ -122,6 +125,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
         for (int i = 0; i < MAX_STATES; i++) end_factored(&t->state[i], tasks, !failed);
     }
     free(first_task);
+    free(sizes);
     free(scalars);
     return failed;
 }
