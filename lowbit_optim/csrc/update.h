@@ -17,6 +17,7 @@
  * 3. update(hyper, scalars, chunk): its functional.py step, the same operations in the same order,
  *    so that it gives the compiled step's bits (the file is built with -ffp-contract=off);
  * 4. a line in OPTIMIZERS (fused_step.c).
+ * A loop written with vector intrinsics (vector.h) calls prefetch_next once per vector.
  */
 
 typedef struct {
@@ -26,6 +27,9 @@ typedef struct {
     void *state[MAX_STATES]; /* float arrays, or uint16_t (bf16) where bf16_states; NULL: absent
                               * (an optional state, e.g. amsgrad's, not given) */
     int bf16_states;
+    /* the next chunk's parameter and gradient as stored (prefetch_next); NULL: none to fetch */
+    const char *next_param, *next_grad;
+    int param_bytes, grad_bytes;  /* per element */
 } chunk_t;
 
 typedef struct {
@@ -40,6 +44,15 @@ typedef struct {
 } optimizer_t;
 
 /* ---- helpers for update functions --------------------------------------------------------------- */
+
+/* In a hand-written vector loop, once per vector starting at element i: requests the next chunk's
+ * parameter and gradient at i, a cache line of each per 16 elements (why: scheduler.h, step_chunk). */
+static inline void prefetch_next(const chunk_t *c, int64_t i) {
+    if (c->next_param && (i & 15) == 0) {
+        __builtin_prefetch(c->next_param + i * c->param_bytes, 1);
+        __builtin_prefetch(c->next_grad + i * c->grad_bytes, 0);
+    }
+}
 
 /* torch.lerp as torch.compile lowers it: start + w * (end - start) for |w| < 0.5, else
  * end - (1 - w) * (end - start); the multiplication by 1.0 it leaves in is exact and dropped.

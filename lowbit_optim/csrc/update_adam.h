@@ -99,6 +99,7 @@ static void adam_update(const void *hyper, const void *scalars, const chunk_t *c
     vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
+        prefetch_next(c, i);
         vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
         if (h->decoupled_weight_decay)
             P = vec_sub(P, vec_mul(lr_wd, P));

@@ -90,6 +90,7 @@ static void ademamix_update(const void *hyper, const void *scalars, const chunk_
     vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
+        prefetch_next(c, i);
         vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
         P = vec_sub(P, vec_mul(lr_wd, P));
         vec_t M = vec_lerp(vec_load(m + i), G, w_1, high1);
