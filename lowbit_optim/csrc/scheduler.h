@@ -41,12 +41,12 @@ static int element_bytes(int32_t kind) { return kind == KIND_F32 ? 4 : 2; }
  * which the hardware's prefetchers do not see coming: the update fetches the next chunk's as it goes
  * (prefetch_next, update.h; Adam's and AdEMAMix's vector loops). On an AMD EPYC of family 26 (Zen 5),
  * one thread, a 2**24-element parameter, ns per element: AdamW 8bit 0.95 -> 0.87 (AVX2 build 2.19 ->
- * 1.73), fp8 0.78 -> 0.74-0.76, 4bit 1.48 -> 1.44, AdEMAMix 8bit 1.47 -> 1.26 (AVX2 2.84 -> 2.39). Where
- * the states are updated in place (fp32, bf16) the update streams through memory as torch's fused
- * step does, and prefetching made the AVX2 fp32 step 11-16 % slower; it is off there. In cache it
- * costs 1-3 % (a 2**18-element parameter). The loops the
- * compiler vectorizes (SGD, Lion, Muon) cannot prefetch: cut into 16-element groups that could, Lion's
- * 8bit step was 14-17 % slower with AVX-512 (22 % faster from DRAM with AVX2). */
+ * 1.73), fp8 0.78 -> 0.74-0.76, 4bit 1.48 -> 1.44, AdEMAMix 8bit 1.47 -> 1.26 (AVX2 2.84 -> 2.39).
+ * In cache it costs 1-3 % (a 2**18-element parameter). Where the states are updated in place (fp32,
+ * bf16) the update streams through memory as torch's fused step does, and prefetching made the AVX2
+ * fp32 step 11-16 % slower: it is off there. The loops the compiler vectorizes (SGD, Lion, Muon)
+ * cannot prefetch; cut into 16-element groups that could, Lion's 8bit step was 14-17 % slower with
+ * AVX-512 (22 % faster from DRAM with AVX2). */
 static void step_chunk(const optimizer_t *o, const param_t *t, const void *hyper, const void *scalars, int64_t start, int64_t n, int64_t task) {
     float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], buffers[MAX_STATES][MAX_CHUNK];
     chunk_t c = {n, load_param(t, start, n, p_buffer), load_values(t->grad_kind, t->grad, start, n, g_buffer), {NULL}, bf16_in_place(o, t)};
