@@ -34,7 +34,9 @@ static divisor_t exact_divisor(float b) {
     if (b > 0 && d.y >= FLT_MIN && d.y <= 0x1p126f) {
         /* |a| >= 2**-96 keeps the residual normal; |q| within about 2**-99 .. 2**99 (b ~ 1 / y) keeps
          * q * b normal (the bounds need to be safe, not sharp) */
-        float lo = fmaxf(0x1p-96f, 0x1p-99f * b), hi = fminf(0x1p99f * b, FLT_MAX);
+        float lo = 0x1p-99f * b, hi = 0x1p99f * b;  /* comparisons, not libm's fmaxf and fminf (b is finite) */
+        lo = lo > 0x1p-96f ? lo : 0x1p-96f;
+        hi = hi < FLT_MAX ? hi : FLT_MAX;
         if (lo <= hi) {
             d.lo = bits_of(lo);
             d.span = bits_of(hi) - d.lo + 1;
