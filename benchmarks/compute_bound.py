@@ -17,8 +17,8 @@
    real division too: one more per element on the divider, one corrected product fewer on the ports.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration).
-5. The stages of one chunk of an Adam step with ``--stages-format`` state (default ``4bit``), each
-   timed alone on 1024 values held in L1 (the kernel's own functions, compiled with its flags into
+5. The stages of an Adam step with ``--stages-format`` state (default ``4bit``), each timed alone
+   on 1024 values (two of the kernel's chunks) held in L1 (the kernel's own functions, compiled with its flags into
    a timing library): storing the first moment (block absmax, codes, packing), storing the second,
    loading (decoding) both, and the update.
 
@@ -134,7 +134,7 @@ void lowbit_time_stages(const state_t *first, const state_t *second, const adam_
             memcpy(x, m, n * sizeof(float));
             memcpy(y, v, n * sizeof(float));
             memcpy(p, p0, n * sizeof(float));
-            chunk_t c = {n, p, g, {x, y, NULL}, 0};
+            chunk_t c = {.n = n, .param = p, .grad = g, .state = {x, y, NULL}};
             adam_update(hyper, &k, &c);
         }
         t[4] = thread_seconds();
@@ -262,7 +262,7 @@ def measure(args, isa: str) -> dict:
     results["stage_ns"] = stage_ns_per_element(args.stages_format, reps=args.stages_reps)
     if results["stage_ns"]:
         stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
-        print(f"stages of a {args.stages_format} chunk (1024 values in L1), ns/element: {stages}")
+        print(f"stages of {args.stages_format} states (1024 values in L1), ns/element: {stages}")
     return results
 
 

@@ -1043,7 +1043,7 @@ def test_factored_sums_are_float64_sums():
 
 def test_factored_sums_do_not_depend_on_threads():
     """A parameter's tasks, and so the order of its column sums, follow from its size alone: one
-    thread and two give the same bits (here 38 chunks in 32 tasks, and 5 in 5)."""
+    thread and two give the same bits (here 75 chunks in 32 tasks, and 9 in 9)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -217,7 +217,8 @@ static float block_scale(const float *restrict x, int64_t bs, float scale_max) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
         top = a > top ? a : top;
     }
-    /* a comparison, not fmaxf (a libm call: its NaN rule stops GCC inlining it; top is no NaN here) */
+    /* a comparison, not fmaxf (a libm call: its NaN rule stops GCC inlining it, and a NaN top is
+     * replaced by NAN below anyway) */
     float absmax = float_of(top) > MIN_BLOCK_SCALE ? float_of(top) : MIN_BLOCK_SCALE;
     return (top > 0x7F800000u ? NAN : absmax) / scale_max;
 }

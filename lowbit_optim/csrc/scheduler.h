@@ -7,8 +7,8 @@
  * factored state, which has at most MAX_TASKS (factored.h: its column sums then do not depend on
  * the threads). The tasks of all parameters go to one OpenMP loop: one parallel region per step,
  * scheduled guided: a thread takes long runs of consecutive tasks, shorter ones towards the end, so
- * that each streams through memory as torch's fused step does. With dynamic grabs of 8 tasks the two
- * threads interleaved every 32 KiB, and on an AMD EPYC of family 26 (2 vCPUs, GPT-2-small set) the
+ * that each streams through memory as torch's fused step does. With dynamic grabs of 8 tasks (of
+ * 1024 elements then) the two threads interleaved every 32 KiB, and on an AMD EPYC of family 26 (2 vCPUs, GPT-2-small set) the
  * fp32-state step took 50 ms on 2 threads against 62 on 1 (torch's fused AdamW: 32 and 58); guided,
  * 36 ms. */
 #include <stdlib.h>
@@ -35,28 +35,27 @@ static int bf16_in_place(const optimizer_t *o, const param_t *t) {
     return o->bf16_in_place && any;
 }
 
-static int element_bytes(int32_t kind) { return kind == KIND_F32 ? 4 : 2; }
+static int element_bytes(int32_t kind) { return kind == KIND_F32 ? 4 : 2; }  /* a parameter's or gradient's */
 
 /* A chunk whose states are decoded reads its parameter and gradient in one short burst (the update),
- * which the hardware's prefetchers do not see coming: the update fetches the next chunk's as it goes
- * (prefetch_next, update.h; Adam's and AdEMAMix's vector loops). On an AMD EPYC of family 26 (Zen 5),
- * one thread, a 2**24-element parameter, ns per element: AdamW 8bit 0.95 -> 0.87 (AVX2 build 2.19 ->
- * 1.73), fp8 0.78 -> 0.74-0.76, 4bit 1.48 -> 1.44, AdEMAMix 8bit 1.47 -> 1.26 (AVX2 2.84 -> 2.39).
- * In cache it costs 1-3 % (a 2**18-element parameter). Where the states are updated in place (fp32,
- * bf16) the update streams through memory as torch's fused step does, and prefetching made the AVX2
- * fp32 step 11-16 % slower: it is off there. The loops the compiler vectorizes (SGD, Lion, Muon)
- * cannot prefetch, and their one state leaves the prefetchers less to miss: cut into 16-element
- * groups that could, Lion's 8bit step was 14-17 % slower with AVX-512 (22 % faster from DRAM with
- * AVX2); prefetched in bursts before each store instead, SGD's and Lion's 8bit steps 19-34 % slower
- * with AVX-512 (16-18 % faster with AVX2), and Adam's 2-5 % slower than from its loop. */
+ * which the hardware's prefetchers do not see coming: Adam's and AdEMAMix's vector updates fetch the
+ * next chunk's as they go (prefetch_next, update.h). On an AMD EPYC of family 26 (Zen 5), one
+ * thread, a 2**24-element parameter, ns per element: AdamW 8bit 0.95 -> 0.87 (AVX2 build 2.19 ->
+ * 1.73), fp8 0.78 -> 0.74-0.76, 4bit 1.48 -> 1.44, AdEMAMix 8bit 1.47 -> 1.26 (AVX2 2.84 -> 2.39);
+ * in cache 1-3 % slower; no other CPU measured. Off where the states are updated in place (fp32,
+ * bf16): that update streams through memory as torch's fused step does, and prefetching made the
+ * AVX2 fp32 step 11-16 % slower. SGD's, Lion's and Muon's loops, which the compiler vectorizes, do
+ * not prefetch: their one state leaves less time between bursts, and the ways to prefetch for them
+ * measured slower with AVX-512 (README, "Chunks of about 512 elements"). */
 static void step_chunk(const optimizer_t *o, const param_t *t, const void *hyper, const void *scalars, int64_t start, int64_t n, int64_t task) {
     float p_buffer[MAX_CHUNK], g_buffer[MAX_CHUNK], buffers[MAX_STATES][MAX_CHUNK];
-    chunk_t c = {n, load_param(t, start, n, p_buffer), load_values(t->grad_kind, t->grad, start, n, g_buffer), {NULL}, bf16_in_place(o, t)};
-    int decoded = 0;
+    chunk_t c = {.n = n, .param = load_param(t, start, n, p_buffer), .grad = load_values(t->grad_kind, t->grad, start, n, g_buffer),
+                 .bf16_states = bf16_in_place(o, t)};
+    int decoded = 0;  /* a state went through its buffer */
     for (int i = 0; i < MAX_STATES; i++) {
         const state_t *s = &t->state[i];
         if (s->kind != KIND_NONE) c.state[i] = c.bf16_states ? (void *)((uint16_t *)s->data + start) : load_state(s, start, n, buffers[i]);
-        decoded |= s->kind != KIND_NONE && !c.bf16_states && s->kind != KIND_F32;
+        decoded |= c.state[i] == (void *)buffers[i];
     }
     if (decoded && start + 2 * n <= t->numel) {  /* the next chunk, if whole (the thread's next, mostly) */
         c.param_bytes = element_bytes(t->param_kind), c.grad_bytes = element_bytes(t->grad_kind);
@@ -86,6 +85,10 @@ static int64_t chunk_size(const param_t *t) {
     return unit * (unit < CHUNK_ELEMENTS ? CHUNK_ELEMENTS / unit : 1);
 }
 
+typedef struct {
+    int64_t size, chunks;  /* elements per chunk (chunk_size), and chunks in the parameter */
+} chunking_t;
+
 static int has_factored(const param_t *t) {
     for (int i = 0; i < MAX_STATES; i++)
         if (t->state[i].kind == KIND_FACTORED) return 1;
@@ -96,14 +99,15 @@ static int has_factored(const param_t *t) {
 static int step_params(const optimizer_t *o, param_t *params, int64_t count, const void *hyper, int threads) {
     size_t stride = (o->scalars_size + 15) / 16 * 16;  /* each parameter's scalars, aligned for any member */
     int64_t *first_task = malloc((count + 1) * sizeof(int64_t));
-    int64_t *sizes = malloc((count ? count : 1) * sizeof(int64_t));  /* chunk_size of each parameter, taken once */
+    chunking_t *chunking = malloc((count ? count : 1) * sizeof(chunking_t));  /* each parameter's, taken once */
     char *scalars = malloc(count ? count * stride : 1);
-    int failed = !first_task || !sizes || !scalars;
+    int failed = !first_task || !chunking || !scalars;
     int64_t prepared = 0;  /* parameters whose factored states got their fields (or tried to) */
     if (first_task) first_task[0] = 0;
     while (!failed && prepared < count) {
         param_t *t = &params[prepared];
-        int64_t size = sizes[prepared] = chunk_size(t), chunks = (t->numel + size - 1) / size;
+        int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
+        chunking[prepared] = (chunking_t){size, chunks};
         int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
         first_task[prepared + 1] = first_task[prepared] + tasks;
         for (int i = 0; i < MAX_STATES; i++) failed |= begin_factored(&t->state[i], tasks);
@@ -130,7 +134,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
                 if (first_task[mid] <= c) lo = mid; else hi = mid - 1;
             }
             const param_t *t = &params[lo];
-            int64_t size = sizes[lo], chunks = (t->numel + size - 1) / size;
+            int64_t size = chunking[lo].size, chunks = chunking[lo].chunks;
             int64_t task = c - first_task[lo], tasks = first_task[lo + 1] - first_task[lo];
             /* a task per chunk, but for factored states: then no divisions */
             int64_t first = tasks == chunks ? task : task * chunks / tasks, last = tasks == chunks ? task + 1 : (task + 1) * chunks / tasks;
@@ -146,7 +150,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
         for (int i = 0; i < MAX_STATES; i++) end_factored(&t->state[i], tasks, !failed);
     }
     free(first_task);
-    free(sizes);
+    free(chunking);
     free(scalars);
     return failed;
 }

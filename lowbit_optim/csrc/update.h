@@ -46,7 +46,8 @@ typedef struct {
 /* ---- helpers for update functions --------------------------------------------------------------- */
 
 /* In a hand-written vector loop, once per vector starting at element i: requests the next chunk's
- * parameter and gradient at i, a cache line of each per 16 elements (why: scheduler.h, step_chunk). */
+ * parameter and gradient at i, every 16 elements (a cache line of fp32; bf16 lines are asked for
+ * twice; a bf16 parameter's int8-correction not at all). Why: scheduler.h, step_chunk. */
 static inline void prefetch_next(const chunk_t *c, int64_t i) {
     if (c->next_param && (i & 15) == 0) {
         __builtin_prefetch(c->next_param + i * c->param_bytes, 1);
