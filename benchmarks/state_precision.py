@@ -16,7 +16,10 @@ independent draws wander by the square root of the steps). ``<M>bf<E>`` rounds s
 block floating point: each block of BLOCK consecutive values shares the exponent of its largest
 magnitude, and a value keeps E exponent bits below it and M mantissa bits (smaller values take the
 lowest binade's spacing, as subnormals): M + E bits per value, a sign bit more for a signed state,
-what a format of that many bits with a per-block scale could hold. Paired per-seed gaps of the final
+what a format of that many bits with a per-block scale could hold. For a nonnegative state (a second
+moment) ``<M>lg``, ``<M>rs`` and ``<M>bl<E>`` round stochastically so that log, 1/sqrt or (``bl``, on
+the block float's grid, never down to 0) log of the state is unbiased instead of the state itself.
+Paired per-seed gaps of the final
 training-set loss, as convergence.py reports them; written to
 benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
 
@@ -55,10 +58,32 @@ def round_mantissa(x: torch.Tensor, mantissa_bits: int, draws: torch.Tensor | No
 BLOCK = 256  # values per shared exponent (``<M>bf<E>``)
 
 
-def round_block_float(x: torch.Tensor, mantissa_bits: int, exponent_bits: int, generator: torch.Generator) -> None:
+UNBIASED_IN = {"rs": torch.rsqrt, "lg": torch.log}  # <M>rs: 1/sqrt(x) unbiased; <M>lg: log(x)
+
+
+def round_mantissa_unbiased_in(x: torch.Tensor, mantissa_bits: int, kind: str, generator: torch.Generator) -> None:
+    """Round a nonnegative fp32 ``x`` in place, stochastically, to ``mantissa_bits`` explicit mantissa
+    bits so that f of the result is unbiased, f = UNBIASED_IN[kind]: between the grid values a <= x <
+    b, up with probability (f(x) - f(a)) / (f(b) - f(a)) instead of (x - a) / (b - a). Adam's update
+    divides by sqrt(v): with v unbiased (sr) that quotient is biased up (Jensen), with 1/sqrt(v)
+    unbiased (rs) v drifts up instead. In float64; zero, negative and non-finite values stay."""
+    f = UNBIASED_IN[kind]
+    y = x.double()
+    spacing = torch.ldexp(torch.ones_like(y), torch.frexp(y).exponent - 1 - mantissa_bits)
+    low = torch.floor(y / spacing) * spacing
+    high = low + spacing
+    up = (f(y) - f(low)) / (f(high) - f(low))
+    draws = torch.rand(y.shape, generator=generator, dtype=torch.float64)
+    rounded = torch.where(draws < up, high, low).float()
+    x.copy_(torch.where(torch.isfinite(x) & (x > 0), rounded, x))
+
+
+def round_block_float(x: torch.Tensor, mantissa_bits: int, exponent_bits: int, generator: torch.Generator, log: bool = False) -> None:
     """Round fp32 ``x`` in place, stochastically, to the block floating point of ``<M>bf<E>`` (module
     doc): the spacing at a value is 2**(e - mantissa_bits), e its binade's exponent, at least the
-    exponent of its block's largest magnitude less 2**exponent_bits - 1. In float64, where the grid
+    exponent of its block's largest magnitude less 2**exponent_bits - 1. With ``log`` (``<M>bl<E>``,
+    a nonnegative state) log of the result is unbiased instead of the result, as ``<M>lg`` does,
+    and no value rounds down to 0 (log 0 is -inf: the limit of that rule). In float64, where the grid
     and the draws are exact; non-finite values stay as they are."""
     flat = x.view(-1)
     y = torch.nn.functional.pad(flat.double(), (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
@@ -66,15 +91,21 @@ def round_block_float(x: torch.Tensor, mantissa_bits: int, exponent_bits: int, g
     exponent = torch.maximum(torch.frexp(y).exponent - 1, top - (2**exponent_bits - 1))
     spacing = torch.ldexp(torch.ones_like(y), exponent - mantissa_bits)
     draws = torch.rand(y.shape, generator=generator, dtype=torch.float64)
-    rounded = (torch.floor(y / spacing + draws) * spacing).view(-1)[: flat.numel()].float()
+    if log:
+        low = torch.floor(y / spacing) * spacing
+        up = torch.where(low > 0, (y.log() - low.log()) / ((low + spacing).log() - low.log()), (y > 0).double())
+        rounded = low + (draws < up) * spacing
+    else:
+        rounded = torch.floor(y / spacing + draws) * spacing
+    rounded = rounded.view(-1)[: flat.numel()].float()
     flat.copy_(torch.where(torch.isfinite(flat), rounded, flat))
 
 
-ROUNDING = re.compile(r"(\d+)(rn|sr|ld|bf(\d+))")
+ROUNDING = re.compile(r"(\d+)(rn|sr|ld|rs|lg|b[fl](\d+))")
 
 
 def parse_rounding(rounding: str) -> tuple[int, str, int | None] | None:
-    """``<M>rn|sr|ld`` or ``<M>bf<E>`` as (M, kind, E or None); None if it is neither."""
+    """``<M>rn|sr|ld|rs|lg`` or ``<M>bf<E>``, ``<M>bl<E>`` as (M, kind, E or None); None if it is neither."""
     match = ROUNDING.fullmatch(rounding)
     if not match or not 1 <= int(match[1]) <= 22 or match[3] is not None and not 0 <= int(match[3]) <= 7:
         return None
@@ -83,8 +114,8 @@ def parse_rounding(rounding: str) -> tuple[int, str, int | None] | None:
 
 def label(state: str, rounding: str) -> str:
     mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
-    if kind == "bf":
-        return f"{state} {mantissa_bits}-bit mantissa, {exponent_bits}-bit exponent below its block's, sr"
+    if kind in ("bf", "bl"):
+        return f"{state} {mantissa_bits}-bit mantissa, {exponent_bits}-bit exponent below its block's, {'sr' if kind == 'bf' else 'lg'}"
     return f"{state} {mantissa_bits}-bit mantissa {kind}"
 
 
@@ -119,7 +150,7 @@ def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
         if rounding is not None:
             mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
             steps = [0]
-            if kind == "bf":
+            if kind in ("bf", "bl") or kind in UNBIASED_IN:
                 generator = torch.Generator().manual_seed(1234)
             else:
                 draws = draw_source(rounding, mantissa_bits)
@@ -129,8 +160,10 @@ def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
                 with torch.no_grad():
                     for key, state in optimizer.state.items():
                         x = state[args.state]
-                        if kind == "bf":
-                            round_block_float(x, mantissa_bits, exponent_bits, generator)
+                        if kind in ("bf", "bl"):
+                            round_block_float(x, mantissa_bits, exponent_bits, generator, log=kind == "bl")
+                        elif kind in UNBIASED_IN:
+                            round_mantissa_unbiased_in(x, mantissa_bits, kind, generator)
                         else:
                             round_mantissa(x, mantissa_bits, draws and draws(steps[0], key, x))
 
@@ -144,7 +177,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=("ademamix", "adamw"), default="ademamix")
     p.add_argument("--state", default="exp_avg_sq", help="the state to round (exp_avg, exp_avg_sq; AdEMAMix: exp_avg_slow)")
-    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld or <mantissa bits>bf<exponent bits>")
+    p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld|rs|lg or <mantissa bits>bf|bl<exponent bits>")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=3000)
@@ -152,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for r in args.rounding.split(","):
         if parse_rounding(r) is None:
-            p.error(f"--rounding takes <mantissa bits 1..22>rn, sr or ld, or <mantissa bits>bf<exponent bits 0..7>, got {r!r}")
+            p.error(f"--rounding takes <mantissa bits 1..22>rn, sr, ld, rs or lg, or <mantissa bits>bf|bl<exponent bits 0..7>, got {r!r}")
     return args
 
 

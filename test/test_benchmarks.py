@@ -367,6 +367,30 @@ def test_state_precision_block_float_grid():
     assert float(bias.max()) < 0.15  # the mean of 400 draws within 0.15 spacings (sd <= 0.025)
 
 
+@pytest.mark.parametrize("rounding", ["1lg", "1rs", "1bl0"])
+def test_state_precision_unbiased_in(rounding):
+    """state_precision.py's <M>lg, <M>rs and <M>bl<E>: a value between two grid values rounds up with
+    the probability that leaves f of the result unbiased (log; 1/sqrt), not the one that leaves the
+    value unbiased; zeros and non-finite values stay, and bl rounds no positive value down to 0."""
+    precision = import_script("benchmarks/state_precision")
+    mantissa_bits, kind, exponent_bits = precision.parse_rounding(rounding)
+    n = 40 * precision.BLOCK
+    x = torch.full((n,), 1.25)  # between 1 and 1.5 on a grid of 1 mantissa bit (the block's too)
+    x[:3] = torch.tensor([0.0, math.inf, 1.25 * 2.0**-8])  # the last below bl0's one binade
+    generator = torch.Generator().manual_seed(0)
+    if kind == "bl":
+        precision.round_block_float(x, mantissa_bits, exponent_bits, generator, log=True)
+    else:
+        precision.round_mantissa_unbiased_in(x, mantissa_bits, kind, generator)
+    assert x[0] == 0.0 and x[1] == math.inf
+    assert x[2] == 0.5 if kind == "bl" else float(x[2]) in (2.0**-8, 1.5 * 2.0**-8)  # bl: up to its lowest spacing, never 0
+    rest = x[3:]
+    assert bool(((rest == 1.0) | (rest == 1.5)).all())
+    f = math.log if kind in ("lg", "bl") else lambda v: v**-0.5
+    p = (f(1.25) - f(1.0)) / (f(1.5) - f(1.0))  # 0.550 (log), 0.575 (1/sqrt); 0.5 keeps 1.25 unbiased
+    assert abs(float((rest == 1.5).double().mean()) - p) < 0.01  # sd of the share: 0.0025
+
+
 def test_state_precision_low_discrepancy_draws():
     """state_precision.py's ld rounding: a value whose dropped fraction stays f rounds up in f of
     the steps to within a few steps, for every element (independent draws, sr, stray by about
