@@ -19,7 +19,7 @@ lowest binade's spacing, as subnormals): M + E bits per value, a sign bit more f
 what a format of that many bits with a per-block scale could hold. For a nonnegative state (a second
 moment) ``<M>lg``, ``<M>rs`` and ``<M>bl<E>`` round stochastically so that log, 1/sqrt or (``bl``, on
 the block float's grid, never down to 0) log of the state is unbiased instead of the state itself.
-Paired per-seed gaps of the final
+``--others`` gives the other states' formats of their own (default: fp32). Paired per-seed gaps of the final
 training-set loss, as convergence.py reports them; written to
 benchmarks/results/state_precision_<optimizer>_<state>_lr<lr>.md.
 
@@ -141,12 +141,15 @@ def draw_source(rounding: str, mantissa_bits: int):
     return low_discrepancy
 
 
-def spec(label: str, args, rounding: str | None) -> convergence.OptimizerSpec:
+def spec(label: str, args, rounding: str | None, others: dict | None = None) -> convergence.OptimizerSpec:
+    """The reference (rounding None: fp32 state), or the rounded state beside ``others`` (--others:
+    the other states' formats; fp32 where it names none; the rounded state is held in fp32)."""
     info = convergence.OPTIMIZERS[args.optimizer]
     cls = getattr(lowbit_optim, info.lowbit)
+    formats = {**{state.name: "fp32" for state in cls.states}, **others, args.state: "fp32"} if rounding is not None and others else "fp32"
 
     def make(params, lr, weight_decay, **_):
-        opt = cls(params, lr=lr, weight_decay=weight_decay, state_format="fp32", **info.kwargs(args))
+        opt = cls(params, lr=lr, weight_decay=weight_decay, state_format=formats, **info.kwargs(args))
         if rounding is not None:
             mantissa_bits, kind, exponent_bits = parse_rounding(rounding)
             steps = [0]
@@ -178,6 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("ademamix", "adamw"), default="ademamix")
     p.add_argument("--state", default="exp_avg_sq", help="the state to round (exp_avg, exp_avg_sq; AdEMAMix: exp_avg_slow)")
     p.add_argument("--rounding", default="5sr,7rn,7sr,10rn,10sr", help="comma-separated <mantissa bits>rn|sr|ld|rs|lg or <mantissa bits>bf|bl<exponent bits>")
+    p.add_argument("--others", type=convergence.state_format_row, help="JSON: the other states' formats, e.g. '{\"exp_avg\": \"8bit-linear\"}' (default: all fp32)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=3000)
@@ -199,17 +203,21 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--state {args.state!r}: {args.optimizer} keeps {sorted(known)}")
     task.state = args.state
     specs = [spec(convergence.REFERENCE, task, None)]
-    specs += [spec(label(args.state, r), task, r) for r in args.rounding.split(",")]
+    others = args.others["state_format"] if args.others else None
+    if isinstance(others, str):
+        raise SystemExit("--others takes a JSON dict of the other states' formats")
+    beside = f" beside {'/'.join(f'{k} {v}' for k, v in others.items())}" if others else ""
+    specs += [spec(label(args.state, r) + beside, task, r, others) for r in args.rounding.split(",")]
     out = convergence.compare(task, specs, convergence.make_mlp_dataset(task))
-    retitle(pathlib.Path(out_md), task)
+    retitle(pathlib.Path(out_md), task, "the other states as each row says" if others else "all else fp32")
     return out
 
 
-def retitle(path: pathlib.Path, task) -> None:
+def retitle(path: pathlib.Path, task, rest: str) -> None:
     """Put this experiment's title over convergence.py's table (its rows are roundings, not formats)."""
     title = convergence.OPTIMIZERS[task.optimizer].title
     body = path.read_text().split("\n", 1)[1]
-    path.write_text(f"# State precision: {title} with `{task.state}` rounded after every step, all else fp32 (benchmarks/state_precision.py)\n{body}")
+    path.write_text(f"# State precision: {title} with `{task.state}` rounded after every step, {rest} (benchmarks/state_precision.py)\n{body}")
 
 
 if __name__ == "__main__":

@@ -329,6 +329,12 @@ def test_state_precision_rounds_as_a_format_stores(convergence, tmp_path):
     reference = losses(bf16)
     assert losses(precision.spec("7rn", task, "7rn")) == reference
     assert losses(precision.spec("7sr", task, "7sr")) != reference
+    p = torch.nn.Parameter(torch.randn(64, 128))  # --others: the other states' formats, the rounded one in fp32
+    p.grad = torch.randn_like(p)
+    beside = precision.spec("7rn", task, "7rn", {"exp_avg": "8bit-linear"}).make([p], lr=1e-3, weight_decay=0.0)
+    beside.step()
+    state = beside.state[p]
+    assert type(state["exp_avg"]) is lowbit_optim.get_format("8bit-linear") and type(state["exp_avg_slow"]) is type(state["exp_avg_sq"]) is torch.Tensor
     md = tmp_path / "precision.md"
     out = precision.main(["--steps", "4", "--seeds", "0", "--rounding", "7sr,10rn", "--out-md", str(md)])
     assert [r["label"] for r in out["rows"]] == ["lowbit fp32", "exp_avg_sq 7-bit mantissa sr", "exp_avg_sq 10-bit mantissa rn"]
