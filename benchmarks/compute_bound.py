@@ -18,9 +18,9 @@
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration).
 5. The stages of an Adam step with ``--stages-format`` state (default ``4bit``), each timed alone
-   on 1024 values (two of the kernel's chunks) held in L1 (the kernel's own functions, compiled with its flags into
-   a timing library): storing the first moment (block absmax, codes, packing), storing the second,
-   loading (decoding) both, and the update.
+   on 1024 values (two of the kernel's chunks) held in L1 (the kernel's own functions, compiled
+   with its flags into a timing library): storing the first moment (block absmax, codes, packing),
+   storing the second, loading (decoding) both, and the update.
 
 ``--isa native,avx2`` measures it all twice: as this CPU runs it, and as an AVX2 + FMA CPU would
 (in a child process: torch's kernels forced to AVX2 with ATEN_CPU_CAPABILITY=avx2, the fused kernel

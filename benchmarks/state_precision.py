@@ -61,6 +61,13 @@ BLOCK = 256  # values per shared exponent (``<M>bf<E>``)
 UNBIASED_IN = {"rs": torch.rsqrt, "lg": torch.log}  # <M>rs: 1/sqrt(x) unbiased; <M>lg: log(x)
 
 
+def up_probability(y: torch.Tensor, low: torch.Tensor, spacing: torch.Tensor, f) -> torch.Tensor:
+    """The probability that y, between the grid values low and low + spacing, rounds up so that f of
+    the result is unbiased: (f(y) - f(low)) / (f(low + spacing) - f(low)); 1 where low is 0 and y is
+    not (f(0) is infinite for log and 1/sqrt: the limit of that rule), 0 for y = 0."""
+    return torch.where(low > 0, (f(y) - f(low)) / (f(low + spacing) - f(low)), (y > 0).double())
+
+
 def round_mantissa_unbiased_in(x: torch.Tensor, mantissa_bits: int, kind: str, generator: torch.Generator) -> None:
     """Round a nonnegative fp32 ``x`` in place, stochastically, to ``mantissa_bits`` explicit mantissa
     bits so that f of the result is unbiased, f = UNBIASED_IN[kind]: between the grid values a <= x <
@@ -71,10 +78,8 @@ def round_mantissa_unbiased_in(x: torch.Tensor, mantissa_bits: int, kind: str, g
     y = x.double()
     spacing = torch.ldexp(torch.ones_like(y), torch.frexp(y).exponent - 1 - mantissa_bits)
     low = torch.floor(y / spacing) * spacing
-    high = low + spacing
-    up = (f(y) - f(low)) / (f(high) - f(low))
     draws = torch.rand(y.shape, generator=generator, dtype=torch.float64)
-    rounded = torch.where(draws < up, high, low).float()
+    rounded = (low + (draws < up_probability(y, low, spacing, f)) * spacing).float()
     x.copy_(torch.where(torch.isfinite(x) & (x > 0), rounded, x))
 
 
@@ -93,8 +98,7 @@ def round_block_float(x: torch.Tensor, mantissa_bits: int, exponent_bits: int, g
     draws = torch.rand(y.shape, generator=generator, dtype=torch.float64)
     if log:
         low = torch.floor(y / spacing) * spacing
-        up = torch.where(low > 0, (y.log() - low.log()) / ((low + spacing).log() - low.log()), (y > 0).double())
-        rounded = low + (draws < up) * spacing
+        rounded = low + (draws < up_probability(y, low, spacing, torch.log)) * spacing
     else:
         rounded = torch.floor(y / spacing + draws) * spacing
     rounded = rounded.view(-1)[: flat.numel()].float()
