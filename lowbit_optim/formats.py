@@ -281,7 +281,7 @@ class OptimStateFp8(OptimState):
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
 from .lowrank import LowRankState, OptimState4bitLowRank, OptimState4bitLowRankMuLaw, OptimState8bitLowRank  # noqa: E402
 from .stochastic_bf16 import StochasticBF16State  # noqa: E402
-from .block_float import BlockFloatState  # noqa: E402
+from .block_float import BlockFloatState, LogBlockFloatState  # noqa: E402
 
 
 __all__ = [
@@ -289,6 +289,7 @@ __all__ = [
     "BlockFloatState",
     "FactoredState",
     "FP32",
+    "LogBlockFloatState",
     "LowRankState",
     "OptimState4bitLowRank",
     "OptimState4bitLowRankMuLaw",

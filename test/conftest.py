@@ -105,6 +105,11 @@ class FormatInfo:
         would leave the update dividing by eps): between 0 and the smallest code rounding goes up."""
         return bool(getattr(self.fmt, "positive_stays_positive", False))
 
+    def unbiased_in(self, signed: bool):
+        """The function of a value that stochastic rounding keeps unbiased: the value itself, or its
+        log (8bit-log's unsigned states)."""
+        return torch.log if not signed and getattr(self.fmt, "log_unbiased", False) else (lambda x: x)
+
     def rounding_space(self, values: torch.Tensor, signed: bool) -> torch.Tensor:
         """The space (float64, normalized values) in which ``encode`` picks the nearest code."""
         return self.fmt.rounding_space(values * self.fmt.scale_max, signed)

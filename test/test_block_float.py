@@ -3,11 +3,12 @@ format salts its draws with a write count: a slow moving average in a block whos
 move follows its exact value. The registry runs it through every other format test."""
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from lowbit_optim import BlockFloatState, quant
+from lowbit_optim import BlockFloatState, LogBlockFloatState, quant
 from lowbit_optim.stochastic_bf16 import write_salt, writes_from_block
 
 
@@ -24,19 +25,40 @@ def brute_force_grid(exponent_bits: int, mantissa_bits: int) -> list[float]:
     return values
 
 
-def test_codes_count_up_the_grid():
+BLOCK_FLOATS = pytest.mark.parametrize("fmt", [BlockFloatState, LogBlockFloatState], ids=lambda f: f.name)
+
+
+@BLOCK_FLOATS
+def test_codes_count_up_the_grid(fmt):
     """Code k decodes to the k-th value of the brute-force grid (its negative with the sign bit), the
     largest is scale_max, and every value encodes back to its own code."""
     for signed in (True, False):
-        exponent_bits = BlockFloatState.exponent_bits(signed)
-        assert exponent_bits + BlockFloatState.mantissa_bits + signed == BlockFloatState.bits == 10
-        grid = torch.tensor(brute_force_grid(exponent_bits, BlockFloatState.mantissa_bits), dtype=torch.float64)
+        exponent_bits = fmt.exponent_bits(signed)
+        assert exponent_bits + fmt.mantissa_bits + signed == fmt.bits
+        grid = torch.tensor(brute_force_grid(exponent_bits, fmt.mantissa_bits), dtype=torch.float64)
         expected = torch.cat([grid, -grid]) if signed else grid
-        codes = torch.arange(2**BlockFloatState.bits, dtype=torch.int16)
-        values = BlockFloatState.decode(codes, signed)
+        codes = torch.arange(2**fmt.bits, dtype=quant.code_dtype(fmt.bits))
+        values = fmt.decode(codes, signed)
         assert torch.equal(values.double(), expected)
-        assert float(values.max()) == BlockFloatState.scale_max
-        assert torch.equal(BlockFloatState.encode(values, signed), codes)
+        assert float(values.max()) == fmt.scale_max
+        assert torch.equal(fmt.encode(values, signed), codes)
+
+
+def test_log_unbiased_rounding_against_brute_force():
+    """8bit-log's rule (quant.log_unbiased_threshold, its interpolated table): a value k + t
+    spacings above 0 rounds up for a share of all 2**16 draws that is the exact log-unbiased
+    probability log(1 + t/k) / log(1 + 1/k) within 6e-4 (the interpolation's error, 1/2**16 for the
+    draws' resolution), for every k of the 5-bit grid (subnormal k < 32 included) and t across
+    [0, 1); k = 0 (between 0 and the smallest code) always rounds up."""
+    mantissa_bits = LogBlockFloatState.mantissa_bits
+    table = torch.tensor(quant.log_unbiased_thresholds(mantissa_bits), dtype=torch.int32)
+    u = torch.arange(2**16, dtype=torch.float32) / 2**16
+    t = torch.tensor([1e-6, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999999])
+    for k in range(2 ** (mantissa_bits + 1)):
+        threshold = quant.log_unbiased_threshold(u, torch.full_like(u, float(k)), mantissa_bits, table)
+        share = (t[:, None] > threshold[None, :]).double().mean(dim=1)
+        exact = torch.log1p(t.double() / k) / math.log1p(1 / k) if k else torch.ones(t.numel(), dtype=torch.float64)
+        assert float((share - exact).abs().max()) < 6e-4, (k, share.tolist(), exact.tolist())
 
 
 def test_rounds_to_a_neighbour_and_saturates():
@@ -106,11 +128,12 @@ def test_slow_average_follows_where_nearest_and_scale_salted_stall():
     assert int(state.writes) == 1001 and torch.equal(write_salt(state.writes, 2), write_salt(state.writes.clone(), 2))
 
 
-@pytest.mark.parametrize("change", [{"mantissa_bits": 9}, {"mantissa_bits": 3}, {"bits": 8}], ids=str)
+@pytest.mark.parametrize("change", [{"mantissa_bits": 9}, {"mantissa_bits": 3}, {"bits": 8}, {"bits": 9, "mantissa_bits": 5}, {"bits": 8, "mantissa_bits": 7}], ids=str)
 def test_subclass_keeps_a_layout_the_kernel_reads(change):
-    """A subclass may split its 10 bits otherwise (test_fused_cpu: BlockFloat5), within what the
-    packing and fp32's exponents hold: a sign and exponent bit at least, at most 6 exponent bits."""
-    with pytest.raises(TypeError, match="4 to 8 mantissa bits"):
+    """A subclass may split its 10 bits (or 8, as 8bit-log) otherwise (test_fused_cpu: BlockFloat5),
+    within what the packing and fp32's exponents hold: a sign and exponent bit at least, at most 6
+    exponent bits."""
+    with pytest.raises(TypeError, match="bits = 8 or 10 and bits - 6 to bits - 2 mantissa bits"):
         type("Odd", (BlockFloatState,), {"name": None, **change})
 
 

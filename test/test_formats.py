@@ -291,10 +291,11 @@ def test_encode_picks_nearest_code(info, signed):
 
 @by_signedness([i for i in BLOCKWISE_FORMATS if i.stochastic])
 def test_stochastic_rounding_is_unbiased_and_deterministic(info, signed):
-    """A stochastic format's codes average to the value they round: between every pair of
-    neighbouring codes, at 1/4, 1/2 and 3/4 of the gap, the mean decoded value of 4096 inputs spread
-    over 1 % of the gap around that point lies within 5 standard errors of their mean (but between 0
-    and the smallest code of a format whose unsigned values stay positive: test_positive_values_stay_positive).
+    """A stochastic format's codes average to the value they round (or a function of it:
+    FormatInfo.unbiased_in, 8bit-log's log): between every pair of neighbouring codes, at 1/4, 1/2
+    and 3/4 of the gap, the mean of the decoded values of 4096 inputs spread over 1 % of the gap
+    around that point lies within 5 standard errors of their mean (but between 0 and the smallest
+    code of a format whose unsigned values stay positive: test_positive_values_stay_positive).
     Encoding the same inputs twice gives the same codes."""
     fmt = info.fmt
     points = encode_domain_codes(info, signed)
@@ -305,8 +306,9 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(info, signed):
     spread = 0.01 * (torch.arange(4096, dtype=torch.float64) / 4095 - 0.5)
     x = torch.cat([low[:, None] + (f + spread) * (high - low)[:, None] for f in (0.25, 0.5, 0.75)]).float()
     decoded = fmt.decode(fmt.encode(x, signed), signed).double()
-    gap = torch.cat([high - low] * 3)
-    error = (decoded.mean(dim=1) - x.double().mean(dim=1)).abs()
+    f = info.unbiased_in(signed)
+    gap = torch.cat([f(high) - f(low)] * 3)
+    error = (f(decoded).mean(dim=1) - f(x.double()).mean(dim=1)).abs()
     tolerance = 5 * gap / 2 / math.sqrt(x.shape[1])  # the sd of one draw is at most gap / 2
     bad = error > tolerance
     assert not bad.any(), f"biased near {x[bad, 0][:5].tolist()}: mean error {error[bad][:5].tolist()}, tolerance {tolerance[bad][:5].tolist()}"

@@ -20,7 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import lowbit_optim
-from conftest import all_formats
+from conftest import FORMATS, all_formats
 from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
@@ -309,14 +309,18 @@ class BlockFloat5(BlockFloatState):
     mantissa_bits = 5
 
 
+BLOCK_FLOATS = {i.name: i.fmt for i in FORMATS if isinstance(i.fmt, type) and issubclass(i.fmt, BlockFloatState)} | {"mantissa5": BlockFloat5}
+
+
 @build_flags
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-@pytest.mark.parametrize("fmt", [BlockFloatState, BlockFloat5], ids=["10bit-sr", "mantissa5"])
+@pytest.mark.parametrize("fmt", list(BLOCK_FLOATS.values()), ids=list(BLOCK_FLOATS))
 def test_kernel_stores_block_floats_like_the_format(fmt, signed, flag):
-    """10bit-sr's store (csrc/block_float.h) gives quantize_'s codes and scales, chunk by chunk
-    (chunks of two blocks; the last block is partial), at any count of writes, on values across
-    every binade and subnormal of its small float, zeros and exact codes, a block's absmax and a NaN
-    block (NaN scale, largest codes); so does a subclass with another split of its bits."""
+    """Each block float's store (csrc/block_float.h: 10bit-sr, 8bit-log and its log-unbiased
+    rounding) gives quantize_'s codes and scales, chunk by chunk (chunks of two blocks; the last block
+    is partial), at any count of writes, on values across every binade and subnormal of its small
+    float, zeros and exact codes, a block's absmax and a NaN block (NaN scale, largest codes); so does
+    a subclass with another split of its bits."""
     g = torch.Generator().manual_seed(0)
     n, bs = 5 * 256 + 77, 256
     x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-14, 3, (n,), generator=g).float()
@@ -605,7 +609,7 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
     (a multiple of 16 values) and in its tails (7 values at a time)."""
     state = info.fmt.zeros(256, signed=signed)
     if kernel_op.kernel_kind(state) not in ("codebook", "e4m3"):
-        pytest.skip(f"the kernel's block encoder does not take {info.name} (10bit-sr: test_kernel_stores_block_floats_like_the_format)")
+        pytest.skip(f"the kernel's block encoder does not take {info.name} (block floats: test_kernel_stores_block_floats_like_the_format)")
     top = float(info.fmt.scale_max)
     beyond = torch.tensor([1.0000001, 1.5, 1.9999999, 2.0, 3.0, 1e6, 3e38]) * top
     beyond = (torch.cat([beyond, -beyond]) if signed else beyond)[: None if kernel_op.kernel_kind(state) == "codebook" else 0]

@@ -66,7 +66,8 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
     FIELD(S, double *, col_sums)            /* the kernel's: each task's sums of the new columns */          \
     FIELD(S, int64_t *, writes)             /* KIND_BF16_SR, KIND_BLOCK_FLOAT: its count of writes, incremented first */ \
     FIELD(S, int32_t, exponent_bits)        /* KIND_BLOCK_FLOAT: the small float's (quant.small_float_codes); */ \
-    FIELD(S, int32_t, mantissa_bits)        /* bits less these two is its sign bit (1 signed, 0 not) */
+    FIELD(S, int32_t, mantissa_bits)        /* bits less these two is its sign bit (1 signed, 0 not) */      \
+    FIELD(S, const int32_t *, log_thresholds) /* KIND_BLOCK_FLOAT: quant.log_unbiased_thresholds, or NULL */
 DECLARE_STRUCT(state_t, STATE_FIELDS)
 
 /* One parameter: its values, gradient, step counter and states. */

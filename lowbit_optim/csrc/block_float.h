@@ -1,10 +1,14 @@
-/* 10-bit block floating-point states (block_float.py, 10bit-sr): per value a small float of
+/* Block floating-point states (block_float.py: 10bit-sr, 8bit-log): per value a small float of
  * exponent_bits and mantissa_bits (and a sign bit for a signed state) under its block's scale,
- * quant.small_float_codes / small_float_values; per block the codes' top 8 bits, then their low 2
- * bits four to a byte (quant.pack_codes). Writes round stochastically, the draws salted by the
- * block's index and the state's count of writes (write_salt, as bf16-sr). The arithmetic is the
- * compiled step's, on exponent bits (no frexp / ldexp calls), and written without branches, so that
- * compilers vectorize the loops for whatever they target. */
+ * quant.small_float_codes / small_float_values; per block the codes' top 8 bits, then for 10-bit
+ * codes their low 2 bits four to a byte (quant.pack_codes). Writes round stochastically, the draws
+ * salted by the block's index and the state's count of writes (write_salt, as bf16-sr), unbiased in
+ * value or (log_thresholds) in log. The arithmetic is the compiled step's, on exponent bits (no
+ * frexp / ldexp calls) and integers, and written without branches, so that compilers vectorize the
+ * loops for whatever they target. */
+#if !defined(LOG_SEGMENTS) || !defined(LOG_THRESHOLD_BITS)
+#error "build with -DLOG_SEGMENTS and -DLOG_THRESHOLD_BITS from quant, as kernel_build.py does"
+#endif
 
 /* 2**e as fp32 (e within fp32's normal exponents): quant.power_of_two */
 static inline float power_of_two(int32_t e) { return float_of((uint32_t)(e + 127) << 23); }
@@ -19,9 +23,22 @@ static inline float small_float_value(uint32_t code, int exponent_bits, int mant
     return float_of(bits_of(value) | negative << 31);
 }
 
-/* the code of normalized value v, rounded up where the dropped fraction exceeds u; unsigned, a nonzero
- * v never takes code 0 (quant.small_float_codes) */
-static inline uint32_t small_float_code(float v, float u, int exponent_bits, int mantissa_bits, int sign_bit) {
+/* quant.log_unbiased_threshold: the fraction of a spacing above below (whole spacings) that a value
+ * must exceed to round up with draw u so that the log of the result is unbiased, interpolated in
+ * integers from the table's row below */
+static inline float log_unbiased_threshold(float u, int32_t below, int mantissa_bits, const int32_t *table) {
+    const int fraction_bits = LOG_THRESHOLD_BITS - __builtin_ctz(LOG_SEGMENTS);
+    int32_t drawn = (int32_t)(u * (float)(1 << LOG_THRESHOLD_BITS)), largest = (2 << mantissa_bits) - 1;
+    int32_t k = below < 0 ? 0 : below > largest ? largest : below;
+    const int32_t *row = table + k * (LOG_SEGMENTS + 1) + (drawn >> fraction_bits);
+    int32_t inside = drawn & ((1 << fraction_bits) - 1);
+    return (float)(row[0] + (((row[1] - row[0]) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
+}
+
+/* the code of normalized value v, rounded up where the dropped fraction exceeds u (or, with a
+ * log_thresholds table, the threshold it gives u); unsigned, a nonzero v never takes code 0
+ * (quant.small_float_codes) */
+static inline uint32_t small_float_code(float v, float u, int exponent_bits, int mantissa_bits, int sign_bit, const int32_t *log_thresholds) {
     int32_t lowest = 2 - (1 << exponent_bits), largest = (1 << (exponent_bits + mantissa_bits)) - 1;
     uint32_t magnitude_bits = bits_of(v) & 0x7FFFFFFFu;
     float magnitude = float_of(magnitude_bits);
@@ -31,7 +48,8 @@ static inline uint32_t small_float_code(float v, float u, int exponent_bits, int
     float product = magnitude * power_of_two(mantissa_bits - binade);
     float steps = float_of(bits_of(product) & (0u - (uint32_t)inside));  /* 0 outside; a mask: GCC keeps a ?: here scalar */
     int32_t below = (int32_t)steps;  /* floor: steps >= 0 */
-    int32_t code = (binade - lowest) * (1 << mantissa_bits) + below + ((steps - (float)below) > u);
+    float threshold = log_thresholds ? log_unbiased_threshold(u, below, mantissa_bits, log_thresholds) : u;
+    int32_t code = (binade - lowest) * (1 << mantissa_bits) + below + ((steps - (float)below) > threshold);
     code = inside & (code < largest) ? code : largest;
     code += (code == 0) & (magnitude_bits != 0) & !sign_bit;  /* an unsigned code keeps a nonzero value above 0 */
     return (uint32_t)code | ((bits_of(v) >> 31) * (uint32_t)sign_bit) << (exponent_bits + mantissa_bits);
@@ -39,12 +57,16 @@ static inline uint32_t small_float_code(float v, float u, int exponent_bits, int
 
 /* the chunk's n values (whole blocks but the state's last) of elements start.. */
 static void load_block_float(const state_t *s, int64_t start, int64_t n, float *out) {
-    int64_t bs = s->block_size, bytes = bs * 10 / 8;
+    int64_t bs = s->block_size, bytes = bs * s->bits / 8;
     int exponent_bits = s->exponent_bits, mantissa_bits = s->mantissa_bits, sign_bit = s->bits - exponent_bits - mantissa_bits;
     for (int64_t b = 0; b * bs < n; b++) {
         int64_t block = start / bs + b, m = n - b * bs < bs ? n - b * bs : bs;
         const uint8_t *high = (const uint8_t *)s->data + block * bytes, *low = high + bs;
         float scale = s->scale[block], *values = out + b * bs;
+        if (s->bits == 8) {
+            for (int64_t i = 0; i < m; i++) values[i] = small_float_value(high[i], exponent_bits, mantissa_bits, sign_bit) * scale;
+            continue;
+        }
         uint8_t low_bits[MAX_CHUNK];  /* one per value: the loop below then reads every array in order */
         for (int64_t j = 0; j < bs / 4; j++)
             for (int k = 0; k < 4; k++) low_bits[4 * j + k] = (uint8_t)(low[j] >> (2 * k) & 3u);
@@ -56,22 +78,33 @@ static void load_block_float(const state_t *s, int64_t start, int64_t n, float *
 /* writes the padded chunk x (whole blocks) of elements start.. back: per block its scale, its
  * codes, then their two planes */
 static void store_block_float(const state_t *s, int64_t start, int64_t padded, const float *x) {
-    int64_t bs = s->block_size, bytes = bs * 10 / 8;
+    int64_t bs = s->block_size, bytes = bs * s->bits / 8;
     int exponent_bits = s->exponent_bits, mantissa_bits = s->mantissa_bits, sign_bit = s->bits - exponent_bits - mantissa_bits;
+    const int32_t *log_thresholds = s->log_thresholds;
     uint16_t codes[MAX_CHUNK];
     for (int64_t b = 0; b * bs < padded; b++) {
         int64_t block = start / bs + b;
         const float *values = x + b * bs;
         float scale = block_scale(values, bs, s->scale_max);
         uint32_t salt = write_salt(*s->writes, block);
-        for (int64_t i = 0; i < bs; i++) {
-            float v = values[i] / scale;
-            codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit);
-        }
+        if (log_thresholds)  /* two loops, each without a test per value */
+            for (int64_t i = 0; i < bs; i++) {
+                float v = values[i] / scale;
+                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, log_thresholds);
+            }
+        else
+            for (int64_t i = 0; i < bs; i++) {
+                float v = values[i] / scale;
+                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, NULL);
+            }
         uint8_t *high = (uint8_t *)s->data + block * bytes, *low = high + bs;
+        s->scale[block] = scale;
+        if (s->bits == 8) {
+            for (int64_t i = 0; i < bs; i++) high[i] = (uint8_t)codes[i];
+            continue;
+        }
         for (int64_t i = 0; i < bs; i++) high[i] = (uint8_t)(codes[i] >> 2);
         for (int64_t j = 0; j < bs / 4; j++)  /* a byte per index: GCC vectorizes it (as i += 4 it would scatter) */
             low[j] = (uint8_t)((codes[4 * j] & 3) | (codes[4 * j + 1] & 3) << 2 | (codes[4 * j + 2] & 3) << 4 | (codes[4 * j + 3] & 3) << 6);
-        s->scale[block] = scale;
     }
 }
