@@ -221,6 +221,8 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
             "lowbit-recipe-bf16-sr-second": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "bf16-sr"},
             "lowbit-bf16-sr-slow": {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"},
             "lowbit-lowrank-slow": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "bf16-sr"},
+            "lowbit-recipe-8bit-log-second": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "8bit-log"},
+            "lowbit-all-8bit": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-log"},
         }
         rows += [(label, lambda params, f=f: cls(params, **kwargs, state_format=f)) for label, f in recipes.items()]
     return rows
@@ -270,6 +272,7 @@ def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
         *[(f"lowbit-{paired_label(name)}", _lowbit(paired_state_format(name))) for name in lowbit_optim.registered_formats()],
         # the MLP task's 8-bit recipe (README, Optimizers x formats: accuracy)
         ("lowbit-8bit+sr-second", _lowbit({"exp_avg": "8bit", "exp_avg_sq": "8bit-sr"})),
+        ("lowbit-8bit-linear+log-second", _lowbit({"exp_avg": "8bit-linear", "exp_avg_sq": "8bit-log"})),
         # the generic compiled step per parameter, which the fused CPU kernel stands in for (and GPUs ran before foreach)
         *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False, foreach=False)) for name in ("8bit", "4bit")],
         # the compiled step with a group's parameters in a few graphs (foreach): fewer calls and launches

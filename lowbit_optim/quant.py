@@ -346,6 +346,13 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # the top 24 bits: exact in fp32
 
 
+def power_of_two_at_least(x: Tensor) -> Tensor:
+    """The smallest power of two >= each finite positive fp32 ``x`` (at most 2**127), from its bits:
+    the exponent, plus one unless the mantissa is 0. Infinities and NaN stay as they are."""
+    rounded = ((x.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)  # no overflow: x <= max finite
+    return torch.where(torch.isfinite(x), rounded.clamp(max=2.0**127), x)
+
+
 def power_of_two(exponent: Tensor) -> Tensor:
     """2**exponent (an int32 tensor, within fp32's normal exponents) as fp32, built from its bits."""
     return ((exponent + 127) << 23).view(torch.float32)

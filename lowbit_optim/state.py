@@ -420,10 +420,14 @@ class OptimState(StateTensor):
         self._store(codes, scale)
 
     def _normalized_blocks(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x`` in blocks (rows) divided by their scales, which map each block's absmax to scale_max."""
+        """``x`` in blocks (rows) divided by their scales (_block_scales)."""
         blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
-        scale = quant.block_absmax(blocks) / self.scale_max
+        scale = self._block_scales(quant.block_absmax(blocks))
         return blocks / scale[:, None], scale
+
+    def _block_scales(self, absmax: Tensor) -> Tensor:
+        """Each block's scale from its absmax: absmax / scale_max maps it to the largest code value."""
+        return absmax / self.scale_max
 
     def _store(self, codes: Tensor, scale: Tensor) -> None:
         self.codes.copy_(quant.pack_codes(codes.view(-1), self.bits, self.block_size))

@@ -105,6 +105,15 @@ class FormatInfo:
         would leave the update dividing by eps): between 0 and the smallest code rounding goes up."""
         return bool(getattr(self.fmt, "positive_stays_positive", False))
 
+    def reference_scales(self, absmax: torch.Tensor) -> torch.Tensor:
+        """Brute force of the block scales (float64) of blocks with these absmax values: absmax /
+        scale_max, which maps each block's absmax to the largest code value, or for a format of
+        power-of-two scales (8bit-log) the power of two at or above it, found by log2."""
+        scale = absmax / self.fmt.scale_max
+        if getattr(self.fmt, "power_of_two_scale", False):
+            scale = 2.0 ** torch.ceil(torch.log2(scale.float().double()))  # of the fp32 ratio, which the format rounds up
+        return scale
+
     def unbiased_in(self, signed: bool):
         """The function of a value that stochastic rounding keeps unbiased: the value itself, or its
         log (8bit-log's unsigned states)."""
@@ -129,15 +138,18 @@ class FormatInfo:
     def max_rounding_error(self, signed: bool) -> float:
         """Largest distance from a normalized value in [-1, 1] ([0, 1] unsigned) to the code it
         rounds to (half the largest gap when rounding is nearest in value, the largest gap when it
-        is stochastic)."""
+        is stochastic); twice that for power-of-two scales (8bit-log), which map a block's absmax to
+        between half the largest code value and that value."""
         values = self.code_values(signed)
         low = -1.0 if signed else 0.0
         inside = values[(values >= low) & (values <= 1.0)]
         if self.stochastic:  # either code around a value: up to a whole gap between neighbours
-            return max(float((inside[1:] - inside[:-1]).max()), float(inside.min() - low), float(1.0 - inside.max()))
-        boundaries = self.boundaries(signed)
-        up, down = boundaries - values[:-1], values[1:] - boundaries  # worst case on either side of each boundary
-        return max(float(up.max()), float(down.max()), float(inside.min() - low), float(1.0 - inside.max()))
+            error = max(float((inside[1:] - inside[:-1]).max()), float(inside.min() - low), float(1.0 - inside.max()))
+        else:
+            boundaries = self.boundaries(signed)
+            up, down = boundaries - values[:-1], values[1:] - boundaries  # worst case on either side of each boundary
+            error = max(float(up.max()), float(down.max()), float(inside.min() - low), float(1.0 - inside.max()))
+        return 2 * error if getattr(self.fmt, "power_of_two_scale", False) else error
 
     def __repr__(self):
         return self.name

@@ -401,13 +401,13 @@ ROUNDTRIP_SHAPES = [(1,), (7,), (255,), (1000,), (3, 100), (2, 3, 50), (4, 1, 12
 
 @blockwise_formats_by_signedness
 def test_block_scales_match_reference(info, signed):
-    """Each stored scale is the block's absmax / scale_max (float64 reference), times the brute-force
-    calibration factor for a calibrated format."""
+    """Each stored scale is the block's absmax / scale_max (float64 reference; FormatInfo.reference_scales),
+    times the brute-force calibration factor for a calibrated format."""
     x = sample((5000,), signed, seed=3)
     state = info.fmt.from_float(x, signed)
     blocks = quant.to_blocks(x.double(), info.block_size, state.padded_numel)
     absmax = blocks.abs().amax(dim=1).clamp(min=quant.MIN_BLOCK_SCALE)
-    expected = absmax / info.fmt.scale_max * calibration_reference(info, blocks, signed)
+    expected = info.reference_scales(absmax) * calibration_reference(info, blocks, signed)
     torch.testing.assert_close(state.scale.double(), expected, rtol=2**-23, atol=0)
 
 

@@ -23,16 +23,23 @@ static inline float small_float_value(uint32_t code, int exponent_bits, int mant
     return float_of(bits_of(value) | negative << 31);
 }
 
+/* quant.power_of_two_at_least: the smallest power of two >= finite positive x (at most 2**127) */
+static inline float power_of_two_at_least(float x) {
+    float up = float_of((bits_of(x) + 0x7FFFFFu) & 0xFF800000u);
+    up = up < 0x1p127f ? up : 0x1p127f;
+    return (bits_of(x) & 0x7F800000u) != 0x7F800000u ? up : x;
+}
+
 /* quant.log_unbiased_threshold: the fraction of a spacing above below (whole spacings) that a value
  * must exceed to round up with draw u so that the log of the result is unbiased, interpolated in
  * integers from the table's row below */
 static inline float log_unbiased_threshold(float u, int32_t below, int mantissa_bits, const int32_t *table) {
     const int fraction_bits = LOG_THRESHOLD_BITS - __builtin_ctz(LOG_SEGMENTS);
-    int32_t drawn = (int32_t)(u * (float)(1 << LOG_THRESHOLD_BITS)), largest = (2 << mantissa_bits) - 1;
-    int32_t k = below < 0 ? 0 : below > largest ? largest : below;
-    const int32_t *row = table + k * (LOG_SEGMENTS + 1) + (drawn >> fraction_bits);
-    int32_t inside = drawn & ((1 << fraction_bits) - 1);
-    return (float)(row[0] + (((row[1] - row[0]) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
+    int32_t drawn = (int32_t)(u * (float)(1 << LOG_THRESHOLD_BITS));
+    (void)mantissa_bits;  /* below < 2 << mantissa_bits, the table's rows: small_float_code's steps are under it */
+    int32_t at = below * (LOG_SEGMENTS + 1) + (drawn >> fraction_bits), inside = drawn & ((1 << fraction_bits) - 1);
+    int32_t low = table[at], high = table[at + 1];
+    return (float)(low + (((high - low) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
 }
 
 /* the code of normalized value v, rounded up where the dropped fraction exceeds u (or, with a
@@ -86,6 +93,7 @@ static void store_block_float(const state_t *s, int64_t start, int64_t padded, c
         int64_t block = start / bs + b;
         const float *values = x + b * bs;
         float scale = block_scale(values, bs, s->scale_max);
+        scale = s->power_of_two_scale ? power_of_two_at_least(scale) : scale;
         uint32_t salt = write_salt(*s->writes, block);
         if (log_thresholds)  /* two loops, each without a test per value */
             for (int64_t i = 0; i < bs; i++) {
