@@ -397,16 +397,18 @@ def log_unbiased_thresholds(mantissa_bits: int) -> tuple[int, ...]:
     0 <= t < 1) so that the log of the result is unbiased: up to k + 1 with probability
     p = log(1 + t/k) / log(1 + 1/k) (1 for k = 0, as the limit of that rule), so that on average
     log(result) = log(k + t). A draw u rounds up where u < p, that is where t exceeds
-    g(u) = k ((1 + 1/k)**u - 1) (k = 0: 0). Row k lists g at u = 0, 1/16, ..., 1 in units of
-    2**-LOG_THRESHOLD_BITS, for log_unbiased_threshold to interpolate: linear interpolation of the
-    convex g errs by at most g''/8 / 16**2 < 5e-4 of a spacing (k = 1; 1.5e-5 at k = 32). Flat,
-    rows of LOG_SEGMENTS + 1, integers: the compiled step and the fused kernel read the same table
-    and interpolate in integers, so they agree bit for bit."""
+    g(u) = k ((1 + 1/k)**u - 1) (k = 0: 0). With G_j = g(j / 16) in units of 2**-LOG_THRESHOLD_BITS
+    (rounded), row k holds per segment j = 0 .. 15 of u the int32 G_j + (G_{j+1} - G_j) << 16 (G_j <
+    2**16 for j < 16), for log_unbiased_threshold to interpolate from one lookup: linear interpolation
+    of the convex g errs by at most g''/8 / 16**2 < 5e-4 of a spacing (k = 1; 1.5e-5 at k = 32). The
+    compiled step and the fused kernel read the same table and interpolate in integers, so they
+    agree bit for bit."""
     unit = 2**LOG_THRESHOLD_BITS
-    rows = []
+    entries = []
     for k in range(2 ** (mantissa_bits + 1)):
-        rows += [round(unit * k * ((1 + 1 / k) ** (j / LOG_SEGMENTS) - 1)) if k else 0 for j in range(LOG_SEGMENTS + 1)]
-    return tuple(rows)
+        g = [round(unit * k * ((1 + 1 / k) ** (j / LOG_SEGMENTS) - 1)) if k else 0 for j in range(LOG_SEGMENTS + 1)]
+        entries += [g[j] | (g[j + 1] - g[j]) << 16 for j in range(LOG_SEGMENTS)]
+    return tuple(entries)
 
 
 def log_unbiased_threshold(u: Tensor, below: Tensor, mantissa_bits: int, thresholds: Tensor) -> Tensor:
@@ -417,10 +419,9 @@ def log_unbiased_threshold(u: Tensor, below: Tensor, mantissa_bits: int, thresho
     fraction_bits = LOG_THRESHOLD_BITS - (LOG_SEGMENTS.bit_length() - 1)  # u's place within its segment
     drawn = (u * 2**LOG_THRESHOLD_BITS).to(torch.int32)  # exact, then truncated: u's top bits
     k = below.to(torch.int32).clamp(0, 2 ** (mantissa_bits + 1) - 1)
-    row = k * (LOG_SEGMENTS + 1) + (drawn >> fraction_bits)
-    low, high = thresholds[row], thresholds[row + 1]
+    entry = thresholds[k * LOG_SEGMENTS + (drawn >> fraction_bits)]
     inside = drawn & (2**fraction_bits - 1)
-    return (low + (((high - low) * inside) >> fraction_bits)).to(torch.float32) * 2.0**-LOG_THRESHOLD_BITS
+    return ((entry & 0xFFFF) + (((entry >> 16) * inside) >> fraction_bits)).to(torch.float32) * 2.0**-LOG_THRESHOLD_BITS
 
 
 def small_float_values(codes: Tensor, exponent_bits: int, mantissa_bits: int, signed: bool) -> Tensor:

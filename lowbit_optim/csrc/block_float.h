@@ -32,14 +32,14 @@ static inline float power_of_two_at_least(float x) {
 
 /* quant.log_unbiased_threshold: the fraction of a spacing above below (whole spacings) that a value
  * must exceed to round up with draw u so that the log of the result is unbiased, interpolated in
- * integers from the table's row below */
+ * integers from the table's row below: one lookup (a gather) per value, a segment's start and slope
+ * packed in one int32 */
 static inline float log_unbiased_threshold(float u, int32_t below, int mantissa_bits, const int32_t *table) {
     const int fraction_bits = LOG_THRESHOLD_BITS - __builtin_ctz(LOG_SEGMENTS);
     int32_t drawn = (int32_t)(u * (float)(1 << LOG_THRESHOLD_BITS));
     (void)mantissa_bits;  /* below < 2 << mantissa_bits, the table's rows: small_float_code's steps are under it */
-    int32_t at = below * (LOG_SEGMENTS + 1) + (drawn >> fraction_bits), inside = drawn & ((1 << fraction_bits) - 1);
-    int32_t low = table[at], high = table[at + 1];
-    return (float)(low + (((high - low) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
+    int32_t entry = table[below * LOG_SEGMENTS + (drawn >> fraction_bits)], inside = drawn & ((1 << fraction_bits) - 1);
+    return (float)((entry & 0xFFFF) + (((entry >> 16) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
 }
 
 /* the code of normalized value v, rounded up where the dropped fraction exceeds u (or, with a
