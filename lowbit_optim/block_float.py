@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import KernelLayout, OptimState, computes_as, constant_table, extend_fingerprint
+from .state import SCALED_AS_THE_KERNEL, KernelLayout, OptimState, computes_as, constant_table, extend_fingerprint
 from .stochastic_bf16 import write_salt, writes_from_block
 
 
@@ -129,7 +129,7 @@ class BlockFloatState(OptimState):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "quantize_", "dequantize", "exponent_bits", "_log_thresholds", "_block_scales")
+        same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "exponent_bits", "_log_thresholds", *SCALED_AS_THE_KERNEL)
         log_thresholds = cls._log_thresholds(signed, torch.device("cpu"))
         return (KernelLayout("block-float", {} if log_thresholds is None else {"log_thresholds": log_thresholds})) if same else None
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import foreign, quant
 from .registry import get_format, register_format, registered_formats
-from .state import CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as, extend_fingerprint
+from .state import SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as, extend_fingerprint
 
 
 def paired_state_format(name: str, exp_avg: str = "4bit"):
@@ -200,7 +200,7 @@ class StochasticRounding:
         nearest = super(StochasticRounding, cls)
         same = computes_as(cls, StochasticRounding, "encode", "encode_blocks") and all(
             getattr(nearest, m).__func__ is getattr(CodebookState, m).__func__ for m in ("encode", "decode")
-        ) and computes_as(cls, CodebookState, "quantize_", "dequantize")  # fmt: skip
+        ) and computes_as(cls, CodebookState, *SCALED_AS_THE_KERNEL)  # fmt: skip
         return cls._codebook_layout(signed, stochastic=True) if same else None
 
     @classmethod
@@ -274,7 +274,7 @@ class OptimStateFp8(OptimState):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        same = computes_as(cls, OptimStateFp8, "encode", "decode", "quantize_", "dequantize")
+        same = computes_as(cls, OptimStateFp8, "encode", "decode", *SCALED_AS_THE_KERNEL)
         return KernelLayout("e4m3") if same and cls.fp8_dtype == torch.float8_e4m3fn else None
 
 

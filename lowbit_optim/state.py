@@ -64,6 +64,10 @@ def extend_fingerprint(fingerprint: str, text: str) -> str:
     return hashlib.sha256((fingerprint + text).encode()).hexdigest()[:16]
 
 
+# what a blockwise format must inherit unchanged for the kernel's block scales and round trip to be its own
+SCALED_AS_THE_KERNEL = ("quantize_", "dequantize", "_normalized_blocks", "_block_scales")
+
+
 def computes_as(cls, base, *methods: str) -> bool:
     """Whether ``cls`` inherits ``methods`` from ``base`` unchanged: only then may it declare
     ``base``'s kernel layout (a subclass with its own encoding must take the compiled step)."""
@@ -484,7 +488,7 @@ class CodebookState(OptimState):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", "quantize_", "dequantize"):
+        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", *SCALED_AS_THE_KERNEL):
             return None
         return cls._codebook_layout(signed)
 

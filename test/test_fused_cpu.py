@@ -412,6 +412,20 @@ class TestRefusals(expecttest.TestCase):
         part = {"exp_avg_sq": FactoredState.zeros((4, 8))[:2]}
         self.assertExpectedInline(self.reason(states=part), """the exp_avg_sq state is a row slice of a larger factored state (it reads the larger one's columns)""")
 
+    def test_a_subclass_with_its_own_block_scales_is_not_taken(self):
+        """A format that scales its blocks otherwise (here 8bit with power-of-two scales) would be
+        encoded by the kernel at absmax / scale_max: it takes the compiled step."""
+
+        class PowerOfTwoScales(lowbit_optim.OptimState8bit):
+            name = None
+
+            def _block_scales(self, absmax):
+                return quant.power_of_two_at_least(super()._block_scales(absmax))
+
+        self.assertExpectedInline(
+            self.reason(states={"exp_avg": PowerOfTwoScales.zeros(256)}), """the exp_avg state PowerOfTwoScales (a format with its own encoding)"""
+        )
+
     def test_fused_true_names_the_parameter_and_the_way_out(self):
         param = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
         param.grad = torch.randn_like(param)
