@@ -347,8 +347,9 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
 
 
 def power_of_two_at_least(x: Tensor) -> Tensor:
-    """The smallest power of two >= each finite positive fp32 ``x`` (at most 2**127), from its bits:
-    the exponent, plus one unless the mantissa is 0. Infinities and NaN stay as they are."""
+    """The smallest power of two >= each finite positive fp32 ``x`` (at most 2**127; 2**-126 for a
+    subnormal x), from its bits: the exponent, plus one unless the mantissa is 0. Infinities and NaN
+    stay as they are."""
     rounded = ((x.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)  # no overflow: x <= max finite
     return torch.where(torch.isfinite(x), rounded.clamp(max=2.0**127), x)
 

@@ -197,3 +197,21 @@ def test_power_of_two_scales_keep_a_slow_average_close():
     (rms, bias), (rms_following, bias_following) = errors(still), errors(following)
     assert rms < 0.08 and abs(bias) < 0.01, (rms, bias)
     assert rms_following > 0.12 and bias_following > 0.01, (rms_following, bias_following)
+
+
+def test_power_of_two_at_least_against_brute_force():
+    """quant.power_of_two_at_least (8bit-log's block scales, from fp32 bits) is the smallest power
+    of two >= x by frexp, on exact powers, their fp32 neighbours, subnormals and values near the
+    largest fp32; above 2**127 it stays 2**127 (the next power is not an fp32), a subnormal x gives
+    2**-126 (scales never are: block absmaxes are at least MIN_BLOCK_SCALE), and infinities and NaN
+    stay as they are."""
+    powers = [2.0**e for e in range(-149, 128)]
+    near = torch.tensor(powers, dtype=torch.float32)
+    x = torch.cat([near, torch.nextafter(near, torch.tensor(math.inf)), torch.nextafter(near, torch.tensor(0.0)), torch.rand(1000) * 1e3, torch.tensor([3.4e38, 1e-40])])
+    got = quant.power_of_two_at_least(x)
+    for value, result in zip(x.tolist(), got.tolist()):
+        mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= mantissa < 1
+        expected = min(max(2.0 ** (exponent - 1) if mantissa == 0.5 else 2.0**exponent, 2.0**-126), 2.0**127)
+        assert result == expected, (value, result, expected)
+    special = quant.power_of_two_at_least(torch.tensor([math.inf, math.nan]))
+    assert math.isinf(special[0]) and math.isnan(special[1])

@@ -23,7 +23,7 @@ static inline float small_float_value(uint32_t code, int exponent_bits, int mant
     return float_of(bits_of(value) | negative << 31);
 }
 
-/* quant.power_of_two_at_least: the smallest power of two >= finite positive x (at most 2**127) */
+/* quant.power_of_two_at_least: the smallest power of two >= finite positive x (at most 2**127; 2**-126 for a subnormal x) */
 static inline float power_of_two_at_least(float x) {
     float up = float_of((bits_of(x) + 0x7FFFFFu) & 0xFF800000u);
     up = up < 0x1p127f ? up : 0x1p127f;
