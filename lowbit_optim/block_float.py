@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import SCALED_AS_THE_KERNEL, KernelLayout, OptimState, computes_as, constant_table, extend_fingerprint
+from .state import SCALED_AS_THE_KERNEL, KernelLayout, OptimState, computes_as, extend_fingerprint
 from .stochastic_bf16 import write_salt, writes_from_block
 
 
@@ -110,8 +110,7 @@ class BlockFloatState(OptimState):
     def encode_blocks(cls, normalized: Tensor, salt: Tensor, signed: bool) -> Tensor:
         # salt: a number per row that enters the hash of its draws (quantize_ passes write_salt's)
         u = quant.dither(normalized, salt)
-        log_thresholds = cls._log_thresholds(signed, normalized.device)
-        codes = quant.small_float_codes(normalized, cls.exponent_bits(signed), cls.mantissa_bits, signed, u, log_thresholds)
+        codes = quant.small_float_codes(normalized, cls.exponent_bits(signed), cls.mantissa_bits, signed, u, cls.rounds_log_unbiased(signed))
         return codes.to(quant.code_dtype(cls.bits))
 
     def _block_scales(self, absmax: Tensor) -> Tensor:
@@ -119,9 +118,9 @@ class BlockFloatState(OptimState):
         return quant.power_of_two_at_least(scale) if self.power_of_two_scale else scale
 
     @classmethod
-    def _log_thresholds(cls, signed: bool, device: torch.device) -> Tensor | None:
-        """quant.log_unbiased_thresholds' table where this state's writes keep its log unbiased, else None."""
-        return constant_table(_log_tables, (cls.mantissa_bits,), "log_thresholds", device) if cls.log_unbiased and not signed else None
+    def rounds_log_unbiased(cls, signed: bool) -> bool:
+        """Whether a state's writes keep its log unbiased (quant.log_unbiased_threshold), not its value."""
+        return cls.log_unbiased and not signed
 
     @classmethod
     def decode(cls, codes: Tensor, signed: bool) -> Tensor:
@@ -129,9 +128,8 @@ class BlockFloatState(OptimState):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "exponent_bits", "_log_thresholds", *SCALED_AS_THE_KERNEL)
-        log_thresholds = cls._log_thresholds(signed, torch.device("cpu"))
-        return (KernelLayout("block-float", {} if log_thresholds is None else {"log_thresholds": log_thresholds})) if same else None
+        same = computes_as(cls, BlockFloatState, "encode_blocks", "decode", "exponent_bits", "rounds_log_unbiased", *SCALED_AS_THE_KERNEL)
+        return KernelLayout("block-float") if same else None
 
     def later_slice(self, first_block: int) -> "BlockFloatState":
         return self._like(writes=writes_from_block(self.writes, first_block))
@@ -148,8 +146,6 @@ class BlockFloatState(OptimState):
         functions = (quant.small_float_codes, quant.small_float_values, quant.power_of_two, quant.dither, write_salt, quant.log_unbiased_threshold)
         functions += (quant.power_of_two_at_least,) if cls.power_of_two_scale else ()
         text = "".join(inspect.getsource(f) for f in functions) + str((cls.mantissa_bits, cls.log_unbiased, cls.power_of_two_scale))
-        if cls.log_unbiased and not signed:
-            text += str(quant.log_unbiased_thresholds(cls.mantissa_bits))
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 
@@ -166,7 +162,3 @@ class LogBlockFloatState(BlockFloatState):
     log_unbiased = True
     power_of_two_scale = True
 
-
-@functools.cache
-def _log_tables(mantissa_bits: int) -> dict[str, tuple[list, torch.dtype]]:
-    return {"log_thresholds": (list(quant.log_unbiased_thresholds(mantissa_bits)), torch.int32)}

@@ -54,7 +54,6 @@ def defines() -> list[str]:
         f"-DBF16_SR_HASH_BLOCK={stochastic_bf16.HASH_BLOCK}",
         f"-DBF16_SR_WRITES_MIX={stochastic_bf16.WRITES_MIX:#x}u",
         f"-DBF16_SR_BLOCK_MIX={stochastic_bf16.BLOCK_MIX:#x}u",
-        f"-DLOG_SEGMENTS={quant.LOG_SEGMENTS}",
         f"-DLOG_THRESHOLD_BITS={quant.LOG_THRESHOLD_BITS}",
     ]
 

@@ -266,9 +266,7 @@ def _format_description(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
         described.bits, described.scale_max, described.calibrated = cls.bits, cls.scale_max, cls.calibrated(signed)
     if kind == "block-float":
         described.exponent_bits, described.mantissa_bits = cls.exponent_bits(signed), cls.mantissa_bits
-        log_thresholds = layout(cls, signed).tables.get("log_thresholds")
-        described.log_thresholds = None if log_thresholds is None else log_thresholds.data_ptr()
-        described.power_of_two_scale = cls.power_of_two_scale
+        described.log_unbiased, described.power_of_two_scale = cls.rounds_log_unbiased(signed), cls.power_of_two_scale
     if kind == "codebook":
         declared = layout(cls, signed)
         described.stochastic = declared.stochastic

@@ -513,10 +513,6 @@ def _code_tables(cls, signed: bool, device: torch.device) -> tuple[Tensor, Tenso
     return _table(cls, signed, "base_code", device), _table(cls, signed, "threshold", device)
 
 
-def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
-    return constant_table(_table_values, (cls, signed), name, device)
-
-
 @functools.cache
 def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     """Codebook and encoding tables as Python lists, built once per format and signedness."""
@@ -544,20 +540,19 @@ def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
     }
 
 
-def constant_table(tables: Callable, key: tuple, name: str, device: torch.device) -> Tensor:
-    """``tables(*key)[name]`` (a list of numbers and its dtype; ``tables`` cached) as a tensor on ``device``."""
+@functools.cache
+def _cached_table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
+    values, dtype = _table_values(cls, signed)[name]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
     # While torch.compile traces (fake tensors) a cached real tensor cannot enter the graph, but a
     # tensor built from Python numbers becomes a graph constant. Eager code uses the cached copy.
     if torch._guards.detect_fake_mode() is not None:
-        values, dtype = tables(*key)[name]
+        values, dtype = _table_values(cls, signed)[name]
         return torch.tensor(values, dtype=dtype, device=device)
-    return _cached_table(tables, key, name, device)
-
-
-@functools.cache
-def _cached_table(tables: Callable, key: tuple, name: str, device: torch.device) -> Tensor:
-    values, dtype = tables(*key)[name]
-    return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_table(cls, signed, name, device)
 
 
 # ------------------------------------------------------------------------------------------------

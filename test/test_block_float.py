@@ -45,20 +45,19 @@ def test_codes_count_up_the_grid(fmt):
 
 
 def test_log_unbiased_rounding_against_brute_force():
-    """8bit-log's rule (quant.log_unbiased_threshold, its interpolated table): a value k + t
-    spacings above 0 rounds up for a share of all 2**16 draws that is the exact log-unbiased
-    probability log(1 + t/k) / log(1 + 1/k) within 6e-4 (the interpolation's error, 1/2**16 for the
-    draws' resolution), for every k of the 5-bit grid (subnormal k < 32 included) and t across
-    [0, 1); k = 0 (between 0 and the smallest code) always rounds up."""
-    mantissa_bits = LogBlockFloatState.mantissa_bits
-    table = torch.tensor(quant.log_unbiased_thresholds(mantissa_bits), dtype=torch.int32)
+    """8bit-log's rule (quant.log_unbiased_threshold, a fixed-point fit of the threshold): a value
+    k + t spacings above 0 rounds up for a share of all 2**16 draws that is the exact log-unbiased
+    probability log(1 + t/k) / log(1 + 1/k) within 4e-4 (the fit's error at k = 1; 3e-5 from k = 8
+    on), for every k of the 5-bit grid (subnormal k < 32 included) and t across [0, 1); k = 0
+    (between 0 and the smallest code) always rounds up."""
     u = torch.arange(2**16, dtype=torch.float32) / 2**16
-    t = torch.tensor([1e-6, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999999])
-    for k in range(2 ** (mantissa_bits + 1)):
-        threshold = quant.log_unbiased_threshold(u, torch.full_like(u, float(k)), mantissa_bits, table)
+    t = torch.linspace(1e-6, 1 - 1e-6, 101)
+    for k in range(2 ** (LogBlockFloatState.mantissa_bits + 1)):
+        threshold = quant.log_unbiased_threshold(u, torch.full_like(u, float(k)))
         share = (t[:, None] > threshold[None, :]).double().mean(dim=1)
         exact = torch.log1p(t.double() / k) / math.log1p(1 / k) if k else torch.ones(t.numel(), dtype=torch.float64)
-        assert float((share - exact).abs().max()) < 6e-4, (k, share.tolist(), exact.tolist())
+        bound = 4e-4 if k < 8 else 3e-5
+        assert float((share - exact).abs().max()) < bound, (k, float((share - exact).abs().max()))
 
 
 def test_rounds_to_a_neighbour_and_saturates():

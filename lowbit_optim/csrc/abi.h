@@ -67,7 +67,7 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
     FIELD(S, int64_t *, writes)             /* KIND_BF16_SR, KIND_BLOCK_FLOAT: its count of writes, incremented first */ \
     FIELD(S, int32_t, exponent_bits)        /* KIND_BLOCK_FLOAT: the small float's (quant.small_float_codes); */ \
     FIELD(S, int32_t, mantissa_bits)        /* bits less these two is its sign bit (1 signed, 0 not) */      \
-    FIELD(S, const int32_t *, log_thresholds) /* KIND_BLOCK_FLOAT: quant.log_unbiased_thresholds, or NULL */ \
+    FIELD(S, int32_t, log_unbiased)         /* KIND_BLOCK_FLOAT: writes keep log(v) unbiased (quant.log_unbiased_threshold) */ \
     FIELD(S, int32_t, power_of_two_scale)   /* KIND_BLOCK_FLOAT: scales rounded up to a power of two */
 DECLARE_STRUCT(state_t, STATE_FIELDS)
 

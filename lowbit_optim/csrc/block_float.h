@@ -3,11 +3,11 @@
  * quant.small_float_codes / small_float_values; per block the codes' top 8 bits, then for 10-bit
  * codes their low 2 bits four to a byte (quant.pack_codes). Writes round stochastically, the draws
  * salted by the block's index and the state's count of writes (write_salt, as bf16-sr), unbiased in
- * value or (log_thresholds) in log. The arithmetic is the compiled step's, on exponent bits (no
+ * value or (log_unbiased) in log. The arithmetic is the compiled step's, on exponent bits (no
  * frexp / ldexp calls) and integers, and written without branches, so that compilers vectorize the
  * loops for whatever they target. */
-#if !defined(LOG_SEGMENTS) || !defined(LOG_THRESHOLD_BITS)
-#error "build with -DLOG_SEGMENTS and -DLOG_THRESHOLD_BITS from quant, as kernel_build.py does"
+#ifndef LOG_THRESHOLD_BITS
+#error "build with -DLOG_THRESHOLD_BITS from quant, as kernel_build.py does"
 #endif
 
 /* 2**e as fp32 (e within fp32's normal exponents): quant.power_of_two */
@@ -31,21 +31,23 @@ static inline float power_of_two_at_least(float x) {
 }
 
 /* quant.log_unbiased_threshold: the fraction of a spacing above below (whole spacings) that a value
- * must exceed to round up with draw u so that the log of the result is unbiased, interpolated in
- * integers from the table's row below: one lookup (a gather) per value, a segment's start and slope
- * packed in one int32 */
-static inline float log_unbiased_threshold(float u, int32_t below, int mantissa_bits, const int32_t *table) {
-    const int fraction_bits = LOG_THRESHOLD_BITS - __builtin_ctz(LOG_SEGMENTS);
-    int32_t drawn = (int32_t)(u * (float)(1 << LOG_THRESHOLD_BITS));
-    (void)mantissa_bits;  /* below < 2 << mantissa_bits, the table's rows: small_float_code's steps are under it */
-    int32_t entry = table[below * LOG_SEGMENTS + (drawn >> fraction_bits)], inside = drawn & ((1 << fraction_bits) - 1);
-    return (float)((entry & 0xFFFF) + (((entry >> 16) * inside) >> fraction_bits)) * (1.0f / (float)(1 << LOG_THRESHOLD_BITS));
+ * must exceed to round up with draw u so that the log of the result is unbiased, in fixed point:
+ * the coefficients as quotients of exact integers, then int32 arithmetic */
+static inline float log_unbiased_threshold(float u, int32_t below) {
+    const int32_t one = 1 << LOG_THRESHOLD_BITS;
+    int32_t drawn = (int32_t)(u * (float)one);
+    float k = (float)below;
+    int32_t a = (int32_t)((float)(10 * one) / (20.0f * k + 13.0f)), b = (int32_t)((float)(5 * one) / ((30.0f * k + 30.0f) * k + 3.0f));
+    int32_t w = (drawn * (one - drawn)) >> LOG_THRESHOLD_BITS;
+    int32_t c = (w * (a + ((b * drawn) >> LOG_THRESHOLD_BITS))) >> LOG_THRESHOLD_BITS;
+    int32_t zero = -(int32_t)(below == 0);  /* a mask, not ?: so that GCC vectorizes the loop */
+    return (float)((drawn - c) & ~zero) * (1.0f / (float)one);
 }
 
-/* the code of normalized value v, rounded up where the dropped fraction exceeds u (or, with a
- * log_thresholds table, the threshold it gives u); unsigned, a nonzero v never takes code 0
+/* the code of normalized value v, rounded up where the dropped fraction exceeds u (log_unbiased:
+ * the threshold log_unbiased_threshold gives u); unsigned, a nonzero v never takes code 0
  * (quant.small_float_codes) */
-static inline uint32_t small_float_code(float v, float u, int exponent_bits, int mantissa_bits, int sign_bit, const int32_t *log_thresholds) {
+static inline uint32_t small_float_code(float v, float u, int exponent_bits, int mantissa_bits, int sign_bit, int log_unbiased) {
     int32_t lowest = 2 - (1 << exponent_bits), largest = (1 << (exponent_bits + mantissa_bits)) - 1;
     uint32_t magnitude_bits = bits_of(v) & 0x7FFFFFFFu;
     float magnitude = float_of(magnitude_bits);
@@ -55,7 +57,7 @@ static inline uint32_t small_float_code(float v, float u, int exponent_bits, int
     float product = magnitude * power_of_two(mantissa_bits - binade);
     float steps = float_of(bits_of(product) & (0u - (uint32_t)inside));  /* 0 outside; a mask: GCC keeps a ?: here scalar */
     int32_t below = (int32_t)steps;  /* floor: steps >= 0 */
-    float threshold = log_thresholds ? log_unbiased_threshold(u, below, mantissa_bits, log_thresholds) : u;
+    float threshold = log_unbiased ? log_unbiased_threshold(u, below) : u;
     int32_t code = (binade - lowest) * (1 << mantissa_bits) + below + ((steps - (float)below) > threshold);
     code = inside & (code < largest) ? code : largest;
     code += (code == 0) & (magnitude_bits != 0) & !sign_bit;  /* an unsigned code keeps a nonzero value above 0 */
@@ -87,7 +89,6 @@ static void load_block_float(const state_t *s, int64_t start, int64_t n, float *
 static void store_block_float(const state_t *s, int64_t start, int64_t padded, const float *x) {
     int64_t bs = s->block_size, bytes = bs * s->bits / 8;
     int exponent_bits = s->exponent_bits, mantissa_bits = s->mantissa_bits, sign_bit = s->bits - exponent_bits - mantissa_bits;
-    const int32_t *log_thresholds = s->log_thresholds;
     uint16_t codes[MAX_CHUNK];
     for (int64_t b = 0; b * bs < padded; b++) {
         int64_t block = start / bs + b;
@@ -95,15 +96,15 @@ static void store_block_float(const state_t *s, int64_t start, int64_t padded, c
         float scale = block_scale(values, bs, s->scale_max);
         scale = s->power_of_two_scale ? power_of_two_at_least(scale) : scale;
         uint32_t salt = write_salt(*s->writes, block);
-        if (log_thresholds)  /* two loops, each without a test per value */
+        if (s->log_unbiased)  /* two loops, each without a test per value */
             for (int64_t i = 0; i < bs; i++) {
                 float v = values[i] / scale;
-                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, log_thresholds);
+                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, 1);
             }
         else
             for (int64_t i = 0; i < bs; i++) {
                 float v = values[i] / scale;
-                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, NULL);
+                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, 0);
             }
         uint8_t *high = (uint8_t *)s->data + block * bytes, *low = high + bs;
         s->scale[block] = scale;
