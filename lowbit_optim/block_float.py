@@ -33,8 +33,9 @@ while its absmax stays within a binade, and a value that a slow average moves by
 near its code, rounding with little noise. Scaled as 10bit-sr is, every step's new absmax moves the
 grid and each write rounds with a spacing's full noise, which the average keeps for 1/(1 - beta)
 steps (test_block_float.py: 18 % rms against 4.5 %); AdEMAMix's second moment in this format ended
-+0.69 +- 0.37 % from fp32 state that way, +0.26 +- 0.40 % with power-of-two scales (MLP task, 10
-seeds, lr 1e-3; README, "AdEMAMix state by state").
++0.69 +- 0.37 % from fp32 state that way, +0.07 +- 0.24 % with power-of-two scales (MLP task, 10
+seeds, lr 1e-3; README, "AdEMAMix state by state"). Their draws are salted by a count of writes,
+not by the block scale as a codebook format's are: with scales that seldom move those would repeat.
 """
 
 import functools
@@ -161,4 +162,3 @@ class LogBlockFloatState(BlockFloatState):
     mantissa_bits = 5
     log_unbiased = True
     power_of_two_scale = True
-

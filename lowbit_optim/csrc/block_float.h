@@ -85,7 +85,7 @@ static void load_block_float(const state_t *s, int64_t start, int64_t n, float *
 }
 
 /* writes the padded chunk x (whole blocks) of elements start.. back: per block its scale, its
- * codes, then their two planes */
+ * codes, then their byte (8-bit codes) or their two planes (10-bit) */
 static void store_block_float(const state_t *s, int64_t start, int64_t padded, const float *x) {
     int64_t bs = s->block_size, bytes = bs * s->bits / 8;
     int exponent_bits = s->exponent_bits, mantissa_bits = s->mantissa_bits, sign_bit = s->bits - exponent_bits - mantissa_bits;
