@@ -274,7 +274,7 @@ def optimizer_factories(optimizer: str = "adamw") -> list[tuple[str, Callable]]:
         ("lowbit-8bit+sr-second", _lowbit({"exp_avg": "8bit", "exp_avg_sq": "8bit-sr"})),
         ("lowbit-8bit-linear+log-second", _lowbit({"exp_avg": "8bit-linear", "exp_avg_sq": "8bit-log"})),
         # the generic compiled step per parameter, which the fused CPU kernel stands in for (and GPUs ran before foreach)
-        *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False, foreach=False)) for name in ("8bit", "4bit")],
+        *[(f"lowbit-{name}-compiled", _lowbit(name, fused=False, foreach=False)) for name in ("8bit", "4bit", "8bit-log")],
         # the compiled step with a group's parameters in a few graphs (foreach): fewer calls and launches
         *[(f"lowbit-{name}-foreach", _lowbit(name, fused=False, foreach=True)) for name in ("fp32", "8bit", "4bit")],
     ]
