@@ -50,7 +50,8 @@ from .stochastic_bf16 import write_salt, writes_from_block
 
 
 class BlockFloatState(OptimState):
-    """A state of 10-bit block floating-point values written with stochastic rounding (module docstring)."""
+    """A state of block floating-point values (10 bits; 8 in a subclass such as LogBlockFloatState)
+    written with stochastic rounding (module docstring)."""
 
     name = "10bit-sr"
     bits = 10

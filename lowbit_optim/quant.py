@@ -349,8 +349,10 @@ def power_of_two_at_least(x: Tensor) -> Tensor:
     """The smallest power of two >= each finite positive fp32 ``x`` (at most 2**127; 2**-126 for a
     subnormal x), from its bits: the exponent, plus one unless the mantissa is 0. Infinities and NaN
     stay as they are."""
-    rounded = ((x.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)  # no overflow: x <= max finite
-    return torch.where(torch.isfinite(x), rounded.clamp(max=2.0**127), x)
+    finite = torch.isfinite(x)
+    bits = torch.where(finite, x, 1.0).view(torch.int32)  # a NaN's bits plus 0x7FFFFF could overflow; a finite x's cannot
+    rounded = ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
+    return torch.where(finite, rounded.clamp(max=2.0**127), x)
 
 
 def power_of_two(exponent: Tensor) -> Tensor:
@@ -403,9 +405,10 @@ def log_unbiased_threshold(u: Tensor, below: Tensor) -> Tensor:
     a logarithm or a table lookup per value."""
     one = 2**LOG_THRESHOLD_BITS
     drawn = (u * one).to(torch.int32)  # exact, then truncated: u's top bits
+    k = below.clamp(min=1)  # k = 0 is masked below; as 1 its b * drawn stays within int32
     # tensor / tensor: a true division (number / tensor is a reciprocal times the number)
-    a = (torch.full_like(below, 10.0 * one) / (20 * below + 13)).to(torch.int32)  # one / (2k + 1.3)
-    b = (torch.full_like(below, 5.0 * one) / ((30 * below + 30) * below + 3)).to(torch.int32)  # one / (6k**2 + 6k + 0.6)
+    a = (torch.full_like(k, 10.0 * one) / (20 * k + 13)).to(torch.int32)  # one / (2k + 1.3)
+    b = (torch.full_like(k, 5.0 * one) / ((30 * k + 30) * k + 3)).to(torch.int32)  # one / (6k**2 + 6k + 0.6)
     w = (drawn * (one - drawn)) >> LOG_THRESHOLD_BITS  # u (1 - u)
     c = (w * (a + ((b * drawn) >> LOG_THRESHOLD_BITS))) >> LOG_THRESHOLD_BITS
     return torch.where(below > 0, drawn - c, 0).to(torch.float32) * (1.0 / one)

@@ -285,7 +285,7 @@ class StateTensor(Tensor):
     def _numerics_fingerprint(cls, signed: bool) -> str:
         """A hash of the code that defines the format's numbers (its encoding and scaling)."""
         parts = []
-        for name in ("encode", "decode", "rounding_space", "calibrated", "quantize_", "dequantize"):
+        for name in ("encode", "decode", "rounding_space", "calibrated", "quantize_", "dequantize", "_normalized_blocks", "_block_scales"):
             if not hasattr(cls, name):
                 continue
             fn = getattr(getattr(cls, name), "__func__", getattr(cls, name))

@@ -36,7 +36,7 @@ static inline float power_of_two_at_least(float x) {
 static inline float log_unbiased_threshold(float u, int32_t below) {
     const int32_t one = 1 << LOG_THRESHOLD_BITS;
     int32_t drawn = (int32_t)(u * (float)one);
-    float k = (float)below;
+    float k = (float)(below + (below == 0));  /* k = 0 is masked below; as 1 its b * drawn stays within int32 */
     int32_t a = (int32_t)((float)(10 * one) / (20.0f * k + 13.0f)), b = (int32_t)((float)(5 * one) / ((30.0f * k + 30.0f) * k + 3.0f));
     int32_t w = (drawn * (one - drawn)) >> LOG_THRESHOLD_BITS;
     int32_t c = (w * (a + ((b * drawn) >> LOG_THRESHOLD_BITS))) >> LOG_THRESHOLD_BITS;

@@ -24,7 +24,7 @@
  *   codecs.h     one block: decode, block scale, nearest-code encoding, calibrated scales
  *   stochastic.h one block: stochastic rounding between codes
  *   factored.h   factored states: rows and columns summed in double, per task
- *   block_float.h 10-bit block floating-point states (10bit-sr): a small float per value, stochastic
+ *   block_float.h block floating-point states (10bit-sr, 8bit-log): a small float per value, rounded stochastically
  *   chunk_io.h   one chunk of any kind as fp32: load before the update, store after
  *   update.h     the update stage's interface (chunk_t, optimizer_t) and helpers
  *   update_*.h   one optimizer's update each
