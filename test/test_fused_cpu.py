@@ -302,6 +302,33 @@ def test_kernel_rounds_bf16_like_the_format(flag):
             assert torch.equal(state.values.view(torch.int16), expected.view(torch.int16)), writes
 
 
+@build_flags
+def test_kernel_converts_bf16_like_torch(flag):
+    """A bf16 state's store (store_values: its vector loop, vec_store_bf16, and the scalar tail) rounds
+    every kind of fp32 number as torch does: to nearest even (ties either way), the largest ones to
+    infinity, subnormals, zeros and infinities kept; a NaN of any sign and payload becomes the quiet
+    NaN 0x7FC0. Its load gives the bf16 values exactly."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (4000,), generator=g, dtype=torch.int64)
+    ties = (bits & ~0xFFFF) | 0x8000  # halfway between two bf16 numbers
+    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x7F7F7FFF, 1, 0x8000, 0x18000, 0x807FFFFF]
+    nans = [0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFFFFFFF, 0x7FFF8000]
+    x = torch.cat([bits, ties, torch.tensor(special + nans)]).to(torch.int32).view(torch.float32)  # int64 -> int32 wraps
+    with kernel_built_with(flag):
+        state = torch.zeros(x.numel(), dtype=torch.bfloat16)
+        for start, end in ((0, 5), (5, 100), (100, 357), (357, 4500), (4500, x.numel())):
+            piece = x[start:end].clone()
+            fused_cpu.library().lowbit_quantize(state_t(state), piece.data_ptr(), start, end - start)
+        stored = state.view(torch.int16)
+        expected = x.to(torch.bfloat16).view(torch.int16)
+        finite = ~x.isnan()
+        assert torch.equal(stored[finite], expected[finite])
+        assert bool((stored[~finite] == 0x7FC0).all()) and int((~finite).sum()) >= len(nans)
+        out = torch.empty(x.numel())
+        fused_cpu.library().lowbit_decode(state_t(state), x.numel(), out.data_ptr())
+        assert torch.equal(out.view(torch.int32), state.float().view(torch.int32))
+
+
 class BlockFloat5(BlockFloatState):
     """A user's block float with 5 mantissa bits (4 or 5 exponent bits): the kernel reads the split."""
 

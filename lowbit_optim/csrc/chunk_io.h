@@ -14,7 +14,11 @@ static float *load_values(int32_t kind, const void *src, int64_t start, int64_t 
 static void store_values(int32_t kind, void *dst, int64_t start, int64_t n, const float *x) {
     if (kind == KIND_F32) return;  /* updated in place */
     uint16_t *h = (uint16_t *)dst + start;
-    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+    int64_t i = 0;
+#ifdef VECTOR_LANES  /* GCC vectorizes the loop too, but with three packs per 16 values: AMD EPYC of family 26, 1 thread, 0.15 -> 0.11 ns per value (AVX2 build), 0.073 -> 0.063 (AVX-512) */
+    for (; i + VECTOR_LANES <= n; i += VECTOR_LANES) vec_store_bf16(h + i, vec_load(x + i));
+#endif
+    for (; i < n; i++) h[i] = f32_to_bf16(x[i]);
 }
 
 /* A parameter's n values as fp32 (load_values), plus its int8-correction where it has one

@@ -90,3 +90,16 @@ static inline void write_value(void *x, int64_t j, float value, int bf16) {
     else
         ((float *)x)[j] = value;
 }
+
+#ifdef VECTOR_LANES  /* the same, a vector at a time from element j */
+static inline vec_t vec_read_value(const void *x, int64_t j, int bf16) {
+    return bf16 ? vec_load_bf16((const uint16_t *)x + j) : vec_load((const float *)x + j);
+}
+
+static inline void vec_write_value(void *x, int64_t j, vec_t value, int bf16) {
+    if (bf16)
+        vec_store_bf16((uint16_t *)x + j, value);
+    else
+        vec_store((float *)x + j, value);
+}
+#endif

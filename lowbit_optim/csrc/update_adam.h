@@ -77,19 +77,14 @@ static void adam_rest(const adam_hyper_t *h, const adam_scalars_t *k, int amsgra
     }
 }
 
-static void adam_update(const void *hyper, const void *scalars, const chunk_t *c) {
-    const adam_hyper_t *h = hyper;
-    const adam_scalars_t *k = scalars;
-    int amsgrad = c->state[2] != NULL;
-    int64_t i = 0;
-    if (c->bf16_states) {  /* the portable loop reads and writes them in place */
-        adam_rest(h, k, amsgrad, 1, 0, c);
-        return;
-    }
 #ifdef VECTOR_LANES
-    /* the same arithmetic a vector at a time, dividing by the bias corrections exactly (divide.h):
-     * the scalar loop divides three times per element, and the divider is what bounds it */
-    float *p = c->param, *m = c->state[0], *v = c->state[1], *vmax = c->state[2];
+/* adam_elements' arithmetic a vector at a time from element 0, dividing by the bias corrections
+ * exactly (divide.h): the scalar loop divides three times per element, and the divider is what
+ * bounds it. bf16: the states are bf16, read and written in place (a constant in each inlined copy).
+ * Returns how many elements it stepped. */
+static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyper_t *h, const adam_scalars_t *k, int amsgrad, int bf16, const chunk_t *c) {
+    float *p = c->param;
+    void *m = c->state[0], *v = c->state[1], *vmax = c->state[2];
     const float *g = c->grad;
     lerp_weight_t w1 = k->w1, w2 = k->w2;
     int high1 = w1.high, high2 = w2.high;
@@ -98,6 +93,7 @@ static void adam_update(const void *hyper, const void *scalars, const chunk_t *c
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), wd = vec_set1(h->weight_decay);
     vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
+    int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
         prefetch_next(c, i);
         vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
@@ -105,19 +101,30 @@ static void adam_update(const void *hyper, const void *scalars, const chunk_t *c
             P = vec_sub(P, vec_mul(lr_wd, P));
         else
             G = vec_add(G, vec_mul(wd, P));
-        vec_t M = vec_load(m + i), V = vec_load(v + i), G2 = vec_mul(G, G);
+        vec_t M = vec_read_value(m, i, bf16), V = vec_read_value(v, i, bf16), G2 = vec_mul(G, G);
         M = vec_lerp(M, G, w_1, high1);
         V = vec_lerp(V, G2, w_2, high2);
-        vec_store(m + i, M);
-        vec_store(v + i, V);
+        vec_write_value(m, i, M, bf16);
+        vec_write_value(v, i, V, bf16);
         if (amsgrad) {  /* torch.maximum, as in adam_elements */
-            vec_t old = vec_load(vmax + i);
+            vec_t old = vec_read_value(vmax, i, bf16);
             V = vec_select(vec_unordered(old, V), nan, vec_select(vec_less(old, V), V, old));
-            vec_store(vmax + i, V);
+            vec_write_value(vmax, i, V, bf16);
         }
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
         vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, divide(M, &bc1)), denom)));
     }
+    return i;
+}
 #endif
-    adam_rest(h, k, amsgrad, 0, i, c);
+
+static void adam_update(const void *hyper, const void *scalars, const chunk_t *c) {
+    const adam_hyper_t *h = hyper;
+    const adam_scalars_t *k = scalars;
+    int amsgrad = c->state[2] != NULL, bf16 = c->bf16_states;
+    int64_t i = 0;
+#ifdef VECTOR_LANES
+    i = bf16 ? adam_vectors(h, k, amsgrad, 1, c) : adam_vectors(h, k, amsgrad, 0, c);
+#endif
+    adam_rest(h, k, amsgrad, bf16, i, c);
 }

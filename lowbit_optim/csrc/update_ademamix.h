@@ -70,18 +70,13 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
     }
 }
 
-static void ademamix_update(const void *hyper, const void *scalars, const chunk_t *c) {
-    const ademamix_hyper_t *h = hyper;
-    const ademamix_scalars_t *k = scalars;
-    if (c->bf16_states) {  /* the portable loop reads and writes them in place */
-        ademamix_elements(h, k, 1, 0, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
-        return;
-    }
-    int64_t i = 0;
 #ifdef VECTOR_LANES
-    /* the same arithmetic a vector at a time, dividing by the bias corrections exactly (divide.h),
-     * as Adam's vector loop: one real division per element (two with FAST_DIVIDER), not three */
-    float *p = c->param, *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
+/* ademamix_elements' arithmetic a vector at a time from element 0, dividing by the bias corrections
+ * exactly as Adam's vector loop does (adam_vectors): one real division per element (two with
+ * FAST_DIVIDER), not three. bf16: the states are bf16, in place. Returns how many elements it stepped. */
+static inline __attribute__((always_inline)) int64_t ademamix_vectors(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, const chunk_t *c) {
+    float *p = c->param;
+    void *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
     const float *g = c->grad;
     int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
@@ -89,19 +84,34 @@ static void ademamix_update(const void *hyper, const void *scalars, const chunk_
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), eps = vec_set1(h->eps), alpha = vec_set1(k->alpha);
     vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
+    int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
         prefetch_next(c, i);
         vec_t P = vec_load(p + i), G = vec_xor_bits(vec_load(g + i), flip);
         P = vec_sub(P, vec_mul(lr_wd, P));
-        vec_t M = vec_lerp(vec_load(m + i), G, w_1, high1);
-        vec_t S = vec_lerp(vec_load(m_slow + i), G, w_3, high3);
-        vec_t V = vec_lerp(vec_load(v + i), vec_mul(G, G), w_2, high2);
-        vec_store(m + i, M);
-        vec_store(m_slow + i, S);
-        vec_store(v + i, V);
+        vec_t M = vec_lerp(vec_read_value(m, i, bf16), G, w_1, high1);
+        vec_t S = vec_lerp(vec_read_value(m_slow, i, bf16), G, w_3, high3);
+        vec_t V = vec_lerp(vec_read_value(v, i, bf16), vec_mul(G, G), w_2, high2);
+        vec_write_value(m, i, M, bf16);
+        vec_write_value(m_slow, i, S, bf16);
+        vec_write_value(v, i, V, bf16);
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
         vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(divide(M, &bc1), vec_mul(alpha, S))), denom)));
     }
+    return i;
+}
 #endif
-    ademamix_elements(h, k, 0, i, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+
+static void ademamix_update(const void *hyper, const void *scalars, const chunk_t *c) {
+    const ademamix_hyper_t *h = hyper;
+    const ademamix_scalars_t *k = scalars;
+    int bf16 = c->bf16_states;
+    int64_t i = 0;
+#ifdef VECTOR_LANES
+    i = bf16 ? ademamix_vectors(h, k, 1, c) : ademamix_vectors(h, k, 0, c);
+#endif
+    if (bf16)
+        ademamix_elements(h, k, 1, i, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
+    else
+        ademamix_elements(h, k, 0, i, c->n, c->param, c->grad, c->state[0], c->state[1], c->state[2]);
 }

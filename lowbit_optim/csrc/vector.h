@@ -34,6 +34,18 @@ static inline mask_t vec_zero_or_not_finite(vec_t a) {
 #endif
 }
 
+/* bf16 values as fp32 (exact), and fp32 values rounded to bf16 as f32_to_bf16 rounds them (to nearest
+ * even; NaN -> 0x7FC0) */
+static inline vec_t vec_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void vec_store_bf16(uint16_t *p, vec_t x) {
+    __m512i u = _mm512_castps_si512(x), odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
+}
+
 #elif defined(AVX2_ONLY) && defined(__FMA__)
 #define VECTOR_LANES 8
 typedef __m256 vec_t;
@@ -59,6 +71,16 @@ static inline mask_t vec_nonzero(vec_t a) { return _mm256_cmp_ps(a, _mm256_setze
 static inline mask_t vec_zero_or_not_finite(vec_t a) {
     __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);  /* NaN: not less than infinity */
     return _mm256_or_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_EQ_OQ), _mm256_cmp_ps(magnitude, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+}
+static inline vec_t vec_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void vec_store_bf16(uint16_t *p, vec_t x) {
+    __m256i u = _mm256_castps_si256(x), odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    /* every lane below 2**16: packing with unsigned saturation keeps it */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
 }
 #endif
 
