@@ -200,16 +200,17 @@ build_flags = pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys()
 # The AVX2 build with either kind of table lookup, whichever the compiler's tuning chose: gathers,
 # or scalar loads as on AMD's cores (lookup.h, stochastic.h)
 AVX2_LOOKUPS = {"AVX2 gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"), "AVX2 no gathers": ("-mno-avx512f", "-DSLOW_GATHERS=1")}
-# The codecs with both lookups in both vector builds (AVX-512 without gathers: the 8-bit affine map, affine.h)
-CODEC_BUILDS = {**BUILDS, "gathers": "-DSLOW_GATHERS=0", "no gathers": "-DSLOW_GATHERS=1", **AVX2_LOOKUPS}
-codec_build_flags = pytest.mark.parametrize("flag", CODEC_BUILDS.values(), ids=CODEC_BUILDS.keys())
-# Both vector builds with the update's sqrt(v) / sqrt(bias correction) the other way than this CPU's
-# tuning chose (divide.h, kernel_build.tuning): the builds above take the chosen way
+# Both vector builds with the update's sqrt(v) / sqrt(bias correction) and the encoders' quotients
+# the other way than this CPU's tuning chose (divide.h, kernel_build.tuning): the builds above take the chosen way
 OTHER_DIVIDER = 0 if "-DFAST_DIVIDER=1" in kernel_build.tuning() else 1
 DIVIDER_BUILDS = {
     f"{isa}{'divided' if OTHER_DIVIDER else 'corrected'} roots": (*flags, f"-DFAST_DIVIDER={OTHER_DIVIDER}")
     for isa, flags in (("", ()), ("AVX2 ", ("-mno-avx512f",)))
 }
+# The codecs with both lookups in both vector builds (AVX-512 without gathers: the 8-bit affine map,
+# affine.h), and with the AVX-512 encoders' other way to divide by a block's scale
+CODEC_BUILDS = {**BUILDS, "gathers": "-DSLOW_GATHERS=0", "no gathers": "-DSLOW_GATHERS=1", **AVX2_LOOKUPS, "other divider": f"-DFAST_DIVIDER={OTHER_DIVIDER}"}
+codec_build_flags = pytest.mark.parametrize("flag", CODEC_BUILDS.values(), ids=CODEC_BUILDS.keys())
 
 
 @contextlib.contextmanager

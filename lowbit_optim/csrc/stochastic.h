@@ -278,7 +278,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
     __m512i places = dither_places16(dither_salt(scale)), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
-        __m512 v = divide(_mm512_loadu_ps(x + i), &d);
+        __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
         if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
             for (int64_t j = i; j < i + 16; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;
