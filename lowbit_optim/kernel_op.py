@@ -275,6 +275,10 @@ def _format_description(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
         described.threshold = declared.tables["threshold"].data_ptr()
         thresholds, described.nan_code = _search_thresholds(cls, signed)
         described.thresholds = thresholds.data_ptr()
+        if cls.bits == 4:
+            for field, table in (("value_buckets", "codebook"), ("threshold_buckets", "decision_thresholds")):
+                buckets = _buckets(k, cls, signed, table)
+                setattr(described, field, ctypes.addressof(buckets) if buckets is not None else None)
         if cls.bits == 8:
             described.near_code = _near_code_table(cls, signed).data_ptr()
             described.value_bytes = _value_bytes(cls, signed).data_ptr()
@@ -292,6 +296,28 @@ def _search_thresholds(cls, signed: bool) -> tuple[Tensor, int]:
     padded[: thresholds.numel()] = thresholds
     nan_code = int(cls.encode(torch.tensor([math.nan], dtype=torch.float32), signed)[0])
     return padded, nan_code
+
+
+@functools.cache
+def _buckets(k: kernel_abi.Kernel, cls, signed: bool, table: str):
+    """A 4-bit codebook's ``table`` (its values, or its decision thresholds) as the C's buckets_t, or
+    None where a bucket would hold two of them (the kernel then searches them). Bucket b of n covers
+    [2b / n - 1, 2(b + 1) / n - 1), the last one closed at 1 (csrc/abi.h); ``below`` counts the numbers
+    at or below its start, ``inside`` is the one within it (+inf: none)."""
+    struct = k.structs["buckets_t"]
+    n = dict(struct._fields_)["below"]._length_
+    numbers = layout(cls, signed).tables[table].double()
+    numbers = numbers[~numbers.isnan()]  # unused codes count as above every value
+    below, inside = [], []
+    for b in range(n):
+        start, end = 2 * b / n - 1, 2 * (b + 1) / n - 1
+        within = numbers[(numbers > start) & ((numbers < end) | ((b == n - 1) & (numbers <= end)))]
+        if within.numel() > 1:
+            return None
+        below.append(int((numbers <= start).sum()))
+        inside.append(float(within[0]) if within.numel() else math.inf)  # an fp32 number: exact in double
+    arrays = dict(struct._fields_)
+    return struct(below=arrays["below"](*below), inside=arrays["inside"](*inside))
 
 
 @functools.cache

@@ -643,9 +643,9 @@ def test_division_of_square_roots_is_exact(divisor, flag):
 @codec_build_flags
 @blockwise_formats_by_signedness
 def test_kernel_encodes_like_the_format(info, signed, flag):
-    """The kernel's encoding (its packed tables, binary searches and fp8 rounding) gives the format's
-    own codes on the format suite's adversarial inputs: every code, midpoints and their neighbours,
-    zeros, denormals, range ends; for a codebook also values beyond its range (no step gives them, a
+    """The kernel's encoding (its packed tables, binary searches, buckets and fp8 rounding) gives the
+    format's own codes on the format suite's adversarial inputs: every code, midpoints and their
+    neighbours, zeros, denormals, range ends, the 4-bit buckets' edges; for a codebook also values beyond its range (no step gives them, a
     block's scale being its absmax, but its tables give every fp32 value a code); NaN and infinities
     as the format's tables give them. In every build, in its vector loops
     (a multiple of 16 values) and in its tails (7 values at a time)."""
@@ -655,7 +655,10 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
     top = float(info.fmt.scale_max)
     beyond = torch.tensor([1.0000001, 1.5, 1.9999999, 2.0, 3.0, 1e6, 3e38]) * top
     beyond = (torch.cat([beyond, -beyond]) if signed else beyond)[: None if kernel_op.kernel_kind(state) == "codebook" else 0]
-    v = torch.cat([encode_inputs(info, signed), beyond, torch.tensor([math.nan, math.inf, -math.inf])])
+    edges = torch.arange(-16 if signed else 0, 17) / 16  # where a 4-bit codebook's buckets meet (bucket_count16), and next to them
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor(math.inf)), torch.nextafter(edges, torch.tensor(-math.inf))])
+    edges = edges[(edges >= 0) | signed]
+    v = torch.cat([encode_inputs(info, signed), beyond, edges, torch.tensor([math.nan, math.inf, -math.inf])])
     v = torch.cat([v, v.new_zeros(-v.numel() % 16)])
     codes, tail_codes = torch.empty(v.numel(), dtype=torch.uint8), torch.empty(v.numel(), dtype=torch.uint8)
     with kernel_built_with(flag):
@@ -674,6 +677,27 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
             wrong &= v.isfinite()
             assert bool((got[~v.isfinite()] & 0x7F == 0x7F).all()), f"{where}: NaN and infinities must give a NaN code"
         assert not wrong.any(), f"{where}: {int(wrong.sum())} codes differ, e.g. at {v[wrong][:4].tolist()}: {got[wrong][:4].tolist()} vs {expected[where][wrong][:4].tolist()}"
+
+
+def test_4bit_numbers_are_counted_by_bucket():
+    """The AVX-512 encoders count a 4-bit codebook's values (stochastic rounding) and thresholds
+    (nearest) by bucket where each bucket holds at most one of them (bucket_count16): 4bit's do, and
+    each bucket's count (below, plus one from its inside) is the brute-force count for every v in
+    [-1, 1]. Where a bucket holds two, as in 4bit-calibrated's second moment (dense near zero), there
+    are no buckets, and the kernel searches."""
+    k = kernel_op.kernel()
+    n = len(kernel_op._buckets(k, OptimState4bit, True, "codebook").below)
+    v = torch.cat([torch.linspace(-1, 1, 20001), torch.arange(-n // 2, n // 2 + 1) / (n // 2)])
+    v = torch.cat([v, torch.nextafter(v, torch.tensor(-2.0))]).clamp(-1, 1)
+    bucket = (torch.floor(v * (n // 2)) + n // 2).clamp(max=n - 1).long()  # as bucket_count16
+    for signed in (True, False):
+        for table in ("codebook", "decision_thresholds"):
+            buckets = kernel_op._buckets(k, OptimState4bit, signed, table)
+            assert buckets is not None, (signed, table)
+            numbers = OptimState4bit.kernel_layout(signed).tables[table]
+            counted = torch.tensor(list(buckets.below))[bucket] + (v >= torch.tensor(list(buckets.inside))[bucket]).long()
+            assert torch.equal(counted, (numbers[None, :] <= v[:, None]).sum(1)), (signed, table)
+    assert kernel_op._buckets(k, lowbit_optim.get_format("4bit-calibrated"), False, "codebook") is None
 
 
 @codec_build_flags

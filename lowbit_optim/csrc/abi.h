@@ -41,6 +41,16 @@ enum { KINDS(DECLARE_KIND) };
     ARRAY(S, float, high, 16)
 DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
 
+/* A 4-bit codebook's values or decision thresholds by bucket of v (codecs.h, bucket_count16): bucket
+ * k of BUCKETS holds the v in [2k / BUCKETS - 1, 2(k + 1) / BUCKETS - 1), the last one closed at 1;
+ * below[k] of the numbers are <= its start and at most one lies inside it, inside[k] (+inf: none).
+ * kernel_op._buckets builds them. */
+#define BUCKETS 32
+#define BUCKET_FIELDS(FIELD, ARRAY, S) \
+    ARRAY(S, int32_t, below, BUCKETS)  \
+    ARRAY(S, float, inside, BUCKETS)
+DECLARE_STRUCT(buckets_t, BUCKET_FIELDS)
+
 /* One state of a parameter. */
 #define STATE_FIELDS(FIELD, ARRAY, S)                                                                           \
     FIELD(S, int32_t, kind)                 /* KIND_*: KIND_NONE where the optimizer has no such state */    \
@@ -57,6 +67,8 @@ DECLARE_STRUCT(affine_code_t, AFFINE_FIELDS)
     FIELD(S, const int32_t *, near_code)    /* KIND_CODEBOOK, 8 bits: both tables packed in one */            \
     FIELD(S, const uint8_t *, value_bytes)  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256k+c] */ \
     FIELD(S, const affine_code_t *, affine) /* KIND_CODEBOOK, 8 bits: its codes as an affine map (or NULL) */ \
+    FIELD(S, const buckets_t *, value_buckets)     /* KIND_CODEBOOK, 4 bits: its values by bucket (or NULL) */ \
+    FIELD(S, const buckets_t *, threshold_buckets) /* and its decision thresholds (or NULL) */ \
     FIELD(S, int32_t, calibrated)           /* scale *= <x, x> / <x, Q(x)> (quant.calibrated_scale) */        \
     FIELD(S, int32_t, stochastic)           /* KIND_CODEBOOK: stochastic rounding (quant.encode_stochastic) */\
     FIELD(S, float *, col)                  /* KIND_FACTORED: the column sums of the (numel/cols, cols) matrix */ \

@@ -74,6 +74,34 @@ static inline __m512i count16(const search16_t *s, __m512 v) {
     count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(count, s->odd), _CMP_GE_OQ), count, _mm512_set1_epi32(2));
     return _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(count, s->t), _CMP_GE_OQ), count, _mm512_set1_epi32(1));
 }
+
+/* count16 by buckets (buckets_t) where the numbers fit them, for |v| <= 1 (the caller checks): v's
+ * bucket is min(floor(v * BUCKETS / 2) + BUCKETS / 2, BUCKETS - 1), exact (a product by a power of
+ * two), and the count is its below, plus one where v reaches its inside. Two mask operations where
+ * count16 takes eight: on the AMD EPYC of family 26 storing a 4bit moment took 0.46 -> 0.35 ns per
+ * value (1 thread). */
+typedef struct {
+    __m512i below_low, below_high;
+    __m512 inside_low, inside_high;
+} buckets16_t;
+
+static inline buckets16_t buckets16(const buckets_t *b) {
+    return (buckets16_t){_mm512_loadu_si512(b->below), _mm512_loadu_si512(b->below + 16), _mm512_loadu_ps(b->inside), _mm512_loadu_ps(b->inside + 16)};
+}
+
+static inline __m512i bucket_count16(const buckets16_t *b, __m512 v) {
+    __m512i half = _mm512_set1_epi32(BUCKETS / 2);
+    __m512i floor_scaled = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, _mm512_set1_ps((float)(BUCKETS / 2))), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512i bucket = _mm512_min_epi32(_mm512_add_epi32(floor_scaled, half), _mm512_set1_epi32(BUCKETS - 1));
+    __m512i count = _mm512_permutex2var_epi32(b->below_low, bucket, b->below_high);
+    __mmask16 reached = _mm512_cmp_ps_mask(v, _mm512_permutex2var_ps(b->inside_low, bucket, b->inside_high), _CMP_GE_OQ);
+    return _mm512_mask_add_epi32(count, reached, count, _mm512_set1_epi32(1));
+}
+
+/* the lanes of v whose magnitude exceeds limit's (NaN exceeds every limit) */
+static inline __mmask16 beyond16(__m512 v, uint32_t limit) {
+    return _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32((int32_t)limit));
+}
 #elif defined(AVX2_ONLY)
 typedef struct {
     __m256 t3, t7, t11, odd, even;  /* odd: t[1, 5, 9, 13]; even: t[0, 2, ..., 14] */
@@ -315,12 +343,19 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
         __m512 values = _mm512_loadu_ps(s->codebook);
         search16_t thresholds = search16(s->thresholds);  /* the code is how many are <= v */
+        buckets16_t buckets;
+        if (s->threshold_buckets) buckets = buckets16(s->threshold_buckets);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
-            __m512i code = count16(&thresholds, v);
-            __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), low15);
-            code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
+            __m512i code;
+            if (s->threshold_buckets && !beyond16(v, bits_of(1.0f))) {
+                code = bucket_count16(&buckets, v);
+            } else {
+                code = count16(&thresholds, v);
+                __m512i key = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), low15);
+                code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(key, non_finite_key), nan_code);
+            }
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
             if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
         }

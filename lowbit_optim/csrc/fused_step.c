@@ -89,7 +89,7 @@ int lowbit_step(int64_t optimizer, param_t *params, int64_t count, const void *h
 /* ---- the layout table (abi.h), read by kernel_abi.py when the library loads -------------------- */
 
 #define HYPER_ROWS(name, hyper, FIELDS, ...) ABI_FIELD_ROWS(hyper, FIELDS)
-static const abi_field_t abi_fields[] = {ABI_FIELD_ROWS(state_t, STATE_FIELDS) ABI_FIELD_ROWS(param_t, PARAM_FIELDS) ABI_FIELD_ROWS(affine_code_t, AFFINE_FIELDS) OPTIMIZERS(HYPER_ROWS)};
+static const abi_field_t abi_fields[] = {ABI_FIELD_ROWS(state_t, STATE_FIELDS) ABI_FIELD_ROWS(param_t, PARAM_FIELDS) ABI_FIELD_ROWS(affine_code_t, AFFINE_FIELDS) ABI_FIELD_ROWS(buckets_t, BUCKET_FIELDS) OPTIMIZERS(HYPER_ROWS)};
 
 /* Row i of the field table (a struct's own size is the row with field ""); 0 past the end. */
 int lowbit_abi_field(int64_t i, const char **structure, const char **field, const char **type, int64_t *offset, int64_t *size, int64_t *count) {

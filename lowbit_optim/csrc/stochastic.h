@@ -253,8 +253,9 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
 
 /* 4-bit stochastic codes of the values x / scale in one pass (and a calibrated format's products).
  * For a finite v, encode_stochastic's low is the number of codebook values <= v, less one, whatever
- * v's nearest code is (that is low or low + 1). The vector loops find that number by a binary search
- * over the 16 values in registers, as encode_nearest searches the thresholds, and never compute the
+ * v's nearest code is (that is low or low + 1). The vector loops find that number by bucket
+ * (AVX-512, where the values fit: bucket_count16) or by a binary search over the 16 values in
+ * registers, as encode_nearest counts the thresholds, and never compute the
  * nearest code: v rounds between low and low + 1 where low is in [0, last_pair] (b a used code);
  * elsewhere (below the codebook, at or above its last used value) the nearest code is max(low, 0).
  * A vector of values with a NaN or an infinity takes the reference. */
@@ -275,17 +276,27 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     __m512 widths = _mm512_mul_ps(_mm512_sub_ps(search.odd, values), _mm512_set1_ps(0x1p-24f));
     int vectors = last_pair >= 0 && (_mm512_cmp_ps_mask(_mm512_abs_ps(widths), _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ) & pair_lanes) == pair_lanes;
     __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(last_pair + 1);
-    __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
     __m512i places = dither_places16(dither_salt(scale)), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
+    /* by buckets (bucket_count16) where the values fit them: then a vector with a value beyond +-1,
+     * which no step gives (|x| <= the block's absmax), takes the reference, as one with NaN or an
+     * infinity does */
+    const buckets_t *bucketed = s->value_buckets;
+    buckets16_t buckets;
+    if (bucketed) buckets = buckets16(bucketed);
+    uint32_t limit = bucketed ? bits_of(1.0f) : bits_of(FLT_MAX);
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
         __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
-        if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity)) {
+        if (beyond16(v, limit)) {
             for (int64_t j = i; j < i + 16; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;
         }
-        __m512i count = count16(&search, v);
-        /* low = count - 1, plus one where v reaches q[15] */
-        __m512i low = _mm512_mask_mov_epi32(_mm512_sub_epi32(count, one), _mm512_cmp_ps_mask(v, q15, _CMP_GE_OQ), count);
+        __m512i low;  /* how many values are <= v, less one */
+        if (bucketed) {
+            low = _mm512_sub_epi32(bucket_count16(&buckets, v), one);
+        } else {  /* count16 over q[0..14]; where v reaches q[15], one more */
+            __m512i count = count16(&search, v);
+            low = _mm512_mask_mov_epi32(_mm512_sub_epi32(count, one), _mm512_cmp_ps_mask(v, q15, _CMP_GE_OQ), count);
+        }
         /* a permute reads an index's low 4 bits: outside [0, last_pair], a and its width are never used */
         __m512 a = _mm512_permutexvar_ps(low, values), width = _mm512_permutexvar_ps(low, widths);
         __mmask16 inside = _mm512_cmplt_epu32_mask(low, pairs);
