@@ -14,7 +14,8 @@
    divides by its bias corrections so too, but the encoding divides by each block scale with 8-lane
    divisions (measured faster there than the corrected products). Where the divider is fast
    (FAST_DIVIDER: AMD's family 26, kernel_build.tuning), the update's square root is divided by a
-   real division too: one more per element on the divider, one corrected product fewer on the ports.
+   real division too: one more per element on the divider, one corrected product fewer on the ports;
+   and the AVX-512 encoding divides by each block scale with real divisions, as the AVX2 one does.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration).
 5. The stages of an Adam step with ``--stages-format`` state (default ``4bit``), each timed alone
