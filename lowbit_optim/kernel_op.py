@@ -256,10 +256,21 @@ def _plain_description(k: kernel_abi.Kernel, dtype: torch.dtype) -> bytes:
     return bytes(k.structs["state_t"](kind=k.kinds[_PLAIN_KINDS[dtype]]))
 
 
+# The descriptions hold raw addresses of cached tables: built under a lock, so that two threads'
+# first steps cannot each build a table, cache one and describe the other (freed with its thread's
+# reference)
+_DESCRIBING = threading.RLock()
+
+
 @functools.cache
 def _format_description(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
     """What the kernel needs of a format (its kind, constants and tables) as a state_t's bytes,
     built once: a step only adds each state's block size and pointers."""
+    with _DESCRIBING:
+        return _describe_format(k, cls, signed)
+
+
+def _describe_format(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
     kind = format_kind(cls, signed)
     described = k.structs["state_t"](kind=k.kinds[kind])
     if kind in ("codebook", "e4m3", "block-float"):

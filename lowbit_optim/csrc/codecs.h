@@ -80,6 +80,8 @@ static inline __m512i count16(const search16_t *s, __m512 v) {
  * two), and the count is its below, plus one where v reaches its inside. Two mask operations where
  * count16 takes eight: on the AMD EPYC of family 26 storing a 4bit moment took 0.46 -> 0.35 ns per
  * value (1 thread). */
+_Static_assert(BUCKETS == 32, "bucket_count16 reads a bucket's numbers from two 16-lane registers");
+
 typedef struct {
     __m512i below_low, below_high;
     __m512 inside_low, inside_high;
@@ -343,13 +345,14 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         __m512i nan_code = _mm512_set1_epi32(s->nan_code), non_finite_key = _mm512_set1_epi32(0x7F80), low15 = _mm512_set1_epi32(0x7FFF);
         __m512 values = _mm512_loadu_ps(s->codebook);
         search16_t thresholds = search16(s->thresholds);  /* the code is how many are <= v */
+        const buckets_t *bucketed = s->threshold_buckets;  /* a local: a store to codes (bytes) could change s */
         buckets16_t buckets;
-        if (s->threshold_buckets) buckets = buckets16(s->threshold_buckets);
+        if (bucketed) buckets = buckets16(bucketed);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code;
-            if (s->threshold_buckets && !beyond16(v, bits_of(1.0f))) {
+            if (bucketed && !beyond16(v, bits_of(1.0f))) {
                 code = bucket_count16(&buckets, v);
             } else {
                 code = count16(&thresholds, v);

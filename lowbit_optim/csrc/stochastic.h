@@ -277,9 +277,9 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     int vectors = last_pair >= 0 && (_mm512_cmp_ps_mask(_mm512_abs_ps(widths), _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ) & pair_lanes) == pair_lanes;
     __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), pairs = _mm512_set1_epi32(last_pair + 1);
     __m512i places = dither_places16(dither_salt(scale)), next_places = _mm512_set1_epi32((int32_t)(16 * DITHER_PLACE));
-    /* by buckets (bucket_count16) where the values fit them: then a vector with a value beyond +-1,
-     * which no step gives (|x| <= the block's absmax), takes the reference, as one with NaN or an
-     * infinity does */
+    /* by buckets (bucket_count16) where the values fit them: then a vector with a value beyond +-1
+     * takes the reference, as one with NaN or an infinity does (no step of a codebook that ends at
+     * 1, scale_max, gives one: |x| <= the block's absmax) */
     const buckets_t *bucketed = s->value_buckets;
     buckets16_t buckets;
     if (bucketed) buckets = buckets16(bucketed);
