@@ -59,7 +59,7 @@ static inline uint32_t small_float_code(float v, float u, int exponent_bits, int
     int32_t below = (int32_t)steps;  /* floor: steps >= 0 */
     float threshold = log_unbiased ? log_unbiased_threshold(u, below) : u;
     int32_t code = (binade - lowest) * (1 << mantissa_bits) + below + ((steps - (float)below) > threshold);
-    code = inside & (code < largest) ? code : largest;
+    code = (inside & (code < largest)) ? code : largest;
     code += (code == 0) & (magnitude_bits != 0) & !sign_bit;  /* an unsigned code keeps a nonzero value above 0 */
     return (uint32_t)code | ((bits_of(v) >> 31) * (uint32_t)sign_bit) << (exponent_bits + mantissa_bits);
 }
