@@ -76,8 +76,30 @@ static void load_block_float(const state_t *s, int64_t start, int64_t n, float *
             for (int64_t i = 0; i < m; i++) values[i] = small_float_value(high[i], exponent_bits, mantissa_bits, sign_bit) * scale;
             continue;
         }
-        uint8_t low_bits[MAX_CHUNK];  /* one per value: the loop below then reads every array in order */
-        for (int64_t j = 0; j < bs / 4; j++)
+        /* one byte per value, so that the loop below reads every array in order. Four low-plane bytes
+         * (a little-endian word: value l's bits at 2l) make 16 at a time by variable shifts: GCC left
+         * the nested loop scalar, and decoding both 10bit-sr moments of an Adam chunk took 0.53 ns per
+         * value, 0.33 so (AMD EPYC of family 26, 1 thread; AVX2 build 0.72 -> 0.55) */
+        uint8_t low_bits[MAX_CHUNK];
+        int64_t j = 0;
+#ifdef __AVX512F__
+        __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), three = _mm512_set1_epi32(3);
+        for (; j + 4 <= bs / 4; j += 4) {
+            int32_t word;
+            memcpy(&word, low + j, 4);
+            _mm_storeu_si128((__m128i *)(low_bits + 4 * j), _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), three)));
+        }
+#elif defined(AVX2_ONLY)
+        __m256i first = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), second = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30), three = _mm256_set1_epi32(3);
+        for (; j + 4 <= bs / 4; j += 4) {
+            int32_t word;
+            memcpy(&word, low + j, 4);
+            __m256i all = _mm256_set1_epi32(word);
+            store_low_bytes(low_bits + 4 * j, _mm256_and_si256(_mm256_srlv_epi32(all, first), three));
+            store_low_bytes(low_bits + 4 * j + 8, _mm256_and_si256(_mm256_srlv_epi32(all, second), three));
+        }
+#endif
+        for (; j < bs / 4; j++)
             for (int k = 0; k < 4; k++) low_bits[4 * j + k] = (uint8_t)(low[j] >> (2 * k) & 3u);
         for (int64_t i = 0; i < m; i++)
             values[i] = small_float_value((uint32_t)high[i] << 2 | low_bits[i], exponent_bits, mantissa_bits, sign_bit) * scale;
