@@ -316,7 +316,8 @@ def _buckets(k: kernel_abi.Kernel, cls, signed: bool, table: str):
     [2b / n - 1, 2(b + 1) / n - 1), the last one closed at 1 (csrc/abi.h); ``below`` counts the numbers
     at or below its start, ``inside`` is the one within it (+inf: none)."""
     struct = k.structs["buckets_t"]
-    n = dict(struct._fields_)["below"]._length_
+    arrays = dict(struct._fields_)
+    n = arrays["below"]._length_
     numbers = layout(cls, signed).tables[table].double()
     numbers = numbers[~numbers.isnan()]  # unused codes count as above every value
     below, inside = [], []
@@ -327,7 +328,6 @@ def _buckets(k: kernel_abi.Kernel, cls, signed: bool, table: str):
             return None
         below.append(int((numbers <= start).sum()))
         inside.append(float(within[0]) if within.numel() else math.inf)  # an fp32 number: exact in double
-    arrays = dict(struct._fields_)
     return struct(below=arrays["below"](*below), inside=arrays["inside"](*inside))
 
 

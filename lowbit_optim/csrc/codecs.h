@@ -100,10 +100,6 @@ static inline __m512i bucket_count16(const buckets16_t *b, __m512 v) {
     return _mm512_mask_add_epi32(count, reached, count, _mm512_set1_epi32(1));
 }
 
-/* the lanes of v whose magnitude exceeds limit's (NaN exceeds every limit) */
-static inline __mmask16 beyond16(__m512 v, uint32_t limit) {
-    return _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32((int32_t)limit));
-}
 #elif defined(AVX2_ONLY)
 typedef struct {
     __m256 t3, t7, t11, odd, even;  /* odd: t[1, 5, 9, 13]; even: t[0, 2, ..., 14] */
@@ -352,7 +348,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
             __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code;
-            if (bucketed && !beyond16(v, bits_of(1.0f))) {
+            if (bucketed && vec_magnitude_within(v, 0, bits_of(1.0f) + 1) == 0xFFFF) {  /* every |v| <= 1 (not NaN) */
                 code = bucket_count16(&buckets, v);
             } else {
                 code = count16(&thresholds, v);
