@@ -1,7 +1,7 @@
 """Optimizer step time and state memory on the GPT-2-small parameter set, every optimizer in one process.
 
 ``--optimizer sgd|lion|ademamix`` times that optimizer instead of AdamW: lowbit_optim's version with
-fp32, 8bit, 8bit-linear and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
+fp32, 8bit, 8bit-linear, 8bit-lowrank and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
 ``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
 which torch lacks, are timed against bitsandbytes' 32-bit version. ``--optimizer muon`` steps the
 blocks' 2-D matrices only (Muon's part of the usual recipe) with ``torch.optim.Muon`` (the reference)
@@ -214,7 +214,7 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
             ("torch-sgd-fused", lambda params: torch.optim.SGD(params, **kwargs, fused=True)),
         ]
     rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
-    rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "4bit")]
+    rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "8bit-lowrank", "4bit")]
     if optimizer == "ademamix":  # the MLP task's recipes (README, "AdEMAMix state by state")
         recipes = {
             "lowbit-recipe": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"},
@@ -225,6 +225,8 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
             "lowbit-all-8bit": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-log"},
         }
         rows += [(label, lambda params, f=f: cls(params, **kwargs, state_format=f)) for label, f in recipes.items()]
+        # the same in the compiled step (fused=False), as on a GPU
+        rows += [("lowbit-all-8bit-compiled", lambda params: cls(params, **kwargs, state_format=recipes["lowbit-all-8bit"], fused=False))]
     return rows
 
 
@@ -252,7 +254,7 @@ def muon_factories() -> list[tuple[str, Callable]]:
         ("torch-muon", lambda params: torch.optim.Muon(params, lr=1e-3)),
         *[(f"lowbit-{f}", muon(f)) for f in ("fp32", "8bit", "8bit-linear", "8bit-lowrank", "4bit", "4bit-lowrank-mulaw")],
         # the momentum in the compiled step, as on a GPU, rather than in the fused CPU kernel
-        *[(f"lowbit-{f}-compiled", muon(f, fused=False)) for f in ("8bit", "4bit")],
+        *[(f"lowbit-{f}-compiled", muon(f, fused=False)) for f in ("8bit", "8bit-lowrank", "4bit")],
         ("newton-schulz", NewtonSchulzOnly),
     ]
 

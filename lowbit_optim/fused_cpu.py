@@ -80,17 +80,41 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
 
 
 def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] | None = None) -> None:
-    """Step every (param, grad, step, *states) of ``items`` with the kernel's ``optimizer`` update in
-    one call: ``states`` in the order the C names them (None where absent), ``hyper`` by the C
-    struct's field names, ``corrections`` the parameters' int8-corrections (None: none). The tensors
-    must be local and contiguous (``unsupported_reason``)."""
+    """Step every (param, grad, step, *states) of ``items`` with the kernel's ``optimizer`` update:
+    ``states`` in the order the C names them (None where absent), ``hyper`` by the C struct's field
+    names, ``corrections`` the parameters' int8-corrections (None: none). The tensors must be local
+    and contiguous (``unsupported_reason``). Parameters whose states all lie in their codes go in one
+    call; one with a state that keeps a part outside them (StateTensor.has_addend) in a call of its
+    own, between that state's kernel_addend and kernel_residual, whose values then go through the
+    kernel's encoders (``assign``): one parameter's fp32 values at a time."""
     if not items:
         return
+    corrections = corrections or [None] * len(items)
+    whole, apart = [], []
+    for item, correction in zip(items, corrections):
+        added = [s for s in item[3:] if isinstance(s, StateTensor) and s.has_addend]
+        (apart if added else whole).append((item, correction, added))
+    if whole:
+        _call(optimizer, [item for item, _, _ in whole], hyper, [c for _, c, _ in whole])
+    if not apart:
+        return
+    # an addend per such state and a scratch, sized for the largest parameter and reused by the
+    # others: fresh memory costs a page fault per 4 KiB (the products took twice as long)
+    buffers = torch.empty(max(len(added) for *_, added in apart) + 1, max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
+    for item, correction, added in apart:
+        addends = [s.kernel_addend(buffers[i, : s.numel()]) for i, s in enumerate(added)]
+        _call(optimizer, [item], hyper, [correction], addends)
+        residuals = [s.kernel_residual(values, buffers[-1, : s.numel()]) for s, values in zip(added, addends)]
+        _call("assign", [(values, values, torch.zeros(1, dtype=torch.float32), codes) for codes, values in residuals], {})  # a counter it needs, unused
+
+
+def _call(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] = (), addends: list[Tensor] = ()) -> None:
+    """The op on ``items`` (step's), ``addends`` those of their states that have one, in order."""
     params, grads, steps, tensors, keys, formatted = [], [], [], [], [], []
     for param, grad, counter, *states in items:
         params.append(param)
         grads.append(grad)
-        steps.append(counter if counter is not None else torch.empty(0))  # no counter: a parameter without states
+        steps.append(counter if counter is not None else torch.empty(0, dtype=torch.float32))  # no counter: a parameter without states
         for state in states:
             key = kernel_op.format_key(state)
             keys.append(key)
@@ -100,8 +124,8 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
             elif state is not None:
                 tensors.append(state)
     with kernel_op.passing(formatted):
-        given = [c if c is not None else _NO_CORRECTION for c in corrections] if corrections and any(c is not None for c in corrections) else []
-        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given)
+        given = [c if c is not None else _NO_CORRECTION for c in corrections] if any(c is not None for c in corrections) else []
+        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
 
 
 def adam_step(items: list[tuple], group: dict, corrections=None) -> None:

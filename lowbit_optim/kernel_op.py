@@ -15,8 +15,10 @@ hyper-parameters in its C struct's field order: ``hyper_values`` makes them from
 ``grads``, ``steps`` (one each per parameter; an empty step tensor for a parameter without states
 and counter), ``state_tensors`` (every given state's inner tensors, parameter by parameter, state by
 state), ``state_formats`` (per parameter, one key per state the optimizer names: ABSENT, PLAIN or
-a format key) and ``corrections`` (none, or one per parameter: the int8-correction of a bf16
-parameter, ``param_update="int8-correction"``, or an empty tensor).
+a format key), ``corrections`` (none, or one per parameter: the int8-correction of a bf16
+parameter, ``param_update="int8-correction"``, or an empty tensor) and ``addends`` (one per given
+state with ``has_addend``, in the same order: its part outside the codes, StateTensor.kernel_addend,
+which the kernel overwrites with the state's new values, leaving its codes as they were).
 """
 
 import contextlib
@@ -218,8 +220,8 @@ class _Writers:
         Param, State = k.structs["param_t"], k.structs["state_t"]
         self.param_size, self.state_size, self.states_at = ctypes.sizeof(Param), ctypes.sizeof(State), Param.state.offset
         self.param = kernel_abi.packer(Param, "numel", "param_kind", "grad_kind", "param", "grad", "step", "correction")
-        self.block_size, self.data, self.scale, self.col, self.cols, self.writes = (
-            kernel_abi.packer(State, name) for name in ("block_size", "data", "scale", "col", "cols", "writes")
+        self.block_size, self.data, self.scale, self.col, self.cols, self.writes, self.addend = (
+            kernel_abi.packer(State, name) for name in ("block_size", "data", "scale", "col", "cols", "writes", "addend")
         )
 
 
@@ -388,7 +390,7 @@ def _int32_base_code(cls, signed: bool) -> Tensor:
 _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define(
     "fused_step_cpu(str optimizer, float[] hyper, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, "
-    "Tensor(c!)[] state_tensors, int[] state_formats, Tensor(d!)[] corrections) -> ()"
+    "Tensor(c!)[] state_tensors, int[] state_formats, Tensor(d!)[] corrections, Tensor(e!)[] addends) -> ()"
 )
 
 
@@ -401,6 +403,7 @@ def fused_step_cpu(
     state_tensors: list[Tensor],
     state_formats: list[int],
     corrections: list[Tensor],
+    addends: list[Tensor],
 ) -> None:
     """One step of every parameter with the kernel's ``optimizer`` update (see the module's doc)."""
     k = kernel()
@@ -420,7 +423,7 @@ def fused_step_cpu(
     hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
     w = _writers(k)
     entries = (k.structs["param_t"] * count)()  # zeros: absent states are kind none
-    tensors, passed = iter(state_tensors), iter(getattr(_passing, "states", ()))
+    tensors, passed, added = iter(state_tensors), iter(getattr(_passing, "states", ())), iter(addends)
     required = spec.states[: spec.required]
     with memoryview(entries).cast("B") as buffer:
         for i, (param, grad, step, keys) in enumerate(zip(params, grads, steps, _per_param(state_formats, len(spec.states)))):
@@ -434,24 +437,44 @@ def fused_step_cpu(
                 buffer, at, param.numel(), k.kinds[_PLAIN_KINDS[param.dtype]], k.kinds[_PLAIN_KINDS[grad.dtype]], param.data_ptr(),
                 grad.data_ptr(), step.data_ptr() if step.numel() else 0, correction.data_ptr() if correction is not None else 0,
             )  # fmt: skip
-            for j, state in enumerate(states.values()):
+            for j, (name, state) in enumerate(states.items()):
                 if state is not None:
                     _write_state(w, buffer, at + w.states_at + j * w.state_size, k, state)
+                    if isinstance(state, StateTensor) and state.has_addend:
+                        w.addend.write(buffer, at + w.states_at + j * w.state_size, _checked_addend(next(added, None), name, state, param).data_ptr())
     if next(tensors, None) is not None:
         raise ValueError("state_tensors holds more tensors than state_formats describe")
+    if next(added, None) is not None:
+        raise ValueError("addends holds more tensors than the given states keep outside their codes (StateTensor.has_addend)")
     result = k.lib.lowbit_step(spec.index, entries, count, ctypes.byref(hyper_struct), torch.get_num_threads())
     if result != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
     # what an in-place aten op does: autograd then refuses a backward through the old values
-    torch.autograd.graph.increment_version([*params, *steps, *state_tensors, *corrections])
+    torch.autograd.graph.increment_version([*params, *steps, *state_tensors, *corrections, *addends])
 
 
 _LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("lowbit_optim::fused_step_cpu", lib=_LIBRARY)
-def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats, corrections) -> None:
+def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats, corrections, addends) -> None:
     return None
+
+
+def _checked_addend(addend: Tensor | None, name: str, state: StateTensor, param: Tensor) -> Tensor:
+    """``addend`` if it can be the part of ``state`` outside its codes: the C reads and writes numel
+    fp32 values there."""
+    if addend is None:
+        raise ValueError(
+            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
+            "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
+        )
+    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != state.numel():
+        raise ValueError(
+            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "
+            f"{describe_tensor(addend)}, not {state.numel()} contiguous float32 values on the CPU"
+        )
+    return addend
 
 
 def _per_param(keys: list[int], states: int):

@@ -175,6 +175,28 @@ class StateTensor(Tensor):
         """What the fused CPU kernel needs to step this format, or None: only the compiled step can."""
         return None
 
+    # A state whose values are its codes plus a part kept apart (LowRankState: a low-rank part that
+    # spans the whole matrix) goes through the kernel in three moves: kernel_addend writes that part
+    # as fp32 values, which the kernel adds to the decoded codes and overwrites with the state's new
+    # values; kernel_residual(those values) then updates the part and returns what its codes must
+    # hold, which the kernel encodes (fused_cpu.step). Both write into buffers they are given.
+    @property
+    def has_addend(self) -> bool:
+        """Whether a part of this state's values lies outside its codes (then the kernel takes it
+        from kernel_addend)."""
+        return False
+
+    def kernel_addend(self, out: Tensor) -> Tensor:
+        """The part of this state's values outside its codes, written into ``out`` (numel flat fp32
+        values) and returned (``has_addend``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no values outside its codes")
+
+    def kernel_residual(self, values: Tensor, scratch: Tensor) -> tuple["StateTensor", Tensor]:
+        """Given the state's new flat fp32 values, update the part outside the codes and return the
+        state of its codes alone and the flat values to encode into them, computed over ``values``
+        (``scratch``: numel more fp32 values to work in; ``has_addend``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no values outside its codes")
+
     def _check_sizes(self) -> None:
         """Raise a ValueError if the inner tensors' sizes, or the metadata that sets them, do not fit
         the logical shape (check_layout has checked each is a 1-D tensor of its dtype)."""

@@ -1012,27 +1012,30 @@ def test_hyper_parameters_are_checked_by_name():
 
 def op_arguments(state_format="8bit", amsgrad=False, seed=0):
     """fused_step_cpu's arguments for two Adam parameters (one quantized, one with fp32 states), as
-    fused_cpu.step makes them, after one step through the optimizer (so states exist)."""
+    fused_cpu.step makes them, after one step through the optimizer (so states exist); the addends
+    of states that keep a part outside their codes (8bit-lowrank's matrix)."""
     params, opt = run(True, shapes=[(71, 64), (200,)], state_format=state_format, amsgrad=amsgrad)
     items = [(p.detach(), p.grad, *(opt.state[p].get(k) for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))) for p in params]
     group = opt.param_groups[0]
     beta1, beta2 = group["betas"]
     hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], one_minus_beta1=1 - beta1,
                  one_minus_beta2=1 - beta2, decoupled_weight_decay=True, maximize=False)  # fmt: skip
-    tensors, keys = [], []
+    tensors, keys, addends = [], [], []
     for *_, m, v, vmax in items:
         for state in (m, v, vmax):
             keys.append(kernel_op.format_key(state))
             if state is not None:
                 tensors.extend(state._inner().values() if isinstance(state, StateTensor) else [state])
-    return ("adam", kernel_op.hyper_values("adam", hyper), [i[0] for i in items], [i[1] for i in items], [i[2] for i in items], tensors, keys, [])
+            if isinstance(state, StateTensor) and state.has_addend:
+                addends.append(state.kernel_addend(torch.empty(state.numel(), dtype=torch.float32)))
+    return ("adam", kernel_op.hyper_values("adam", hyper), [i[0] for i in items], [i[1] for i in items], [i[2] for i in items], tensors, keys, [], addends)
 
 
 def cloned(arguments):
     return tuple([t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a for a in arguments)
 
 
-@pytest.mark.parametrize("state_format", ["8bit", "4bit", {"exp_avg": "fp8", "exp_avg_sq": "factored"}], ids=["8bit", "4bit", "factored"])
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", {"exp_avg": "fp8", "exp_avg_sq": "factored"}, "8bit-lowrank"], ids=["8bit", "4bit", "factored", "8bit-lowrank"])
 def test_op_under_compile_gives_the_direct_calls_bits(state_format):
     """lowbit_optim::fused_step_cpu is opaque to dynamo: under torch.compile(fullgraph=True) it is
     one node, and the step it runs writes the same bits as a direct call."""
@@ -1043,7 +1046,7 @@ def test_op_under_compile_gives_the_direct_calls_bits(state_format):
     graphs = counters["stats"]["unique_graphs"]
     torch.compile(lambda *a: torch.ops.lowbit_optim.fused_step_cpu(*a), fullgraph=True)(*compiled)
     assert counters["stats"]["unique_graphs"] == graphs + 1
-    for a, b in zip(direct[2:6], compiled[2:6]):
+    for a, b in zip(direct[2:6] + direct[8:], compiled[2:6] + compiled[8:]):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     assert not torch.equal(direct[2][0], arguments[2][0]), "test setup: the step should move the parameter"
@@ -1053,6 +1056,7 @@ def test_op_passes_opcheck():
     """torch.library.opcheck: the schema declares what the op mutates, the fake implementation fits,
     and it works under AOT dispatch."""
     torch.library.opcheck(torch.ops.lowbit_optim.fused_step_cpu.default, op_arguments("4bit"))
+    torch.library.opcheck(torch.ops.lowbit_optim.fused_step_cpu.default, op_arguments("8bit-lowrank"))
 
 
 def test_op_refuses_bad_arguments():
@@ -1061,7 +1065,7 @@ def test_op_refuses_bad_arguments():
     params_before = [p.clone() for p in arguments[2]]
 
     def refused(match, **changes):
-        names = ["optimizer", "hyper", "params", "grads", "steps", "state_tensors", "state_formats", "corrections"]
+        names = ["optimizer", "hyper", "params", "grads", "steps", "state_tensors", "state_formats", "corrections", "addends"]
         changed = [changes.get(name, value) for name, value in zip(names, arguments)]
         with pytest.raises(ValueError, match=match):
             torch.ops.lowbit_optim.fused_step_cpu(*changed)
@@ -1080,6 +1084,7 @@ def test_op_refuses_bad_arguments():
     refused("corrections holds 1 tensors for 2 parameters", corrections=[torch.zeros(71 * 64, dtype=torch.int8)])
     no_correction = torch.zeros(0, dtype=torch.int8)
     refused(r"shape \(71, 64\): its int8-correction is .* beside a bfloat16 parameter", corrections=[torch.zeros(71 * 64, dtype=torch.int8), no_correction])
+    refused("addends holds more tensors than the given states keep outside their codes", addends=[torch.zeros(71 * 64)])
     for before, after in zip(params_before, arguments[2]):
         assert torch.equal(before, after), "a refused call must step nothing"
     # what would overflow the C's chunk buffers: rows of 8191 elements beside blocks of 128
@@ -1087,6 +1092,25 @@ def test_op_refuses_bad_arguments():
     hyper = dict(zip([name for name, _ in kernel_op.kernel().optimizers["adam"].hyper._fields_], arguments[1]))
     with pytest.raises(ValueError, match=r"shape \(24573,\): a factored state's rows of 8191 elements and the other states' blocks meet only every 1048448"):
         fused_cpu.step("adam", [wide], hyper)
+
+
+
+def test_op_refuses_a_state_without_its_addend():
+    """A state that keeps a part of its values outside its codes (8bit-lowrank's matrix) is stepped
+    only with that part given as an addend of its size: the C would otherwise decode the codes alone,
+    or read past the addend."""
+    arguments = list(op_arguments("8bit-lowrank"))
+    (addend,) = arguments[8]
+    before = [t.clone() for t in arguments[5]]
+    for addends, match in (
+        ([], r"shape \(71, 64\): its exp_avg state keeps a part of its values outside its codes, and addends holds none"),
+        ([addend[:-1]], r"shape \(71, 64\): the addend of its exp_avg state is .*, not 4544 contiguous float32"),
+        ([addend.double()], "not 4544 contiguous float32"),
+        ([addend.view(71, 64).t()], "not 4544 contiguous float32"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.lowbit_optim.fused_step_cpu(*arguments[:8], addends)
+    assert all(torch.equal(a, b) for a, b in zip(before, arguments[5])), "a refused call must step nothing"
 
 
 # ---- factored states ------------------------------------------------------------------------------

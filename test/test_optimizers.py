@@ -370,18 +370,23 @@ def test_bf16_params_train(opt_info, param_update):
 
 
 @matrix_optimizers
-def test_fused(opt_info):
+@pytest.mark.parametrize("fmt", ["fp32", "8bit-lowrank"])
+def test_fused(opt_info, fmt):
     """An optimizer with an update in the fused CPU kernel (Adam/AdamW, SGD, Lion, AdEMAMix, Muon) steps
     with it under fused=True and fused=None (the default), the same bits as the compiled step
-    (fused=False; test_fused_cpu.py covers the formats and options); one without is refused
-    fused=True with the reason, and fused=None takes the compiled step."""
+    (fused=False; test_fused_cpu.py covers the formats and options), with plain states and with a
+    state that keeps a part outside its codes (8bit-lowrank's matrices: its addend); one without is
+    refused fused=True with the reason, and fused=None takes the compiled step."""
+    info = format_info(fmt)
+    if opt_info.spec(info) is None:
+        pytest.skip(f"{opt_info.name} keeps no state {fmt} holds")
     if opt_info.cls._fused_step is None:
         with pytest.raises(ValueError, match="the fused CPU kernel steps Adam, AdamW, SGD, Lion, AdEMAMix and Muon only"):
             opt_info.make(opt_info.mlp().parameters(), fused=True)
         choices = (None, False)
     else:
         choices = (True, None, False)
-    runs = [trained(opt_info, FP32, steps=2, fused=fused)[:2] for fused in choices]
+    runs = [trained(opt_info, info, steps=2, fused=fused)[:2] for fused in choices]
     for run in runs[1:]:
         assert_same_training(*runs[0], *run)
 

@@ -80,7 +80,10 @@ DECLARE_STRUCT(buckets_t, BUCKET_FIELDS)
     FIELD(S, int32_t, exponent_bits)        /* KIND_BLOCK_FLOAT: the small float's (quant.small_float_codes); */ \
     FIELD(S, int32_t, mantissa_bits)        /* bits less these two is its sign bit (1 signed, 0 not) */      \
     FIELD(S, int32_t, log_unbiased)         /* KIND_BLOCK_FLOAT: writes keep log(v) unbiased (quant.log_unbiased_threshold) */ \
-    FIELD(S, int32_t, power_of_two_scale)   /* KIND_BLOCK_FLOAT: scales rounded up to a power of two */
+    FIELD(S, int32_t, power_of_two_scale)   /* KIND_BLOCK_FLOAT: scales rounded up to a power of two */        \
+    FIELD(S, float *, addend)               /* KIND_CODEBOOK: numel fp32 values added to the decoded codes, where the */ \
+                                            /* format keeps a part outside them (a low-rank part), or NULL; the store */ \
+                                            /* then writes the new values there and leaves the codes to Python */
 DECLARE_STRUCT(state_t, STATE_FIELDS)
 
 /* One parameter: its values, gradient, step counter and states. */

@@ -73,14 +73,22 @@ static float *load_state(const state_t *s, int64_t start, int64_t n, float *buff
         const uint8_t *c = (const uint8_t *)s->data + (s->bits == 8 ? first : first / 2);
         decode_block(c, s->bits, codebook, value_bytes, s->scale[first / bs], m, buffer + b * bs);
     }
+    if (s->addend) {  /* the part outside the codes (LowRankState.dequantize: decoded + low-rank part) */
+        const float *a = s->addend + start;
+        for (int64_t i = 0; i < n; i++) buffer[i] = buffer[i] + a[i];
+    }
     return buffer;
 }
 
-/* Writes back what load_state gave (nothing to do for fp32 states, updated in place). x holds the
- * chunk's n values and room up to the next block boundary (zero-padded here, as the compiled step
- * pads the last block); it is overwritten. col_sums: a factored state's running column sums of the
- * chunk's task. */
+/* Writes back what load_state gave (nothing to do for fp32 states, updated in place; a state with an
+ * addend gets its new values there, unencoded). x holds the chunk's n values and room up to the next
+ * block boundary (zero-padded here, as the compiled step pads the last block); it is overwritten.
+ * col_sums: a factored state's running column sums of the chunk's task. */
 static void store_state(const state_t *s, int64_t start, int64_t n, float *x, double *col_sums) {
+    if (s->addend) {  /* the format finishes the write (StateTensor.kernel_residual) */
+        memcpy(s->addend + start, x, (size_t)n * sizeof(float));
+        return;
+    }
     if (s->kind == KIND_F32 || s->kind == KIND_BF16) {
         store_values(s->kind, s->data, start, n, x);
         return;

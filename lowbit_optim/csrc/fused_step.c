@@ -27,7 +27,7 @@
  *   block_float.h block floating-point states (10bit-sr, 8bit-log): a small float per value, rounded stochastically
  *   chunk_io.h   one chunk of any kind as fp32: load before the update, store after
  *   update.h     the update stage's interface (chunk_t, optimizer_t) and helpers
- *   update_*.h   one optimizer's update each
+ *   update_*.h   one optimizer's update each (update_assign.h: the encoders as an update)
  *   scheduler.h  chunks, tasks and the OpenMP loop
  *   test_hooks.h entry points for the tests
  * This file lists the optimizers and exports the entry points.
@@ -60,6 +60,7 @@
 #include "update_lion.h"
 #include "update_ademamix.h"
 #include "update_muon.h"
+#include "update_assign.h"
 #include "scheduler.h"
 #include "test_hooks.h"
 
@@ -71,7 +72,8 @@
     OPTIMIZER(sgd, sgd_hyper_t, SGD_HYPER_FIELDS, "momentum_buffer", 0, 1, sgd_scalars_t, sgd_prepare, sgd_update) \
     OPTIMIZER(lion, lion_hyper_t, LION_HYPER_FIELDS, "exp_avg", 1, 1, lion_scalars_t, lion_prepare, lion_update) \
     OPTIMIZER(ademamix, ademamix_hyper_t, ADEMAMIX_HYPER_FIELDS, "exp_avg,exp_avg_slow,exp_avg_sq", 3, 1, ademamix_scalars_t, ademamix_prepare, ademamix_update) \
-    OPTIMIZER(muon, muon_hyper_t, MUON_HYPER_FIELDS, "momentum_buffer", 1, 1, muon_scalars_t, muon_prepare, muon_update)
+    OPTIMIZER(muon, muon_hyper_t, MUON_HYPER_FIELDS, "momentum_buffer", 1, 1, muon_scalars_t, muon_prepare, muon_update) \
+    OPTIMIZER(assign, assign_hyper_t, ASSIGN_HYPER_FIELDS, "state", 1, 0, assign_scalars_t, assign_prepare, assign_update)
 
 #define OPTIMIZER_ROW(name, hyper, FIELDS, states, required, bf16, scalars, prepare, update) \
     {#name, #hyper, states, required, bf16, sizeof(scalars), prepare, update},
