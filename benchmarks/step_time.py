@@ -215,6 +215,8 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
         ]
     rows += [("bnb-32bit", _bnb(bnb32, {**kwargs, **extra32})), ("bnb-8bit", _bnb(bnb8, {**kwargs, **extra8}))]
     rows += [(f"lowbit-{f}", lambda params, f=f: cls(params, **kwargs, state_format=f)) for f in ("fp32", "8bit", "8bit-linear", "8bit-lowrank", "4bit")]
+    # the low-rank momentum in the compiled step (fused=False), as on a GPU
+    rows += [("lowbit-8bit-lowrank-compiled", lambda params: cls(params, **kwargs, state_format="8bit-lowrank", fused=False))]
     if optimizer == "ademamix":  # the MLP task's recipes (README, "AdEMAMix state by state")
         recipes = {
             "lowbit-recipe": {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"},
@@ -225,7 +227,6 @@ def other_optimizer_factories(optimizer: str) -> list[tuple[str, Callable]]:
             "lowbit-all-8bit": {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-log"},
         }
         rows += [(label, lambda params, f=f: cls(params, **kwargs, state_format=f)) for label, f in recipes.items()]
-        # the same in the compiled step (fused=False), as on a GPU
         rows += [("lowbit-all-8bit-compiled", lambda params: cls(params, **kwargs, state_format=recipes["lowbit-all-8bit"], fused=False))]
     return rows
 

@@ -469,6 +469,8 @@ def _checked_addend(addend: Tensor | None, name: str, state: StateTensor, param:
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
             "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
+    if _stored_kind(state) != "codebook":  # the C adds an addend to decoded codes only (chunk_io.h)
+        raise ValueError(f"the fused CPU kernel takes an addend beside codebook codes only, not beside the {name} state's {_stored_kind(state)} ({type(state).__name__})")
     if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != state.numel():
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "

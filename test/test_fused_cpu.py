@@ -1113,6 +1113,16 @@ def test_op_refuses_a_state_without_its_addend():
     assert all(torch.equal(a, b) for a, b in zip(before, arguments[5])), "a refused call must step nothing"
 
 
+def test_op_refuses_an_addend_beside_other_codes(monkeypatch):
+    """The C adds an addend to decoded codebook codes only: a state of another kind that says it keeps
+    a part outside its codes is refused, not decoded without it."""
+    arguments = op_arguments("fp8")
+    monkeypatch.setattr(OptimStateFp8, "has_addend", property(lambda self: True))
+    addends = [torch.zeros(71 * 64), torch.zeros(71 * 64)]
+    with pytest.raises(ValueError, match="takes an addend beside codebook codes only, not beside the exp_avg state's e4m3"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments[:8], addends)
+
+
 # ---- factored states ------------------------------------------------------------------------------
 
 
