@@ -3,7 +3,8 @@
 ``--optimizer sgd|lion|ademamix`` times that optimizer instead of AdamW: lowbit_optim's version with
 fp32, 8bit, 8bit-linear, 8bit-lowrank and 4bit state beside bitsandbytes' 8-bit and 32-bit versions, and for SGD
 ``torch.optim.SGD`` (foreach and ``fused=True``, the reference of the ratios); Lion and AdEMAMix,
-which torch lacks, are timed against bitsandbytes' 32-bit version. ``--optimizer muon`` steps the
+which torch lacks, are timed against bitsandbytes' 32-bit version; ``lowbit-8bit-lowrank-compiled`` (and
+AdEMAMix's ``lowbit-all-8bit-compiled``) step the low-rank rows with ``fused=False``. ``--optimizer muon`` steps the
 blocks' 2-D matrices only (Muon's part of the usual recipe) with ``torch.optim.Muon`` (the reference)
 and lowbit_optim's Muon with fp32, 8bit, 8bit-linear, 8bit-lowrank, 4bit and 4bit-lowrank-mulaw momentum (on the CPU the momentum in
 the fused kernel; the ``-compiled`` rows in the compiled step), and times the Newton-Schulz iterations

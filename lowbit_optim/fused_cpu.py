@@ -5,7 +5,8 @@ device and format. On the CPU, inductor turns it into several passes (moments, b
 encoding) with scalar table gathers; the C kernel (csrc/) computes the same numbers in one pass per
 chunk of blocks, for plain fp32/bf16 states and every format that declares a kernel layout
 (``StateTensor.kernel_layout``: codebook formats, also with stochastic rounding, FP8 e4m3, factored,
-bf16 with stochastic rounding).
+bf16 with stochastic rounding, block floats, and low-rank states, whose low-rank part ``step`` computes
+beside the kernel).
 Factored states it steps with one difference: it sums rows and columns in double, in its own order,
 so their sums can differ from the compiled step's in the last bit. bf16 parameters it rounds to
 nearest or keeps with an int8-correction (24-bit weights); anything else (a format with its own
@@ -86,7 +87,9 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
     and contiguous (``unsupported_reason``). Parameters whose states all lie in their codes go in one
     call; one with a state that keeps a part outside them (StateTensor.has_addend) in a call of its
     own, between that state's kernel_addend and kernel_residual, whose values then go through the
-    kernel's encoders (``assign``): one parameter's fp32 values at a time."""
+    kernel's encoders (``assign``): one parameter's fp32 values at a time. So an error raised partway
+    (the checks come first: only a failure of the products or an interrupt) leaves the parameters
+    before it stepped."""
     if not items:
         return
     corrections = corrections or [None] * len(items)

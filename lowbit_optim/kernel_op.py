@@ -119,7 +119,10 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
         return f"the {name} state {type(state).__name__} (a format with its own encoding)"
     if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
         return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
-    return None
+    if isinstance(state, StateTensor) and state.has_addend and _stored_kind(state) != "codebook":  # chunk_io.h adds it to codebook codes only
+        return f"the {name} state keeps a part outside its {_stored_kind(state)} codes (the kernel takes one beside codebook codes only)"
+    refusal = state.kernel_refusal() if isinstance(state, StateTensor) else None
+    return f"the {name} state is {refusal}" if refusal else None
 
 
 def chunks_unsupported(states) -> str | None:
@@ -469,8 +472,6 @@ def _checked_addend(addend: Tensor | None, name: str, state: StateTensor, param:
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
             "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
-    if _stored_kind(state) != "codebook":  # the C adds an addend to decoded codes only (chunk_io.h)
-        raise ValueError(f"the fused CPU kernel takes an addend beside codebook codes only, not beside the {name} state's {_stored_kind(state)} ({type(state).__name__})")
     if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != state.numel():
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "

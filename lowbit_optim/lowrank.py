@@ -28,12 +28,9 @@ nonnegative state's grid has no zero (as ``int8-linear``'s), so that a small v n
 Under FSDP2 the rank applies to each rank's rows, so the factors' share grows with the world size
 (4096 x 11008 at rank 32: 1.06 B/param on one rank, 2.03 on 32). The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. The fused CPU kernel steps it in
-three moves (StateTensor.kernel_addend): the low-rank part is computed into a buffer, which the kernel
-adds to the decoded codes and overwrites with the new values; the subspace iteration then runs on
-them here, and the kernel encodes the residual (its ``assign`` update). The same operations as the
-compiled step, so the same bits; on the GPT-2-small set every-state-8-bit AdEMAMix steps in 0.54 s
-against 1.58 s compiled (2 threads, AMD EPYC of family 26), of which its four (rows x cols x rank)
-products take about half. It cannot be cut into row slices (the low-rank part spans every row), so
+three moves (README, Design: the addend); the same ATen products and QRs as the compiled step, so
+the same bits, but for a matrix of one column, whose product inductor computes as a sum of its own
+(kernel_refusal: it takes the compiled step). It cannot be cut into row slices (the low-rank part spans every row), so
 torch.distributed.checkpoint loads it whole (distributed.py: bit-exact on the same world size,
 rewritten from the saved values when resharded). Under FSDP2 each rank's state is its own rows, with
 a low-rank part of its own.
@@ -47,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import quant
-from .state import CodebookState, KernelLayout, _format_name, computes_as, extend_fingerprint
+from .state import SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, _format_name, computes_as, extend_fingerprint
 
 
 def start_basis(cols: int, rank: int, device) -> Tensor:
@@ -154,15 +151,22 @@ class LowRankState(CodebookState):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         # the residual's codes are a codebook state's; the low-rank part passes through the addend
-        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", "_normalized_blocks", "_block_scales"):
+        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", *(m for m in SCALED_AS_THE_KERNEL if m not in ("quantize_", "dequantize"))):
             return None
-        if not computes_as(cls, LowRankState, "quantize_", "dequantize", "_fit_low_rank", "_low_rank", "kernel_addend", "kernel_residual"):
+        if not computes_as(cls, LowRankState, "quantize_", "dequantize", "_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual", "kernel_refusal"):
             return None
         return cls._codebook_layout(signed)
 
     @property
     def has_addend(self) -> bool:
         return self.rank > 0
+
+    def kernel_refusal(self) -> str | None:
+        # inductor computes a (1 x k) @ (k x 1) product on the CPU as its own sum (its mm
+        # decomposition), not BLAS's dot: a one-column matrix's `matrix.T @ left` then differs
+        if self.rank and self._matrix_shape()[1] == 1:
+            return f"a low-rank state of one column (shape {tuple(self.shape)}: the compiled step sums its products in its own order)"
+        return None
 
     def kernel_addend(self, out: Tensor) -> Tensor:
         return self._low_rank(out)

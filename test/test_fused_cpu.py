@@ -1119,8 +1119,23 @@ def test_op_refuses_an_addend_beside_other_codes(monkeypatch):
     arguments = op_arguments("fp8")
     monkeypatch.setattr(OptimStateFp8, "has_addend", property(lambda self: True))
     addends = [torch.zeros(71 * 64), torch.zeros(71 * 64)]
-    with pytest.raises(ValueError, match="takes an addend beside codebook codes only, not beside the exp_avg state's e4m3"):
+    with pytest.raises(ValueError, match="the exp_avg state keeps a part outside its e4m3 codes"):
         torch.ops.lowbit_optim.fused_step_cpu(*arguments[:8], addends)
+
+
+
+@pytest.mark.parametrize("fmt", ["8bit-lowrank", "4bit-lowrank-mulaw"])
+def test_a_one_column_low_rank_state_takes_the_compiled_step(fmt):
+    """Inductor computes a (1 x k) @ (k x 1) product on the CPU as a sum of its own, not BLAS's dot, so
+    the kernel cannot give a one-column low-rank state's compiled bits: such a parameter is refused
+    by fused=True and takes the compiled step under fused=None, its neighbours the kernel (one row,
+    two columns: the same bits)."""
+    shapes = [(71, 64), (300, 1), (1, 300), (300, 2)]
+    with pytest.raises(RuntimeError, match=r"shape \(300, 1\): the exp_avg state is a low-rank state of one column"):
+        run(True, shapes=shapes, state_format=fmt, min_quantize_numel=1)
+    assert_identical(run(None, shapes=shapes, state_format=fmt, min_quantize_numel=1), run(False, shapes=shapes, state_format=fmt, min_quantize_numel=1))
+    for shape in ((71, 64), (1, 300), (300, 2)):
+        assert_identical(run(True, shapes=[shape], state_format=fmt, min_quantize_numel=1), run(False, shapes=[shape], state_format=fmt, min_quantize_numel=1))
 
 
 # ---- factored states ------------------------------------------------------------------------------

@@ -15,5 +15,5 @@ static void assign_prepare(const void *hyper, float step, void *scalars) { (void
 
 static void assign_update(const void *hyper, const void *scalars, const chunk_t *c) {
     (void)hyper, (void)scalars;
-    memcpy(c->state[0], c->grad, (size_t)c->n * sizeof(float));
+    memmove(c->state[0], c->grad, (size_t)c->n * sizeof(float));  /* a plain fp32 state may be its own gradient */
 }
