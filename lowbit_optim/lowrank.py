@@ -151,9 +151,8 @@ class LowRankState(CodebookState):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         # the residual's codes are a codebook state's; the low-rank part passes through the addend
-        if not computes_as(cls, CodebookState, "encode", "encode_blocks", "decode", *(m for m in SCALED_AS_THE_KERNEL if m not in ("quantize_", "dequantize"))):
-            return None
-        if not computes_as(cls, LowRankState, "quantize_", "dequantize", "_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual", "kernel_refusal"):
+        low_rank = ("_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual", "kernel_refusal")
+        if not computes_as(cls, LowRankState, "encode", "encode_blocks", "decode", *SCALED_AS_THE_KERNEL, *low_rank):
             return None
         return cls._codebook_layout(signed)
 
