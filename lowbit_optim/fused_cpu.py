@@ -34,6 +34,7 @@ from .state import StateTensor
 
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 _NO_CORRECTION = torch.empty(0, dtype=torch.int8)
+_NO_COUNTER = torch.empty(0, dtype=torch.float32)
 
 
 def library():
@@ -113,22 +114,19 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
 
 def _call(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] = (), addends: list[Tensor] = ()) -> None:
     """The op on ``items`` (step's), ``addends`` those of their states that have one, in order."""
-    params, grads, steps, tensors, keys, formatted = [], [], [], [], [], []
+    params, grads, steps, tensors, keys = [], [], [], [], []
     for param, grad, counter, *states in items:
         params.append(param)
         grads.append(grad)
-        steps.append(counter if counter is not None else torch.empty(0, dtype=torch.float32))  # no counter: a parameter without states
+        steps.append(counter if counter is not None else _NO_COUNTER)  # a parameter without states
         for state in states:
-            key = kernel_op.format_key(state)
-            keys.append(key)
+            keys.append(kernel_op.format_key(state))
             if isinstance(state, StateTensor):
                 tensors.extend(getattr(state, name) for name in state.inner_names)
-                formatted.append((state, key))
             elif state is not None:
                 tensors.append(state)
-    with kernel_op.passing(formatted):
-        given = [c if c is not None else _NO_CORRECTION for c in corrections] if any(c is not None for c in corrections) else []
-        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
+    given = [c if c is not None else _NO_CORRECTION for c in corrections] if any(c is not None for c in corrections) else []
+    torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
 
 
 def adam_step(items: list[tuple], group: dict, corrections=None) -> None:

@@ -4,11 +4,13 @@ The op is a torch.library op, so dynamo never traces into it (a graph that calls
 its schema declares what it mutates, and it bumps those tensors' version counters. It takes only
 plain tensors: each state arrives as its inner tensors (a plain fp32/bf16 state as itself) and a
 format key (``format_key``) naming its format and metadata. Before the C reads anything through raw
-pointers, the op rebuilds each state (or takes the very state fused_cpu.step passes, see
-``passing``), checks every tensor (``check_inputs``: the format's own ``check_layout``, dtypes,
-sizes, devices) and refuses bad input with a ValueError. It then describes each state as the C's
-``state_t`` from what its format declares (``StateTensor.kernel_layout``: the codec's name and
-tables) and calls ``lowbit_step``.
+pointers, the op rebuilds each state, checks every tensor (``check_inputs``: the format's own
+``check_layout``, dtypes, sizes, devices) and refuses bad input with a ValueError. It then describes
+each state as the C's ``state_t`` from what its format declares (``StateTensor.kernel_layout``: the
+codec's name and tables) and calls ``lowbit_step``. A parameter's states that passed are remembered
+by what the checks read of them (``_Checked``), so that a later call given the same formats over
+tensors of the same dtypes, shapes, layouts and addresses checks only the parameter, gradient and
+counter, and copies the states' descriptions.
 
 Arguments: ``optimizer`` (the kernel's name of an update, e.g. "adam"), ``hyper`` (its
 hyper-parameters in its C struct's field order: ``hyper_values`` makes them from names), ``params``,
@@ -21,7 +23,6 @@ state with ``has_addend``, in the same order: its part outside the codes, StateT
 which the kernel overwrites with the state's new values, leaving its codes as they were).
 """
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -39,6 +40,7 @@ ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf1
 _PLAIN_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtype -> the C's kind name
 
 _formats: list = [None, None]  # format key -> (state class, its __tensor_flatten__ metadata)
+_inner_counts: list = [0, 1]  # format key -> how many tensors a state of it arrives as
 _format_keys: dict = {}
 
 
@@ -53,6 +55,7 @@ def format_key(state: Tensor | None) -> int:
     if key is None:
         key = _format_keys[entry] = len(_formats)
         _formats.append(entry)
+        _inner_counts.append(len(type(state).inner_names))
     return key
 
 
@@ -426,25 +429,34 @@ def fused_step_cpu(
     hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
     w = _writers(k)
     entries = (k.structs["param_t"] * count)()  # zeros: absent states are kind none
-    tensors, passed, added = iter(state_tensors), iter(getattr(_passing, "states", ())), iter(addends)
-    required = spec.states[: spec.required]
+    tensors, added = iter(state_tensors), iter(addends)
+    per_param, required = len(spec.states), spec.states[: spec.required]
+    states_at, states_end = w.states_at, w.states_at + per_param * w.state_size
+    if len(_checked) > max(_CHECKED_KEPT, 2 * count):  # states replaced over a long run (loads, conversions)
+        _checked.clear()
     with memoryview(entries).cast("B") as buffer:
-        for i, (param, grad, step, keys) in enumerate(zip(params, grads, steps, _per_param(state_formats, len(spec.states)))):
-            states = {name: _rebuild(key, tensors, param, passed) for name, key in zip(spec.states, keys)}
-            check_inputs(param, grad, step, states, required)
+        for i, (param, grad, step) in enumerate(zip(params, grads, steps)):
+            keys = tuple(state_formats[i * per_param : (i + 1) * per_param])
+            inner = [_next_tensor(tensors) for key in keys for _ in range(_inner_count(key))]
+            numel = param.numel()
+            # what check_inputs reads of the states, their addresses included: the same says the same
+            seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr()) for t in inner])
+            checked = _checked.get(seen)
+            at = i * w.param_size
+            if checked is None or not _plain_fits(param, numel) or not _plain_fits(grad, numel) or not _counter_fits(step, checked.counted):
+                checked = _check_and_describe(k, w, buffer, at, spec, keys, inner, param, grad, step, required)
+                _checked[seen] = checked
+            else:
+                buffer[at + states_at : at + states_end] = checked.states
             correction = corrections[i] if corrections and corrections[i].numel() else None
             if correction is not None:
                 check_correction(param, correction)
-            at = i * w.param_size
             w.param.write(
-                buffer, at, param.numel(), k.kinds[_PLAIN_KINDS[param.dtype]], k.kinds[_PLAIN_KINDS[grad.dtype]], param.data_ptr(),
+                buffer, at, numel, k.kinds[_PLAIN_KINDS[param.dtype]], k.kinds[_PLAIN_KINDS[grad.dtype]], param.data_ptr(),
                 grad.data_ptr(), step.data_ptr() if step.numel() else 0, correction.data_ptr() if correction is not None else 0,
             )  # fmt: skip
-            for j, (name, state) in enumerate(states.items()):
-                if state is not None:
-                    _write_state(w, buffer, at + w.states_at + j * w.state_size, k, state)
-                    if isinstance(state, StateTensor) and state.has_addend:
-                        w.addend.write(buffer, at + w.states_at + j * w.state_size, _checked_addend(next(added, None), name, state, param).data_ptr())
+            for j, name in checked.addends:
+                w.addend.write(buffer, at + states_at + j * w.state_size, _checked_addend(next(added, None), name, numel, param).data_ptr())
     if next(tensors, None) is not None:
         raise ValueError("state_tensors holds more tensors than state_formats describe")
     if next(added, None) is not None:
@@ -456,6 +468,48 @@ def fused_step_cpu(
     torch.autograd.graph.increment_version([*params, *steps, *state_tensors, *corrections, *addends])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A parameter's states that passed check_inputs: their state_t descriptions as bytes (addends
+    left NULL), whether it counts steps, and (slot, name) of each state with an addend."""
+
+    states: bytes
+    counted: bool
+    addends: tuple[tuple[int, str], ...]
+
+
+# check_inputs' verdicts by what it reads (_Checked); a few entries per parameter at most
+_checked: dict = {}
+_CHECKED_KEPT = 4096
+
+
+def _check_and_describe(k, w: "_Writers", buffer, at: int, spec, keys: tuple, inner: list, param: Tensor, grad: Tensor, step: Tensor, required) -> _Checked:
+    """Rebuild a parameter's states from their tensors, check them (a ValueError says what is wrong)
+    and describe them into its param_t at byte ``at``."""
+    tensors = iter(inner)
+    states = {name: _rebuild(key, tensors, param) for name, key in zip(spec.states, keys)}
+    check_inputs(param, grad, step, states, required)
+    addends = []
+    for j, (name, state) in enumerate(states.items()):
+        if state is not None:
+            _write_state(w, buffer, at + w.states_at + j * w.state_size, k, state)
+            if isinstance(state, StateTensor) and state.has_addend:
+                addends.append((j, name))
+    described = bytes(buffer[at + w.states_at : at + w.states_at + len(spec.states) * w.state_size])
+    return _Checked(described, any(s is not None for s in states.values()), tuple(addends))
+
+
+def _counter_fits(step: Tensor, counted: bool) -> bool:
+    # check_inputs' test of the step counter
+    return step.dtype == torch.float32 and step.is_cpu and step.numel() == (1 if counted else 0)
+
+
+def _inner_count(key: int) -> int:
+    if not 0 <= key < len(_formats):
+        raise ValueError(f"format key {key} names no state format (format_key makes them)")
+    return _inner_counts[key]
+
+
 _LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
 
 
@@ -464,57 +518,31 @@ def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, 
     return None
 
 
-def _checked_addend(addend: Tensor | None, name: str, state: StateTensor, param: Tensor) -> Tensor:
-    """``addend`` if it can be the part of ``state`` outside its codes: the C reads and writes numel
-    fp32 values there."""
+def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor) -> Tensor:
+    """``addend`` if it can be the part of a state of ``numel`` elements outside its codes: the C
+    reads and writes numel fp32 values there."""
     if addend is None:
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
             "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
-    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != state.numel():
+    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel:
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "
-            f"{describe_tensor(addend)}, not {state.numel()} contiguous float32 values on the CPU"
+            f"{describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU"
         )
     return addend
 
 
-def _per_param(keys: list[int], states: int):
-    return (keys[i : i + states] for i in range(0, len(keys), states))
-
-
-def _rebuild(key: int, tensors, param: Tensor, passed) -> Tensor | None:
-    """The state that format key ``key`` and the next tensors stand for (None: absent). ``passed``
-    yields fused_cpu.step's (state, key) pairs in the order of its formatted states (``passing``)."""
+def _rebuild(key: int, tensors, param: Tensor) -> Tensor | None:
+    """The state that format key ``key`` and the next tensors stand for (None: absent)."""
     if key == ABSENT:
         return None
-    if not 0 <= key < len(_formats):
-        raise ValueError(f"format key {key} names no state format (format_key makes them)")
     if key == PLAIN:
         return _next_tensor(tensors)
     cls, metadata = _formats[key]
     inner = {name: _next_tensor(tensors) for name in cls.inner_names}
-    known, known_key = next(passed, (None, None))
-    if known_key == key and type(known) is cls and all(getattr(known, n) is t for n, t in inner.items()):
-        return known  # the very state these tensors and metadata make (building it anew costs ~6 us)
     return cls.__tensor_unflatten__(inner, metadata, param.shape, None)
-
-
-_passing = threading.local()
-
-
-@contextlib.contextmanager
-def passing(states: list[tuple[StateTensor, int]]):
-    """While in the block, the op reuses these (state, its format key), in the order of the
-    formatted states it is given, instead of rebuilding each from its inner tensors, where it is
-    given exactly that state's tensors and key (fused_cpu.step's states, whose keys it has just
-    made)."""
-    _passing.states = states
-    try:
-        yield
-    finally:
-        _passing.states = ()
 
 
 def _next_tensor(tensors) -> Tensor:

@@ -231,7 +231,9 @@ class StateTensor(Tensor):
     def check_layout(self) -> None:
         """Raise a ValueError saying what is wrong if the inner tensors do not fit the logical shape,
         as in a truncated or edited checkpoint: the fused kernel trusts them, and would read and write
-        past their ends."""
+        past their ends. What it decides must follow from the inner tensors' dtypes, shapes, layouts
+        and devices and the metadata (``__tensor_flatten__``'s): the kernel's op remembers a verdict by
+        those (kernel_op._Checked)."""
         try:
             if not isinstance(self.signed, bool):
                 raise ValueError(f"signed is {self.signed!r}, not a bool")

@@ -1095,6 +1095,39 @@ def test_op_refuses_bad_arguments():
 
 
 
+def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypatch):
+    """The op remembers a parameter's states that passed its checks by their tensors' dtypes, shapes,
+    layouts and addresses: a second call over the same tensors checks only the parameter, gradient and
+    counter; a state changed in place behind the same tensor objects (``.data =``, a shrinking
+    ``resize_`` that keeps the address) is checked anew and refused."""
+    arguments = list(op_arguments("8bit"))
+    checked = []
+    original = kernel_op.check_inputs
+    monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
+    monkeypatch.setattr(kernel_op, "_checked", {})
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    assert checked == [torch.Size([71, 64]), torch.Size([200])]
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    assert len(checked) == 2, "the same states were checked again"
+    grads = [g.clone() for g in arguments[3]]  # new gradients: checked every call, without the states
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments[:3], grads, *arguments[4:])
+    assert len(checked) == 2
+    with pytest.raises(ValueError, match=r"shape \(200,\): its gradient is"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments[:3], [grads[0], grads[1][:-1]], *arguments[4:])
+    codes = arguments[5][0]  # the (71, 64) parameter's exp_avg codes
+    before = codes.clone()
+    codes.data = before[:-1].clone()
+    with pytest.raises(ValueError, match=r"shape \(71, 64\): its exp_avg state: .* is inconsistent"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    codes.data = before.clone()
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    address = codes.data_ptr()
+    codes.resize_(codes.numel() - 64)
+    assert codes.data_ptr() == address
+    with pytest.raises(ValueError, match=r"shape \(71, 64\): its exp_avg state: .* is inconsistent"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+
+
 def test_op_refuses_a_state_without_its_addend():
     """A state that keeps a part of its values outside its codes (8bit-lowrank's matrix) is stepped
     only with that part given as an addend of its size: the C would otherwise decode the codes alone,
@@ -1118,6 +1151,7 @@ def test_op_refuses_an_addend_beside_other_codes(monkeypatch):
     a part outside its codes is refused, not decoded without it."""
     arguments = op_arguments("fp8")
     monkeypatch.setattr(OptimStateFp8, "has_addend", property(lambda self: True))
+    monkeypatch.setattr(kernel_op, "_checked", {})  # verdicts on the class as it was
     addends = [torch.zeros(71 * 64), torch.zeros(71 * 64)]
     with pytest.raises(ValueError, match="the exp_avg state keeps a part outside its e4m3 codes"):
         torch.ops.lowbit_optim.fused_step_cpu(*arguments[:8], addends)
