@@ -654,7 +654,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, values: list, mode: str) -> bool:
         """Whether the fused CPU kernel steps ``p`` (``values``: its states in ``self.states``' order,
         None where absent)."""
-        if fused is False or (fused is None and param.device.type != "cpu") or _no_kernel_reason(type(self)) is not None:
+        if fused is False or (fused is None and not param.is_cpu) or _no_kernel_reason(type(self)) is not None:
             return False
         reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, values, mode)
         if reason is not None and fused:
@@ -672,7 +672,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if verdicts is None:  # by parameter, as self.state; not pickled
             verdicts = self.__dict__["_kernel_verdicts"] = {}
         inputs = (step, *values)
-        facts = (mode, param.dtype, param.device, param.is_contiguous())
+        facts = (mode, param.dtype, param.is_cpu, param.is_contiguous())  # what the verdict reads of param
         cached = verdicts.get(p)
         if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
             return cached[2]

@@ -429,15 +429,20 @@ def fused_step_cpu(
     hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
     w = _writers(k)
     entries = (k.structs["param_t"] * count)()  # zeros: absent states are kind none
-    tensors, added = iter(state_tensors), iter(addends)
+    added, taken = iter(addends), 0
     per_param, required = len(spec.states), spec.states[: spec.required]
     states_at, states_end = w.states_at, w.states_at + per_param * w.state_size
+    kinds = {dtype: k.kinds[name] for dtype, name in _PLAIN_KINDS.items()}
     if len(_checked) > max(_CHECKED_KEPT, 2 * count):  # states replaced over a long run (loads, conversions)
         _checked.clear()
     with memoryview(entries).cast("B") as buffer:
         for i, (param, grad, step) in enumerate(zip(params, grads, steps)):
             keys = tuple(state_formats[i * per_param : (i + 1) * per_param])
-            inner = [_next_tensor(tensors) for key in keys for _ in range(_inner_count(key))]
+            given = _tensor_count(keys)
+            inner = state_tensors[taken : taken + given]
+            if len(inner) < given:
+                raise ValueError("state_tensors holds fewer tensors than state_formats describe")
+            taken += given
             numel = param.numel()
             # what check_inputs reads of the states, their addresses included: the same says the same
             seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr()) for t in inner])
@@ -452,12 +457,12 @@ def fused_step_cpu(
             if correction is not None:
                 check_correction(param, correction)
             w.param.write(
-                buffer, at, numel, k.kinds[_PLAIN_KINDS[param.dtype]], k.kinds[_PLAIN_KINDS[grad.dtype]], param.data_ptr(),
+                buffer, at, numel, kinds[param.dtype], kinds[grad.dtype], param.data_ptr(),
                 grad.data_ptr(), step.data_ptr() if step.numel() else 0, correction.data_ptr() if correction is not None else 0,
             )  # fmt: skip
             for j, name in checked.addends:
                 w.addend.write(buffer, at + states_at + j * w.state_size, _checked_addend(next(added, None), name, numel, param).data_ptr())
-    if next(tensors, None) is not None:
+    if taken != len(state_tensors):
         raise ValueError("state_tensors holds more tensors than state_formats describe")
     if next(added, None) is not None:
         raise ValueError("addends holds more tensors than the given states keep outside their codes (StateTensor.has_addend)")
@@ -504,10 +509,19 @@ def _counter_fits(step: Tensor, counted: bool) -> bool:
     return step.dtype == torch.float32 and step.is_cpu and step.numel() == (1 if counted else 0)
 
 
-def _inner_count(key: int) -> int:
-    if not 0 <= key < len(_formats):
-        raise ValueError(f"format key {key} names no state format (format_key makes them)")
-    return _inner_counts[key]
+def _tensor_count(keys: tuple) -> int:
+    """How many state tensors a parameter's format keys stand for (a ValueError for a key that names
+    no format)."""
+    count = _tensor_counts.get(keys)
+    if count is None:
+        for key in keys:
+            if not 0 <= key < len(_formats):
+                raise ValueError(f"format key {key} names no state format (format_key makes them)")
+        count = _tensor_counts[keys] = sum(_inner_counts[key] for key in keys)
+    return count
+
+
+_tensor_counts: dict = {}  # format keys of a parameter -> _tensor_count
 
 
 _LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
@@ -535,18 +549,11 @@ def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor)
 
 
 def _rebuild(key: int, tensors, param: Tensor) -> Tensor | None:
-    """The state that format key ``key`` and the next tensors stand for (None: absent)."""
+    """The state that format key ``key`` and the next of ``tensors`` (enough of them:
+    _tensor_count) stand for (None: absent)."""
     if key == ABSENT:
         return None
     if key == PLAIN:
-        return _next_tensor(tensors)
+        return next(tensors)
     cls, metadata = _formats[key]
-    inner = {name: _next_tensor(tensors) for name in cls.inner_names}
-    return cls.__tensor_unflatten__(inner, metadata, param.shape, None)
-
-
-def _next_tensor(tensors) -> Tensor:
-    t = next(tensors, None)
-    if t is None:
-        raise ValueError("state_tensors holds fewer tensors than state_formats describe")
-    return t
+    return cls.__tensor_unflatten__({name: next(tensors) for name in cls.inner_names}, metadata, param.shape, None)
