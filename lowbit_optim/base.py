@@ -62,7 +62,7 @@ def _compiled(function, step_function):
     compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
-        with _configured(torch.fx.experimental._config, use_duck_shape=False):
+        with _configured(torch.fx.experimental._config, use_duck_shape=False), _raised_recompile_limit():
             return compiled(*args, **kwargs)
 
     return run
@@ -84,7 +84,8 @@ def _configured(config, **values):
 
 
 def _raised_recompile_limit():
-    """dynamo's recompile_limit at _RECOMPILE_LIMIT while in the block."""
+    """dynamo's recompile_limit at _RECOMPILE_LIMIT while in the block: around each compiled call
+    (_compiled), so that a step the kernel takes alone does not pay for it."""
     return _configured(torch._dynamo.config, recompile_limit=_RECOMPILE_LIMIT)
 
 
@@ -555,16 +556,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for i, tensor, grad in zip(positions, params, grads):
             group, p = owners[i]
             items[id(group)].append((p, tensor, grad))
-        with _raised_recompile_limit():
-            for group in self.param_groups:
-                self._step_group(group, items[id(group)])
+        for group in self.param_groups:
+            self._step_group(group, items[id(group)])
 
     # ---- the step in backward -------------------------------------------------------------------
 
     def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
         """Step one parameter of ``group`` (the step in backward's hook)."""
-        with _raised_recompile_limit():
-            self._step_group(group, [(param, param, grad)])
+        self._step_group(group, [(param, param, grad)])
 
     @contextlib.contextmanager
     def accumulating(self):

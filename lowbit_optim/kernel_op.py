@@ -70,8 +70,22 @@ def kernel() -> kernel_abi.Kernel:
 def hyper_values(optimizer: str, hyper: dict) -> list[float]:
     """``hyper`` (field name -> number) as the op takes it: in the C struct's field order, exactly
     its fields (a ValueError names the missing and unknown ones)."""
-    struct = kernel().hyper(optimizer, hyper)
+    struct = _hyper_struct(kernel(), optimizer, hyper)
     return [float(getattr(struct, name)) for name, _ in struct._fields_]
+
+
+def _hyper_struct(k: kernel_abi.Kernel, optimizer: str, values: dict):
+    """k.hyper(optimizer, values), shared between calls with the same plain numbers (read only: the C
+    takes it const). The step in backward calls the op once per parameter with the same numbers,
+    and building and checking the structure cost about as much as the rest of a small call."""
+    if all(type(v) in (bool, int, float) for v in values.values()):  # hashable, and nothing changes in place
+        return _shared_hyper_struct(k, optimizer, tuple(values.items()))
+    return k.hyper(optimizer, values)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_hyper_struct(k: kernel_abi.Kernel, optimizer: str, items: tuple):
+    return k.hyper(optimizer, dict(items))
 
 
 # ---- what the kernel can take --------------------------------------------------------------------
@@ -260,6 +274,11 @@ def _write_state(w: _Writers, buffer, at: int, k: kernel_abi.Kernel, state: Tens
 
 
 @functools.cache
+def _plain_kind_codes(k: kernel_abi.Kernel) -> dict:
+    return {dtype: k.kinds[name] for dtype, name in _PLAIN_KINDS.items()}
+
+
+@functools.cache
 def _plain_description(k: kernel_abi.Kernel, dtype: torch.dtype) -> bytes:
     return bytes(k.structs["state_t"](kind=k.kinds[_PLAIN_KINDS[dtype]]))
 
@@ -416,9 +435,9 @@ def fused_step_cpu(
     if optimizer not in k.optimizers:
         raise ValueError(f"the fused CPU kernel has no optimizer {optimizer!r} (it has {sorted(k.optimizers)})")
     spec = k.optimizers[optimizer]
-    names = [name for name, _ in spec.hyper._fields_]
     count = len(params)
-    if len(hyper) != len(names) or len(grads) != count or len(steps) != count or len(state_formats) != count * len(spec.states):
+    if len(hyper) != len(spec.hyper._fields_) or len(grads) != count or len(steps) != count or len(state_formats) != count * len(spec.states):
+        names = [name for name, _ in spec.hyper._fields_]
         raise ValueError(
             f"fused_step_cpu({optimizer!r}) takes {len(names)} hyper-parameters ({', '.join(names)}), a gradient and a step "
             f"counter per parameter and {len(spec.states)} format keys per parameter ({', '.join(spec.states)}); got "
@@ -426,13 +445,13 @@ def fused_step_cpu(
         )
     if corrections and len(corrections) != count:
         raise ValueError(f"corrections holds {len(corrections)} tensors for {count} parameters: pass one per parameter (empty: none), or none at all")
-    hyper_struct = k.hyper(optimizer, dict(zip(names, hyper)))
+    hyper_struct = _hyper_struct(k, optimizer, dict(zip((name for name, _ in spec.hyper._fields_), hyper)))
     w = _writers(k)
     entries = (k.structs["param_t"] * count)()  # zeros: absent states are kind none
     added, taken = iter(addends), 0
     per_param, required = len(spec.states), spec.states[: spec.required]
     states_at, states_end = w.states_at, w.states_at + per_param * w.state_size
-    kinds = {dtype: k.kinds[name] for dtype, name in _PLAIN_KINDS.items()}
+    kinds = _plain_kind_codes(k)
     if len(_checked) > max(_CHECKED_KEPT, 2 * count):  # states replaced over a long run (loads, conversions)
         _checked.clear()
     with memoryview(entries).cast("B") as buffer:
