@@ -542,12 +542,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
         return loss
 
-    def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
+    def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: bool = False) -> None:
         """Step ``params`` (the parameters that have a gradient, or the tensors the step op was
         given for them) with ``grads``; ``positions``: theirs among all parameters in param-group
-        order (step_op.with_grads)."""
+        order (step_op.with_grads). ``traced``: the step op's, whose positions were taken when its
+        graph was compiled, so they are checked against the parameters as they are now."""
         owners = [(group, p) for group in self.param_groups for p in group["params"]]
-        if any(i >= len(owners) for i in positions) or [owners[i][1].shape for i in positions] != [p.shape for p in params]:
+        if traced and (any(i >= len(owners) for i in positions) or [owners[i][1].shape for i in positions] != [p.shape for p in params]):
             raise RuntimeError(
                 "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
                 "was compiled; add parameters with add_param_group(), not by editing param_groups"

@@ -29,7 +29,7 @@ def register(optimizer) -> int:
 
 @torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
 def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
-    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions)
+    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions, traced=True)
 
 
 @_step.register_fake
