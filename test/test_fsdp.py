@@ -321,6 +321,7 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
 OTHER_OPTIMIZERS = {"SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2)}
 ADEMAMIX_RECIPE = {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}  # the README's
 ADEMAMIX_BF16_SR = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}  # its 16-bit alternative
+ADEMAMIX_ALL_8BIT = {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-log"}  # low-rank in the kernel
 
 
 # 2 ranks against 1 process after STEPS + MORE steps, where shard boundaries fall on block boundaries:
@@ -331,19 +332,21 @@ ADEMAMIX_BF16_SR = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_av
 ALIGNED_PARAM_ATOL = 1e-6
 
 
-def _build_other(name: str, fsdp: bool, fmt: str = "8bit"):
-    return _build(fmt, fsdp, name, **OTHER_OPTIMIZERS[name], compile=False)
+def _build_other(name: str, fsdp: bool, fmt: str = "8bit", fused: bool = False):
+    # the eager reference step (nothing to compile in the ranks' processes), or the fused kernel alone
+    return _build(fmt, fsdp, name, **OTHER_OPTIMIZERS[name], **(dict(fused=True) if fused else dict(compile=False)))
 
 
-def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib.Path, fmt: str = "8bit") -> dict:
+def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib.Path, fmt: str = "8bit", fused: bool = False) -> dict:
     out = {}
     label = fmt if isinstance(fmt, str) else "-".join(fmt.values())
     checkpoint = str(workdir / f"{name}-{label}-fsdp")
-    model, opt = _build_other(name, True, fmt)
+    model, opt = _build_other(name, True, fmt, fused)
     out["losses"] = _train(model, opt, 0, STEPS, rank, world)
     out["state_kinds"] = {
         n: {key: [type(v).__name__, type(_local(v)).__name__] for key, v in opt.state.get(p, {}).items() if key != "step"} for n, p in _params(model).items()
     }
+    out["kernel_stepped"] = sum(verdict is None for *_, verdict in opt.__dict__.get("_kernel_verdicts", {}).values())  # parameters
     saved_local = _local_states(model, opt)
     _save(model, opt, checkpoint)
     out["more_losses"] = _train(model, opt, STEPS, MORE, rank, world)
@@ -351,7 +354,7 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
     final_params = {n: _local(p).detach().clone() for n, p in _params(model).items()}
     out["final_full"] = {n: p.detach().full_tensor() for n, p in _params(model).items()}  # collective: every rank
 
-    resumed_model, resumed = _build_other(name, True, fmt)
+    resumed_model, resumed = _build_other(name, True, fmt, fused)
     _load(resumed_model, resumed, checkpoint)
     out["loaded_exact"] = _same_tree(_local_states(resumed_model, resumed), saved_local)
     out["resume_losses"] = _train(resumed_model, resumed, STEPS, MORE, rank, world)
@@ -359,7 +362,7 @@ def _other_optimizer_scenario(name: str, rank: int, world: int, workdir: pathlib
         {n: _local(p).detach() for n, p in _params(resumed_model).items()}, final_params
     )
     if rank == 0:
-        out.update(_one_process(*_build_other(name, False, fmt)))
+        out.update(_one_process(*_build_other(name, False, fmt, fused)))
     dist.barrier()
     return out
 
@@ -462,6 +465,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank"),
         "ademamix_recipe": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_RECIPE),
         "ademamix_bf16_sr": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_BF16_SR),
+        "ademamix_all_8bit": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_ALL_8BIT, fused=True),
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -726,17 +730,23 @@ def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
 
 
 @needs_gloo
-@pytest.mark.parametrize("scenario, slow_kind", [("ademamix_recipe", "BlockFloatState"), ("ademamix_bf16_sr", "StochasticBF16State")])
-def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job, scenario, slow_kind):
+@pytest.mark.parametrize(
+    "scenario, slow_kinds",
+    [("ademamix_recipe", ("BlockFloatState",) * 2), ("ademamix_bf16_sr", ("StochasticBF16State",) * 2), ("ademamix_all_8bit", ("OptimState8bitLowRank", "LogBlockFloatState"))],
+)
+def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job, scenario, slow_kinds):
     """AdEMAMix with the README's recipe (8bit-linear fast momentum, 10bit-sr slow momentum and
-    second moment) and with both slow averages in bf16-sr, under fully_shard on 2 ranks: each rank's
-    shard of a stochastic state keeps its own count of writes, a DCP checkpoint restores codes, values
-    and counts and resumes bit-exactly, and the parameters stay within a few lr of one process's (the
-    stochastic roundings of a shard draw by its own block indices)."""
+    second moment), with both slow averages in bf16-sr, and with every state in 8 bits (the slow
+    momentum low-rank, each rank's rows with factors of their own, fused=True: the kernel steps it
+    through its addend) under fully_shard on 2 ranks: each rank's shard of a stochastic state keeps
+    its own count of writes, a DCP checkpoint restores codes, values, factors and counts and resumes
+    bit-exactly, and the parameters stay within a few lr of one process's (the stochastic roundings
+    of a shard draw by its own block indices)."""
     for found in _sharded_and_resumed(job, scenario, "AdEMAMix"):
+        assert (found["kernel_stepped"] > 0) == (scenario == "ademamix_all_8bit")  # the others: the eager reference step
         kinds = {key: tuple(kind) for states in found["state_kinds"].values() for key, kind in states.items()}
-        assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", slow_kind),
-                         "exp_avg_sq": ("DTensor", slow_kind)}, found["state_kinds"]  # fmt: skip
+        assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", slow_kinds[0]),
+                         "exp_avg_sq": ("DTensor", slow_kinds[1])}, found["state_kinds"]  # fmt: skip
 
 
 @needs_gloo
