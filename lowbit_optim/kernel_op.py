@@ -50,11 +50,14 @@ def format_key(state: Tensor | None) -> int:
         return ABSENT
     if not isinstance(state, StateTensor):
         return PLAIN
-    entry = (type(state), state.__tensor_flatten__()[1])
+    metadata = state.__tensor_flatten__()[1]
+    # with the values' types: signed=1 equals True, and the op checks the state it rebuilds from the
+    # metadata registered first, so one odd state must not stand for (nor be taken for) valid ones
+    entry = (type(state), metadata, tuple(map(type, metadata)))
     key = _format_keys.get(entry)
     if key is None:
         key = _format_keys[entry] = len(_formats)
-        _formats.append(entry)
+        _formats.append(entry[:2])
         _inner_counts.append(len(type(state).inner_names))
     return key
 

@@ -1128,6 +1128,24 @@ def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypa
         torch.ops.lowbit_optim.fused_step_cpu(*arguments)
 
 
+def test_a_state_with_odd_metadata_neither_stands_for_nor_passes_as_valid_ones():
+    """Format keys tell metadata apart by type as well as value (signed=1 equals True): the op
+    rebuilds and checks each state from the metadata its key registered, so a state made with
+    signed=1 must get a key of its own, be refused, and leave valid states of its format stepping."""
+    odd = OptimStateFp8.zeros((64, 64), signed=1)
+    assert kernel_op.format_key(odd) != kernel_op.format_key(OptimStateFp8.zeros((64, 64), signed=True))
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = lowbit_optim.AdamW([p], state_format={"exp_avg": "fp8", "exp_avg_sq": "fp8"}, fused=True, min_quantize_numel=0)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    state = opt.state[p]["exp_avg"]
+    state.signed = 1  # changed in place on the state object: another key, checked anew
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="signed is 1, not a bool"):
+        opt.step()
+
+
 def test_op_refuses_a_state_without_its_addend():
     """A state that keeps a part of its values outside its codes (8bit-lowrank's matrix) is stepped
     only with that part given as an addend of its size: the C would otherwise decode the codes alone,
