@@ -204,13 +204,33 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
         problem = state_unsupported(name, state, contiguous=True)
         if problem:
             return problem
+    for what, t in _read_tensors(param, grad, step, states):
+        if not _storage_holds(t):
+            needed = (t.storage_offset() + t.numel()) * t.element_size()
+            return f"the storage of its {what} holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)"
     return chunks_unsupported(given)
+
+
+def _read_tensors(param: Tensor, grad: Tensor, step: Tensor, states: dict):
+    """(what, tensor) for each tensor the C reads or writes of a parameter."""
+    yield "values", param
+    yield "gradient", grad
+    yield "step counter", step
+    for name, state in states.items():
+        if isinstance(state, StateTensor):
+            for inner in state.inner_names:
+                yield f"{name} state's {inner}", getattr(state, inner)
+        elif state is not None:
+            yield f"{name} state", state
 
 
 def check_correction(param: Tensor, correction: Tensor) -> None:
     """Raise a ValueError unless ``correction`` can be ``param``'s int8-correction (precision.py):
     the C reads and writes one int8 per element."""
-    if param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu or correction.numel() != param.numel():
+    if (
+        param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu
+        or correction.numel() != param.numel() or not _storage_holds(correction)
+    ):  # fmt: skip
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its int8-correction is "
             f"{describe_tensor(correction)} for {describe_tensor(param)}; it needs {param.numel()} contiguous int8 values "
@@ -220,6 +240,12 @@ def check_correction(param: Tensor, correction: Tensor) -> None:
 
 def _plain_fits(t: Tensor, numel: int) -> bool:
     return t.dtype in _PLAIN_KINDS and t.is_contiguous() and t.is_cpu and t.numel() == numel
+
+
+def _storage_holds(t: Tensor) -> bool:
+    """Whether a contiguous tensor's storage holds its elements: resizing the storage in place
+    (``t.untyped_storage().resize_(0)``, as FSDP does to free memory) keeps the tensor's shape."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 # ---- describing states as the C's state_t ----------------------------------------------------------
@@ -470,7 +496,10 @@ def fused_step_cpu(
             seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr()) for t in inner])
             checked = _checked.get(seen)
             at = i * w.param_size
-            if checked is None or not _plain_fits(param, numel) or not _plain_fits(grad, numel) or not _counter_fits(step, checked.counted):
+            if (
+                checked is None or not _plain_fits(param, numel) or not _plain_fits(grad, numel) or not _counter_fits(step, checked.counted)
+                or not _storage_holds(param) or not _storage_holds(grad) or not _storage_holds(step)
+            ):  # fmt: skip
                 checked = _check_and_describe(k, w, buffer, at, spec, keys, inner, param, grad, step, required)
                 _checked[seen] = checked
             else:
@@ -562,7 +591,7 @@ def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor)
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
             "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
-    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel:
+    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel or not _storage_holds(addend):
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "
             f"{describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU"

@@ -1128,6 +1128,26 @@ def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypa
         torch.ops.lowbit_optim.fused_step_cpu(*arguments)
 
 
+@pytest.mark.parametrize("what", ["values", "gradient", "exp_avg state's codes", "exp_avg_sq state's scale"])
+def test_a_storage_shrunk_under_its_tensor_is_refused(what):
+    """Resizing a tensor's storage in place (as FSDP frees memory: ``untyped_storage().resize_(0)``)
+    keeps its shape, so the C would read and write past the storage's end. After a step that left its
+    states' checks remembered, the op refuses it, naming the tensor, and steps nothing."""
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = lowbit_optim.AdamW([p], state_format="8bit", min_quantize_numel=0, fused=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.grad = torch.randn_like(p)
+    state = opt.state[p]
+    tensor = {"values": p.data, "gradient": p.grad, "exp_avg state's codes": state["exp_avg"].codes, "exp_avg_sq state's scale": state["exp_avg_sq"].scale}[what]
+    before = p.detach().clone()
+    tensor.untyped_storage().resize_(4)
+    with pytest.raises(ValueError, match=rf"shape \(64, 64\): the storage of its {what} holds 4 bytes, not the \d+ its elements need"):
+        opt.step()
+    if what != "values":
+        assert torch.equal(p.detach(), before)
+
+
 def test_a_state_with_odd_metadata_neither_stands_for_nor_passes_as_valid_ones():
     """Format keys tell metadata apart by type as well as value (signed=1 equals True): the op
     rebuilds and checks each state from the metadata its key registered, so a state made with
