@@ -82,13 +82,16 @@ def _hyper_struct(k: kernel_abi.Kernel, optimizer: str, values: dict):
     takes it const). The step in backward calls the op once per parameter with the same numbers,
     and building and checking the structure cost about as much as the rest of a small call."""
     if all(type(v) in (bool, int, float) for v in values.values()):  # hashable, and nothing changes in place
-        return _shared_hyper_struct(k, optimizer, tuple(values.items()))
+        key = tuple(values.items())
+        if 0 in values.values():  # -0.0 equals 0.0, and may give a zero another sign
+            key += tuple(math.copysign(1.0, v) for v in values.values())
+        return _shared_hyper_struct(k, optimizer, key)
     return k.hyper(optimizer, values)
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_hyper_struct(k: kernel_abi.Kernel, optimizer: str, items: tuple):
-    return k.hyper(optimizer, dict(items))
+def _shared_hyper_struct(k: kernel_abi.Kernel, optimizer: str, key: tuple):
+    return k.hyper(optimizer, dict(item for item in key if isinstance(item, tuple)))
 
 
 # ---- what the kernel can take --------------------------------------------------------------------

@@ -1005,6 +1005,10 @@ def test_hyper_parameters_are_checked_by_name():
         kernel_op.hyper_values("adam", {**{k: v for k, v in fields.items() if k != "eps"}, "epsilon": 1e-8})
     with pytest.raises(ValueError, match="maximize of the kernel is an integer flag"):
         kernel_op.hyper_values("adam", {**fields, "maximize": 0.5})
+    # the structures are shared between calls with the same numbers, zeros' signs included
+    assert kernel_op.hyper_values("adam", fields) == kernel_op.hyper_values("adam", dict(fields))
+    assert math.copysign(1.0, kernel_op.hyper_values("adam", {**fields, "weight_decay": -0.0})[3]) == -1.0
+    assert math.copysign(1.0, kernel_op.hyper_values("adam", fields)[3]) == 1.0
 
 
 # ---- the torch op ----------------------------------------------------------------------------------
