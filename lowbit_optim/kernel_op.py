@@ -499,10 +499,7 @@ def fused_step_cpu(
             seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr()) for t in inner])
             checked = _checked.get(seen)
             at = i * w.param_size
-            if (
-                checked is None or not _plain_fits(param, numel) or not _plain_fits(grad, numel) or not _counter_fits(step, checked.counted)
-                or not _storage_holds(param) or not _storage_holds(grad) or not _storage_holds(step)
-            ):  # fmt: skip
+            if checked is None or not _fits(param, grad, step, numel, checked.counted):
                 checked = _check_and_describe(k, w, buffer, at, spec, keys, inner, param, grad, step, required)
                 _checked[seen] = checked
             else:
@@ -558,9 +555,13 @@ def _check_and_describe(k, w: "_Writers", buffer, at: int, spec, keys: tuple, in
     return _Checked(described, any(s is not None for s in states.values()), tuple(addends))
 
 
-def _counter_fits(step: Tensor, counted: bool) -> bool:
-    # check_inputs' test of the step counter
-    return step.dtype == torch.float32 and step.is_cpu and step.numel() == (1 if counted else 0)
+def _fits(param: Tensor, grad: Tensor, step: Tensor, numel: int, counted: bool) -> bool:
+    """Whether check_inputs would pass a parameter, its gradient and its step counter (checked at
+    every call: they are not remembered); ``counted``: whether it has states."""
+    return (
+        _plain_fits(param, numel) and _plain_fits(grad, numel) and step.dtype == torch.float32 and step.is_cpu
+        and step.numel() == (1 if counted else 0) and _storage_holds(param) and _storage_holds(grad) and _storage_holds(step)
+    )  # fmt: skip
 
 
 def _tensor_count(keys: tuple) -> int:
