@@ -534,9 +534,12 @@ class _Checked:
     addends: tuple[tuple[int, str], ...]
 
 
-# check_inputs' verdicts by what it reads (_Checked); a few entries per parameter at most
+# check_inputs' verdicts by what it reads (_Checked): an entry per parameter the op steps (about 2 KiB),
+# and one more each time its states are replaced (a load, a conversion), until there are more than
+# _CHECKED_KEPT (and twice a call's parameters): then they all go. Every call is one param group's, so
+# the bound must hold every group's parameters of every optimizer in the process, or each call misses
 _checked: dict = {}
-_CHECKED_KEPT = 4096
+_CHECKED_KEPT = 16384
 
 
 def _check_and_describe(k, w: "_Writers", buffer, at: int, spec, keys: tuple, inner: list, param: Tensor, grad: Tensor, step: Tensor, required) -> _Checked:
