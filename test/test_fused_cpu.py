@@ -1132,6 +1132,29 @@ def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypa
         torch.ops.lowbit_optim.fused_step_cpu(*arguments)
 
 
+def test_an_optimizers_steps_check_each_parameter_once(monkeypatch):
+    """Through the optimizer (one op call per param group; two groups, two formats), each
+    parameter's states are checked at its first step only; states converted by a load of another
+    format's checkpoint are checked at the next step."""
+    checked = []
+    original = kernel_op.check_inputs
+    monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
+    params = [torch.nn.Parameter(torch.randn(8 + i, 64)) for i in range(6)]
+    groups = [{"params": params[:3]}, {"params": params[3:], "state_format": "fp8"}]
+    opt = lowbit_optim.AdamW(groups, state_format="8bit", min_quantize_numel=0, fused=True)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert sorted(checked) == sorted(p.shape for p in params)
+    other = lowbit_optim.AdamW([{"params": params[:3]}, {"params": params[3:]}], state_format="4bit", min_quantize_numel=0, fused=True)
+    other.load_state_dict(opt.state_dict())
+    checked.clear()
+    for _ in range(2):
+        other.step()
+    assert sorted(checked) == sorted(p.shape for p in params)
+
+
 @pytest.mark.parametrize("what", ["values", "gradient", "exp_avg state's codes", "exp_avg_sq state's scale"])
 def test_a_storage_shrunk_under_its_tensor_is_refused(what):
     """Resizing a tensor's storage in place (as FSDP frees memory: ``untyped_storage().resize_(0)``)
