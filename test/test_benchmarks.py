@@ -103,6 +103,20 @@ def test_compute_bound_smoke():
     assert set(out["stage_ns"]) == set(compute_bound.STAGES) and all(0 < ns < math.inf for ns in out["stage_ns"].values())
 
 
+def test_lowrank_refit_smoke(tmp_path):
+    """benchmarks/lowrank_refit.py on a tiny MLP run, in a process of its own (it registers formats):
+    its rows, and a refit at every write is exactly 8bit-lowrank."""
+    pytest.importorskip("matplotlib")
+    md = tmp_path / "refit.md"
+    tiny = ["--mlp-train", "256", "--mlp-val", "64", "--mlp-width", "128", "--eval-every", "10"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "lowrank_refit.py"), "--optimizer", "sgd", "--seeds", "0", "--steps", "20", "--every", "1,4", "--out-md", str(md), "--mlp", *tiny]
+    subprocess.run(command, check=True, capture_output=True)
+    runs = {r["label"]: r for r in json.loads(md.with_suffix(".json").read_text())["runs"]}
+    assert set(runs) == {"lowbit fp32", "lowbit momentum_buffer 8bit-lowrank", "lowbit momentum_buffer refit every 1", "lowbit momentum_buffer refit every 4"}
+    assert runs["lowbit momentum_buffer refit every 1"]["train_losses"] == runs["lowbit momentum_buffer 8bit-lowrank"]["train_losses"]
+    assert all(math.isfinite(r["train_set_loss"]) for r in runs.values())
+
+
 def test_memory_smoke(tmp_path):
     """Two configurations in fresh processes: the step in backward holds no gradients (model bytes
     4.06/param: 2 weights + 1 correction + ~1.07 states), stepping after backward holds bf16 ones."""
