@@ -60,8 +60,7 @@ def is_dtensor(t) -> bool:
 
 def local(t):
     """The local shard of a DTensor; anything else unchanged."""
-    cls = _dtensor_class()  # not is_dtensor: a call less, for each tensor of each parameter at each step
-    return t.to_local() if cls is not None and isinstance(t, cls) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def like_param(state: Tensor, param: Tensor) -> Tensor:

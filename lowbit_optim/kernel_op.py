@@ -40,7 +40,6 @@ ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf1
 _PLAIN_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtype -> the C's kind name
 
 _formats: list = [None, None]  # format key -> (state class, its __tensor_flatten__ metadata)
-_inner_counts: list = [0, 1]  # format key -> how many tensors a state of it arrives as
 _format_keys: dict = {}
 
 
@@ -58,7 +57,6 @@ def format_key(state: Tensor | None) -> int:
     if key is None:
         key = _format_keys[entry] = len(_formats)
         _formats.append(entry[:2])
-        _inner_counts.append(len(type(state).inner_names))
     return key
 
 
@@ -82,16 +80,14 @@ def _hyper_struct(k: kernel_abi.Kernel, optimizer: str, values: dict):
     takes it const). The step in backward calls the op once per parameter with the same numbers,
     and building and checking the structure cost about as much as the rest of a small call."""
     if all(type(v) in (bool, int, float) for v in values.values()):  # hashable, and nothing changes in place
-        key = tuple(values.items())
-        if 0 in values.values():  # -0.0 equals 0.0, and may give a zero another sign
-            key += tuple(math.copysign(1.0, v) for v in values.values())
-        return _shared_hyper_struct(k, optimizer, key)
+        signs = tuple(math.copysign(1.0, v) for v in values.values()) if 0 in values.values() else ()  # -0.0 equals 0.0
+        return _shared_hyper_struct(k, optimizer, tuple(values.items()), signs)
     return k.hyper(optimizer, values)
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_hyper_struct(k: kernel_abi.Kernel, optimizer: str, key: tuple):
-    return k.hyper(optimizer, dict(item for item in key if isinstance(item, tuple)))
+def _shared_hyper_struct(k: kernel_abi.Kernel, optimizer: str, items: tuple, signs: tuple):
+    return k.hyper(optimizer, dict(items))  # signs: only in the cache's key
 
 
 # ---- what the kernel can take --------------------------------------------------------------------
@@ -186,7 +182,7 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
     if not _plain_fits(grad, numel):
         return f"its gradient is {describe_tensor(grad)}, not {numel} contiguous float32 or bfloat16 values on the CPU"
     given = [s for s in states.values() if s is not None]  # a parameter with states counts its steps
-    if step.dtype != torch.float32 or not step.is_cpu or step.numel() != (1 if given else 0):
+    if not _counter_fits(step, bool(given)):
         return f"its step counter is {describe_tensor(step)}, not {'one float32 value' if given else 'empty (it has no states)'} on the CPU"
     for name in required:
         if states.get(name) is None:
@@ -243,6 +239,10 @@ def check_correction(param: Tensor, correction: Tensor) -> None:
 
 def _plain_fits(t: Tensor, numel: int) -> bool:
     return t.dtype in _PLAIN_KINDS and t.is_contiguous() and t.is_cpu and t.numel() == numel
+
+
+def _counter_fits(step: Tensor, counted: bool) -> bool:
+    return step.dtype == torch.float32 and step.is_cpu and step.numel() == (1 if counted else 0)
 
 
 def _storage_holds(t: Tensor) -> bool:
@@ -562,8 +562,8 @@ def _fits(param: Tensor, grad: Tensor, step: Tensor, numel: int, counted: bool) 
     """Whether check_inputs would pass a parameter, its gradient and its step counter (checked at
     every call: they are not remembered); ``counted``: whether it has states."""
     return (
-        _plain_fits(param, numel) and _plain_fits(grad, numel) and step.dtype == torch.float32 and step.is_cpu
-        and step.numel() == (1 if counted else 0) and _storage_holds(param) and _storage_holds(grad) and _storage_holds(step)
+        _plain_fits(param, numel) and _plain_fits(grad, numel) and _counter_fits(step, counted)
+        and _storage_holds(param) and _storage_holds(grad) and _storage_holds(step)
     )  # fmt: skip
 
 
@@ -575,7 +575,7 @@ def _tensor_count(keys: tuple) -> int:
         for key in keys:
             if not 0 <= key < len(_formats):
                 raise ValueError(f"format key {key} names no state format (format_key makes them)")
-        count = _tensor_counts[keys] = sum(_inner_counts[key] for key in keys)
+        count = _tensor_counts[keys] = sum(0 if key == ABSENT else 1 if key == PLAIN else len(_formats[key][0].inner_names) for key in keys)
     return count
 
 

@@ -1099,16 +1099,24 @@ def test_op_refuses_bad_arguments():
 
 
 
-def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypatch):
+@pytest.fixture
+def checked_shapes(monkeypatch):
+    """The shapes of the parameters whose states the op checks (kernel_op.check_inputs), from an
+    empty memory of earlier checks on."""
+    checked = []
+    original = kernel_op.check_inputs
+    monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
+    monkeypatch.setattr(kernel_op, "_checked", {})
+    return checked
+
+
+def test_op_checks_each_states_once_and_again_when_their_tensors_change(checked_shapes):
     """The op remembers a parameter's states that passed its checks by their tensors' dtypes, shapes,
     layouts and addresses: a second call over the same tensors checks only the parameter, gradient and
     counter; a state changed in place behind the same tensor objects (``.data =``, a shrinking
     ``resize_`` that keeps the address) is checked anew and refused."""
     arguments = list(op_arguments("8bit"))
-    checked = []
-    original = kernel_op.check_inputs
-    monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
-    monkeypatch.setattr(kernel_op, "_checked", {})
+    checked = checked_shapes
     torch.ops.lowbit_optim.fused_step_cpu(*arguments)
     assert checked == [torch.Size([71, 64]), torch.Size([200])]
     torch.ops.lowbit_optim.fused_step_cpu(*arguments)
@@ -1132,13 +1140,11 @@ def test_op_checks_each_states_once_and_again_when_their_tensors_change(monkeypa
         torch.ops.lowbit_optim.fused_step_cpu(*arguments)
 
 
-def test_an_optimizers_steps_check_each_parameter_once(monkeypatch):
+def test_an_optimizers_steps_check_each_parameter_once(checked_shapes):
     """Through the optimizer (one op call per param group; two groups, two formats), each
     parameter's states are checked at its first step only; states converted by a load of another
     format's checkpoint are checked at the next step."""
-    checked = []
-    original = kernel_op.check_inputs
-    monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
+    checked = checked_shapes
     params = [torch.nn.Parameter(torch.randn(8 + i, 64)) for i in range(6)]
     groups = [{"params": params[:3]}, {"params": params[3:], "state_format": "fp8"}]
     opt = lowbit_optim.AdamW(groups, state_format="8bit", min_quantize_numel=0, fused=True)
