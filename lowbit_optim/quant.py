@@ -330,7 +330,8 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
     largest value takes a new gradient), and its hash moves every place's draw at once.
 
     Integer mixing in the style of lowbias32, in int64 where no operation overflows: the place and
-    scale terms stay below 2**55, and the mixing multiplies values below 2**32 by constants below 2**31. A value
+    scale terms stay below 2**55, and the mixing multiplies values below 2**32 by constants below 2**31 (on
+    a GPU inductor may compute an index's multiple in int32, where it wraps: only low 32 bits are read). A value
     that comes back bit for bit in a block whose scale did not move (a zero gradient) draws the same
     number again: it keeps its code, as under nearest rounding."""
     salt = ((scale.view(torch.int32).to(torch.int64) & _MASK32) >> DITHER_DROPPED_BITS) * DITHER_SALT

@@ -27,9 +27,12 @@ from . import quant
 from .state import KernelLayout, StateTensor, computes_as, extend_fingerprint
 
 HASH_BLOCK = 256  # elements per hash block (a value's place in it enters the hash)
-# the salt of block b after w writes: (w * WRITES_MIX + b * BLOCK_MIX) mod 2**22 (the fused kernel's too)
-WRITES_MIX = 0x9E3779B1
-BLOCK_MIX = 0x85EBCA77
+# the salt of block b after w writes: (w * WRITES_MIX + b * BLOCK_MIX) mod 2**22 (the fused kernel's too).
+# Odd multipliers of 22 bits, as only those bits count: on a GPU inductor multiplies a block index in
+# the kernel's int32 index arithmetic, where Triton refuses a constant of 2**31 or more (seen on an
+# H100). Wrapping there keeps the low bits, so the salt is the CPU's.
+WRITES_MIX = 0x9E3779B1 & 0x3FFFFF
+BLOCK_MIX = 0x85EBCA77 & 0x3FFFFF
 
 
 def round_bf16_stochastically(x: Tensor, writes: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from conftest import reshard
 from lowbit_optim import StochasticBF16State, quant
+from lowbit_optim import stochastic_bf16
 from lowbit_optim.stochastic_bf16 import round_bf16_stochastically
 
 WRITES = torch.tensor([3])  # the state's write count, which salts the draws
@@ -37,6 +38,15 @@ def test_rounds_to_a_neighbour_and_keeps_exact_and_special_values():
     special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
     out = round_bf16_stochastically(special, WRITES).float()
     assert torch.equal(out[:4].view(torch.int32), special[:4].view(torch.int32)) and bool(out[4].isnan())
+
+
+def test_hash_multipliers_fit_int32():
+    """Inductor multiplies an index (a value's place, a block's number) in the int32 index arithmetic
+    of a GPU kernel, where Triton refuses a constant of 2**31 or more: on an H100, BLOCK_MIX's
+    0x85EBCA77 failed every compile of bf16-sr, 10bit-sr and 8bit-log. CI has no GPU; this holds the
+    bound here."""
+    for name, multiplier in [("DITHER_PLACE", quant.DITHER_PLACE), ("WRITES_MIX", stochastic_bf16.WRITES_MIX), ("BLOCK_MIX", stochastic_bf16.BLOCK_MIX)]:
+        assert 0 < multiplier < 2**31 and multiplier % 2 == 1, name
 
 
 def test_unbiased_and_repeatable():
