@@ -17,11 +17,12 @@ import pytest
 import torch
 from conftest import FORMATS, format_info
 from optimizer_info import COMPILED_FORMATS, OPTIMIZERS
-from test_optim import assert_same_bits, save_and_load
+from test_optim import COMPILED_PARAM_ATOL, assert_same_bits, save_and_load
 from test_optimizers import assert_agree_but_for_flipped_codes, gradients, run, states_of
 from torch import nn
 
 from lowbit_optim import StateTensor
+from lowbit_optim.lowrank import LowRankState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,6 +34,18 @@ def stepped(opt_info, info, device: str, **kwargs) -> tuple[list[nn.Parameter], 
     return run(lambda params: opt_info.make(params, state_format=opt_info.spec(info), **kwargs), gradients(opt_info, STEPS), opt_info, device)
 
 
+def device_param_tol(opt_info, states: dict) -> dict | None:
+    """A low-rank part is matrix products and QRs, which each device sums in its own order: its
+    values differ by about 1e-6 of the largest, and a step that is not normalized (SGD) moves a
+    parameter by lr times that (emulated on the CPU with float64 products and QRs: up to 0.8e-6 x lr
+    x the largest momentum, SGD with 8bit-lowrank after 3 steps). None: the comparison's own
+    tolerance (an optimizer's compiled_param_tol stays)."""
+    if opt_info.compiled_param_tol is not None or not any(isinstance(s, LowRankState) and s.rank for s in states.values()):
+        return None
+    largest = max(float(s.dequantize().abs().max()) for s in states.values())
+    return dict(rtol=0.0, atol=COMPILED_PARAM_ATOL + 2e-6 * opt_info.lr * largest)
+
+
 @pytest.mark.parametrize("opt_info, info", CASES)
 def test_cuda_steps_like_the_cpu(opt_info, info):
     compile = opt_info.name == "AdamW" or info.name in COMPILED_FORMATS
@@ -42,7 +55,7 @@ def test_cuda_steps_like_the_cpu(opt_info, info):
     for key, state in cuda_states.items():
         inner = state._inner().values() if isinstance(state, StateTensor) else [state]
         assert state.is_cuda and all(t.is_cuda for t in inner), key
-    assert_agree_but_for_flipped_codes([(cuda_params, cuda_opt), (cpu_params, cpu_opt)], opt_info, info)
+    assert_agree_but_for_flipped_codes([(cuda_params, cuda_opt), (cpu_params, cpu_opt)], opt_info, info, device_param_tol(opt_info, cuda_states))
 
     # a GPU checkpoint resumes on the CPU: the states arrive with their bits
     resumed_params = [nn.Parameter(p.detach().cpu()) for p in cuda_params]

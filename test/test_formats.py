@@ -633,8 +633,10 @@ def _devices():
 @pytest.mark.parametrize("device", _devices())
 def test_to_device(info, device):
     """.to(device) moves codes and scales; moving there and back is bit-exact. Dequantizing there
-    is too for blockwise formats (a table lookup times a scale); a factored state's sums are
-    reduced in the device's order, so it is equal up to float rounding (seen on an H100: last bits)."""
+    is too for blockwise formats (a table lookup times a scale); a factored state's sums and a
+    low-rank state's product are reduced in the device's order, so they are equal up to float
+    rounding of the largest values (seen on an H100: last bits; a low-rank value near 0 is the
+    difference of two large ones, so it differs by more than its own rounding)."""
     state = info.fmt.from_float(any_sample(info, (3, 100)))
     for moved in (state.to(device), state.to(device=device), state.to(device=torch.device(device), dtype=torch.float32)):
         assert type(moved) is info.fmt and moved.device.type == device
@@ -643,7 +645,8 @@ def test_to_device(info, device):
         if info.blockwise or device == "cpu":
             assert torch.equal(moved.dequantize().cpu(), state.dequantize())
         else:
-            torch.testing.assert_close(moved.dequantize().cpu(), state.dequantize(), rtol=1e-6, atol=0)
+            expected = state.dequantize()
+            torch.testing.assert_close(moved.dequantize().cpu(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
 @quantized_formats

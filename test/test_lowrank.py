@@ -70,9 +70,9 @@ def test_writes_follow_the_float64_reference(fmt, shape):
     """Each write of a sequence (a moving matrix, as a momentum) reads back as the float64 reference's
     subspace step from the state's previous factors plus nearest residual codes: within half a code
     gap of each one's residual (both round x's residual to its nearest code) and fp32 round-off,
-    the state's residual no more than twice the reference's. The last directions of one subspace
-    step are ill-conditioned, so fp32 round-off moves them: on an AMD EPYC family 26, (64, 96) at
-    8bit-lowrank, a residual 1.44x the reference's."""
+    the state's residual within 1 % of the reference's (seen: 0.1 %). With start_basis's earlier
+    integer pattern, whose last directions fp32 round-off chose, (64, 96) at 8bit-lowrank left a
+    residual 1.44x the reference's."""
     state = fmt.zeros(shape)
     rank = min(fmt.rank, *shape)
     base = decaying(*shape)
@@ -82,7 +82,7 @@ def test_writes_follow_the_float64_reference(fmt, shape):
         state.copy_(x)
         expected, _, reference_absmax, gap = reference_write(x, previous, fmt)
         absmax, round_off = state.scale.max().item() * state.scale_max, 1e-5 * x.abs().max().item()
-        assert absmax <= 2 * reference_absmax + round_off, (step, absmax, reference_absmax)
+        assert absmax <= 1.01 * reference_absmax + round_off, (step, absmax, reference_absmax)
         errors = (state.dequantize().double() - expected).abs()
         bound = gap * (absmax + reference_absmax) / 2 + round_off
         assert errors.max().item() <= bound, (step, errors.max().item(), bound)
