@@ -37,6 +37,11 @@ Columns:
   GB/s         floor B/p * parameters / median step: achieved bandwidth against that floor
   peak MiB     peak resident (CPU) or allocated (CUDA) memory above the level before the optimizer
 
+``--profile DIR`` also profiles PROFILE_STEPS steps of each row (torch.profiler) after its timed ones: the
+note gets its compiled calls, kernel launches and device-busy time per step (on a GPU a step that
+launches many kernels is bound by their host time, not by the GPU), and DIR a table of its ops by
+host time.
+
 Examples::
 
     python benchmarks/step_time.py                                    # GPT-2 small, fp32 params
@@ -87,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="profile each row's steps: calls, launches and device time in the note; op tables in DIR")
     parser.add_argument("--interleave", action="store_true", help="build every optimizer, then step them in turn (rounds): no peak-memory column")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: as an AVX2 + FMA CPU would run, on this one (benchmarks/as_avx2.py)")
     args = parser.parse_args(argv)
@@ -402,6 +408,9 @@ class Result:
     floor_gb_per_s: float | None = None
     peak_mem_delta_bytes: int | None = None
     ratio_to_fused: float | None = None
+    compiled_calls_per_step: float | None = None  # --profile
+    launches_per_step: float | None = None
+    device_busy_s: float | None = None
     note: str = ""
 
 
@@ -421,7 +430,33 @@ def measure(label: str, make: Callable, params, args, device: torch.device) -> R
         return result
     summarize(result, optimizer, params, device)
     result.peak_mem_delta_bytes = memory.peak_delta()
+    if args.profile:
+        profile(result, optimizer, device, Path(args.profile))
     return result
+
+
+PROFILE_STEPS = 2
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def profile(result: Result, optimizer: torch.optim.Optimizer, device: torch.device, out: Path) -> None:
+    """PROFILE_STEPS steps under torch.profiler: per step, the compiled regions entered, the kernels
+    launched and the time the device was busy (into ``result``), and a table of the ops by host time
+    (into ``out``)."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            timed_step(optimizer, device)
+    events = prof.key_averages()
+    result.compiled_calls_per_step = sum(e.count for e in events if e.key.startswith("Torch-Compiled Region")) / PROFILE_STEPS
+    result.launches_per_step = sum(e.count for e in events if e.key in LAUNCHES) / PROFILE_STEPS
+    result.device_busy_s = sum(e.self_device_time_total for e in events if e.device_type != torch.autograd.DeviceType.CPU) / PROFILE_STEPS / 1e6
+    profiled = f"{result.compiled_calls_per_step:.0f} compiled calls, {result.launches_per_step:.0f} launches, device busy {result.device_busy_s * 1e3:.2f} ms per step"
+    result.note = "; ".join(n for n in (result.note, profiled) if n)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{result.label}.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
 
 def measure_interleaved(factories: list[tuple[str, Callable]], params, args, device: torch.device) -> list[Result]:
@@ -448,6 +483,8 @@ def measure_interleaved(factories: list[tuple[str, Callable]], params, args, dev
     for result, optimizer in zip(results, optimizers):
         if optimizer is not None:
             summarize(result, optimizer, params, device)
+            if args.profile:
+                profile(result, optimizer, device, Path(args.profile))
     return results
 
 

@@ -267,15 +267,20 @@ def test_step_time_optimizer_smoke(eager_lowbit_step):
     assert ("compiled step" in results["lowbit-fp32"].note) == (lowbit_optim_sgd_fused_step() is None)
 
 
-def test_step_time_interleaved_smoke(eager_lowbit_step):
+def test_step_time_interleaved_smoke(eager_lowbit_step, tmp_path):
     """--interleave: every optimizer built first, then stepped in turn; each row gets its steps and
-    its state size, and no peak memory (the optimizers coexist)."""
+    its state size, and no peak memory (the optimizers coexist). --profile: each row's note counts
+    its calls and launches (none launched on the CPU), and a table of its ops lands in the folder."""
     step_time = import_script("benchmarks/step_time")
     args = step_time.parse_args(["--optimizer", "sgd", "--layers", "1", "--d", "64", "--vocab", "256", "--ctx", "32", "--steps", "2",
-                                 "--warmup", "0", "--interleave", "--only", "torch-sgd-fused,lowbit-fp32,lowbit-8bit"])  # fmt: skip
+                                 "--warmup", "0", "--interleave", "--only", "torch-sgd-fused,lowbit-fp32,lowbit-8bit",
+                                 "--profile", str(tmp_path)])  # fmt: skip
     results = step_time.main(args)
     assert [r.label for r in results] == ["torch-sgd-fused", "lowbit-fp32", "lowbit-8bit"] and results[0].ratio_to_fused == 1.0
     assert all(len(r.step_times_s) == 2 and r.state_bytes_per_param > 0 and r.peak_mem_delta_bytes is None for r in results)
+    for r in results:
+        assert r.launches_per_step == 0 and r.device_busy_s == 0 and "launches" in r.note, r
+        assert "Self CPU" in (tmp_path / f"profile_{r.label}.txt").read_text()
 
 
 @pytest.mark.skipif("avx2" not in (kernel_build.cpuinfo_field("flags") or "").split(), reason="needs an x86 CPU with AVX2")
