@@ -49,6 +49,7 @@ Examples::
     python benchmarks/step_time.py --only torch-fused,lowbit-8bit,torchao-8bit --json out.json
     python benchmarks/step_time.py --optimizer lion                   # Lion: lowbit fp32/8bit/4bit, bitsandbytes 8/32-bit
     python benchmarks/step_time.py --optimizer muon --layers 2        # Muon on the blocks' matrices
+    python benchmarks/step_time.py --device cuda --profile prof --inductor combo_kernels=True  # fewer launches?
 
 Cold and warm compile (the "first s" column). Within one process, later rows may reuse graphs an
 earlier row compiled (lowbit's fp32 graph serves every format's small parameters), so run the rows you
@@ -92,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="set TORCHINDUCTOR_CACHE_DIR (empty dir: cold compile)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE", help="set torch._inductor.config.KEY (repeatable; a Python literal), e.g. combo_kernels=True")
     parser.add_argument("--profile", default=None, metavar="DIR", help="profile each row's steps: calls, launches and device time in the note; op tables in DIR")
     parser.add_argument("--interleave", action="store_true", help="build every optimizer, then step them in turn (rounds): no peak-memory column")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: as an AVX2 + FMA CPU would run, on this one (benchmarks/as_avx2.py)")
@@ -563,6 +565,32 @@ def add_ratios(results: list[Result], reference_label: str = REFERENCE) -> None:
             r.ratio_to_fused = r.median_step_s / reference
 
 
+def set_inductor_config(items: list[str]) -> dict:
+    """``--inductor KEY=VALUE`` items set on torch._inductor.config (dotted keys reach its
+    sub-configs: triton.cudagraphs=True); an unknown key or a value that is not a Python literal
+    stops the run. Returns what was set."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--inductor {item}: write KEY=VALUE with a Python literal for VALUE (True, 2, 'name')") from None
+        *parents, name = key.split(".")
+        owner = inductor_config
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        if not sep or owner is None or not hasattr(owner, name):
+            raise SystemExit(f"--inductor {item}: torch._inductor.config has no {key!r}")
+        setattr(owner, name, value)
+        settings[key] = value
+    return settings
+
+
 def environment(args, shapes, numel: int, device: torch.device) -> dict:
     versions = {"python": sys.version.split()[0], "torch": torch.__version__}
     for module in ("torchao", "bitsandbytes"):
@@ -592,6 +620,7 @@ def main(args: argparse.Namespace) -> list[Result]:
             raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels here (run the script itself: it restarts with {as_avx2.environment()})")
         as_avx2.build_kernel_without_avx512()
     factories = select(optimizer_factories(args.optimizer), args.only)
+    inductor_settings = set_inductor_config(args.inductor)
 
     shapes = gpt2_shapes(args.layers, args.d, args.vocab, args.ctx)
     if args.optimizer == "muon":  # Muon steps the blocks' matrices; embeddings and vectors take AdamW
@@ -604,6 +633,7 @@ def main(args: argparse.Namespace) -> list[Result]:
         f"{', fused kernel without AVX-512' if args.isa == 'avx2' else ''}); "
         f"torch {torch.__version__}, {env['torch_threads']} threads; "
         f"{args.warmup} warmup + {args.steps} timed steps{' (interleaved)' if args.interleave else ''}; {args.optimizer}, ratios to {REFERENCES[args.optimizer]}"
+        f"{f'; inductor config {inductor_settings}' if inductor_settings else ''}"
     )
     print(progress_line(columns(args.optimizer)))
 

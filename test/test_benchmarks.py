@@ -267,6 +267,22 @@ def test_step_time_optimizer_smoke(eager_lowbit_step):
     assert ("compiled step" in results["lowbit-fp32"].note) == (lowbit_optim_sgd_fused_step() is None)
 
 
+def test_step_time_sets_inductor_config(monkeypatch):
+    """--inductor KEY=VALUE sets torch._inductor.config (sub-configs by dotted keys); an unknown key
+    or a value that is not a literal stops the run with a message naming it."""
+    import torch._inductor.config as inductor_config
+
+    step_time = import_script("benchmarks/step_time")
+    monkeypatch.setattr(inductor_config, "combo_kernels", False)  # restored after the test
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", False)
+    args = step_time.parse_args(["--inductor", "combo_kernels=True", "--inductor", "triton.cudagraphs=True"])
+    assert step_time.set_inductor_config(args.inductor) == {"combo_kernels": True, "triton.cudagraphs": True}
+    assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
+    for bad in ("no_such_option=1", "triton.no_such=1", "combo_kernels", "combo_kernels=yes please"):
+        with pytest.raises(SystemExit, match="--inductor"):
+            step_time.set_inductor_config([bad])
+
+
 def test_step_time_interleaved_smoke(eager_lowbit_step, tmp_path):
     """--interleave: every optimizer built first, then stepped in turn; each row gets its steps and
     its state size, and no peak memory (the optimizers coexist). --profile: each row's note counts
