@@ -128,7 +128,8 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
     chunks, filling = [], {}  # filling: kind -> (its open chunk, that chunk's elements)
     for item in compiled:
         _, call, mode = item
-        kind = tuple((type(a), a.dtype, a.device) if isinstance(a, Tensor) else a for a in call) + (mode,)
+        # the device once, the parameter's (a graph's tensors share one): a.device costs a new object each
+        kind = (call[0].device, mode, *((type(a), a.dtype) if isinstance(a, Tensor) else a for a in call))
         chunk, elements = filling.get(kind, (None, 0))
         n = call[0].numel()
         if chunk is None or len(chunk) == FOREACH_CHUNK or elements + n > FOREACH_ELEMENTS:
@@ -155,8 +156,10 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     blocks as their place in the whole state does). A state without a slice_unit (factored sums,
     a low-rank part) is never cut, nor a parameter of one chunk."""
     n = call[0].numel()
+    if n <= limit:  # most parameters: nothing else to look at (this runs for each, every step)
+        return [call]
     cut = [isinstance(a, Tensor) and a.dim() == 1 and a.numel() == n for a in call]
-    if n <= limit or not cut[0]:
+    if not cut[0]:
         return [call]
     unit = 1
     for a, sliced in zip(call, cut):
