@@ -46,7 +46,7 @@ from torch import Tensor
 
 from . import quant
 from .state import SCALED_AS_THE_KERNEL, KernelLayout, OptimState, computes_as, extend_fingerprint
-from .stochastic_bf16 import write_salt, writes_from_block
+from .stochastic_bf16 import write_salt, write_salt_fingerprint, writes_from_block
 
 
 class BlockFloatState(OptimState):
@@ -145,9 +145,9 @@ class BlockFloatState(OptimState):
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in module functions: a change there must not reuse graphs compiled before it
-        functions = (quant.small_float_codes, quant.small_float_values, quant.power_of_two, quant.dither, write_salt, quant.log_unbiased_threshold)
+        functions = (quant.small_float_codes, quant.small_float_values, quant.power_of_two, quant.log_unbiased_threshold)
         functions += (quant.power_of_two_at_least,) if cls.power_of_two_scale else ()
-        text = "".join(inspect.getsource(f) for f in functions) + str((cls.mantissa_bits, cls.log_unbiased, cls.power_of_two_scale))
+        text = "".join(inspect.getsource(f) for f in functions) + write_salt_fingerprint() + str((cls.mantissa_bits, cls.log_unbiased, cls.power_of_two_scale))
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 

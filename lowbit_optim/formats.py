@@ -207,8 +207,7 @@ class StochasticRounding:
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
-        constants = (quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
-        text = "".join(inspect.getsource(f) for f in (quant.dither, quant.encode_stochastic)) + str(constants)
+        text = inspect.getsource(quant.encode_stochastic) + quant.dither_fingerprint()
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 

@@ -124,8 +124,8 @@ class LowRankState(CodebookState):
     @classmethod
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
-        # the subspace iteration's start lives outside the methods the base hashes
-        text = inspect.getsource(start_basis) + inspect.getsource(LowRankState._fit_low_rank) + inspect.getsource(LowRankState._low_rank)
+        # the subspace iteration's start (quant.dither's numbers) lives outside the methods the base hashes
+        text = inspect.getsource(start_basis) + quant.dither_fingerprint() + inspect.getsource(LowRankState._fit_low_rank) + inspect.getsource(LowRankState._low_rank)
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     def quantize_(self, x: Tensor) -> None:

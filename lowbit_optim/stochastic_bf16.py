@@ -58,6 +58,12 @@ def write_salt(writes: Tensor, blocks: int) -> Tensor:
     return ((((writes * WRITES_MIX + index * BLOCK_MIX) & 0x3FFFFF) << 10) - (1 << 31)).to(torch.int32).view(torch.float32)
 
 
+def write_salt_fingerprint() -> str:
+    """write_salt's source and constants, and the dither's they feed: for the numerics fingerprint of
+    a format that salts its draws with write_salt."""
+    return inspect.getsource(write_salt) + str((WRITES_MIX, BLOCK_MIX)) + quant.dither_fingerprint()
+
+
 # write_salt is linear in the count and the block index mod 2**22, and WRITES_MIX is odd (invertible):
 # a count larger by this much salts block b as the original count salts block b + 1
 WRITES_PER_BLOCK = BLOCK_MIX * pow(WRITES_MIX, -1, 1 << 22) % (1 << 22)
@@ -111,8 +117,7 @@ class StochasticBF16State(StateTensor):
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         # the rounding lives in module functions: a change there must not reuse graphs compiled before it
-        constants = (HASH_BLOCK, WRITES_MIX, BLOCK_MIX, quant.DITHER_DROPPED_BITS, quant.DITHER_PLACE, quant.DITHER_SALT)
-        text = "".join(inspect.getsource(f) for f in (round_bf16_stochastically, write_salt, quant.dither)) + str(constants)
+        text = inspect.getsource(round_bf16_stochastically) + str(HASH_BLOCK) + write_salt_fingerprint()
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     @classmethod

@@ -1277,3 +1277,31 @@ def test_a_codebook_out_of_order_is_named():
     missing = type("NoCodebook", (CodebookState,), {"bits": 4, "default_block_size": 128})
     with pytest.raises(NotImplementedError, match="NoCodebook defines no codebook"):
         missing.from_float(torch.randn(256), True)
+
+
+def _clear_fingerprints() -> None:
+    """Forget every registered format's cached numerics fingerprints (its mixins' too)."""
+    for cls in {c for i in FORMATS if i.quantized for c in i.fmt.__mro__}:
+        if "_numerics_fingerprint" in cls.__dict__:
+            cls.__dict__["_numerics_fingerprint"].__func__.cache_clear()
+
+
+DRAWING_FORMATS = [i.name for i in FORMATS if i.quantized and (getattr(i.fmt, "stochastic", False) or issubclass(i.fmt, LowRankState))]
+
+
+@pytest.mark.parametrize("name", DRAWING_FORMATS)
+def test_a_format_drawing_from_the_dither_hashes_its_constants(name):
+    """A format whose numbers come from quant.dither (stochastic rounding; a low-rank state's start)
+    has a numerics fingerprint that changes with the hash's constants, so that torch.compile's cache
+    (keyed by it) never serves graphs compiled with other ones. (The low-rank states' fingerprint
+    once hashed start_basis's source alone, which names the constants but does not hold them.)"""
+    fmt, salt = get_format(name), quant.DITHER_SALT
+    try:
+        _clear_fingerprints()
+        before = fmt._numerics_fingerprint(True)
+        quant.DITHER_SALT = salt + 2
+        _clear_fingerprints()
+        assert fmt._numerics_fingerprint(True) != before
+    finally:
+        quant.DITHER_SALT = salt
+        _clear_fingerprints()
