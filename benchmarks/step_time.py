@@ -438,7 +438,8 @@ def measure(label: str, make: Callable, params, args, device: torch.device) -> R
 
 
 PROFILE_STEPS = 2
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel")  # name prefixes: the runtime's and the driver's (Triton), Ex variants too
+GRAPH_LAUNCHES = "cudaGraphLaunch"  # a CUDA graph's replay: one launch of many kernels
 
 
 def profile(result: Result, optimizer: torch.optim.Optimizer, device: torch.device, out: Path) -> None:
@@ -452,10 +453,18 @@ def profile(result: Result, optimizer: torch.optim.Optimizer, device: torch.devi
         for _ in range(PROFILE_STEPS):
             timed_step(optimizer, device)
     events = prof.key_averages()
-    result.compiled_calls_per_step = sum(e.count for e in events if e.key.startswith("Torch-Compiled Region")) / PROFILE_STEPS
-    result.launches_per_step = sum(e.count for e in events if e.key in LAUNCHES) / PROFILE_STEPS
-    result.device_busy_s = sum(e.self_device_time_total for e in events if e.device_type != torch.autograd.DeviceType.CPU) / PROFILE_STEPS / 1e6
-    profiled = f"{result.compiled_calls_per_step:.0f} compiled calls, {result.launches_per_step:.0f} launches, device busy {result.device_busy_s * 1e3:.2f} ms per step"
+    per_step = lambda count: count / PROFILE_STEPS  # noqa: E731
+    result.compiled_calls_per_step = per_step(sum(e.count for e in events if e.key.startswith("Torch-Compiled Region")))
+    result.launches_per_step = per_step(sum(e.count for e in events if e.key.startswith(LAUNCHES)))
+    graph_launches = per_step(sum(e.count for e in events if e.key.startswith(GRAPH_LAUNCHES)))
+    # the device's own work: not the ranges (Optimizer.step#...) that the profiler copies onto its timeline
+    device_work = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    result.device_busy_s = per_step(sum(e.self_device_time_total for e in device_work)) / 1e6
+    profiled = f"{result.compiled_calls_per_step:.0f} compiled calls, {result.launches_per_step:.0f} launches"
+    profiled += f" ({graph_launches:.0f} CUDA graph replays)" if graph_launches else ""
+    profiled += f", device busy {result.device_busy_s * 1e3:.2f} ms per step"
+    if device.type == "cuda" and not (result.launches_per_step or graph_launches):
+        profiled += " (no launch seen: the profiler's names may have changed)"
     result.note = "; ".join(n for n in (result.note, profiled) if n)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_{result.label}.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
@@ -573,19 +582,22 @@ def set_inductor_config(items: list[str]) -> dict:
 
     import torch._inductor.config as inductor_config
 
-    settings = {}
+    settings, defaults = {}, inductor_config.get_config_copy()  # every option by its dotted name
     for item in items:
         key, sep, text = item.partition("=")
+        if not sep or key not in defaults:
+            raise SystemExit(f"--inductor {item}: torch._inductor.config has no option {key!r} (write KEY=VALUE)")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             raise SystemExit(f"--inductor {item}: write KEY=VALUE with a Python literal for VALUE (True, 2, 'name')") from None
+        default = defaults[key]
+        if default is not None and not isinstance(value, type(default)):
+            raise SystemExit(f"--inductor {item}: {key} takes a {type(default).__name__} (default {default!r}), not {value!r}")
         *parents, name = key.split(".")
         owner = inductor_config
         for parent in parents:
-            owner = getattr(owner, parent, None)
-        if not sep or owner is None or not hasattr(owner, name):
-            raise SystemExit(f"--inductor {item}: torch._inductor.config has no {key!r}")
+            owner = getattr(owner, parent)
         setattr(owner, name, value)
         settings[key] = value
     return settings

@@ -268,8 +268,9 @@ def test_step_time_optimizer_smoke(eager_lowbit_step):
 
 
 def test_step_time_sets_inductor_config(monkeypatch):
-    """--inductor KEY=VALUE sets torch._inductor.config (sub-configs by dotted keys); an unknown key
-    or a value that is not a literal stops the run with a message naming it."""
+    """--inductor KEY=VALUE sets torch._inductor.config (sub-configs by dotted keys); an unknown key,
+    a method or sub-config of the config module, a value that is not a literal or not of the
+    option's type stops the run with a message naming it."""
     import torch._inductor.config as inductor_config
 
     step_time = import_script("benchmarks/step_time")
@@ -278,9 +279,26 @@ def test_step_time_sets_inductor_config(monkeypatch):
     args = step_time.parse_args(["--inductor", "combo_kernels=True", "--inductor", "triton.cudagraphs=True"])
     assert step_time.set_inductor_config(args.inductor) == {"combo_kernels": True, "triton.cudagraphs": True}
     assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
-    for bad in ("no_such_option=1", "triton.no_such=1", "combo_kernels", "combo_kernels=yes please"):
+    for bad in ("no_such_option=1", "triton.no_such=1", "combo_kernels", "combo_kernels=yes please", "save_config=1", "triton=1", "combo_kernels='yes'", "combo_kernels=1"):
         with pytest.raises(SystemExit, match="--inductor"):
             step_time.set_inductor_config([bad])
+
+
+def test_step_time_profile_counts_compiled_calls(tmp_path):
+    """--profile on the compiled step (fused=False: one graph call per parameter on the CPU): two
+    parameters, two compiled calls per step; nothing launched on a device."""
+    step_time = import_script("benchmarks/step_time")
+    import lowbit_optim
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (71, 100)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = lowbit_optim.AdamW(params, lr=1e-3, state_format="fp32", fused=False)
+    optimizer.step()  # compiled here, not under the profiler
+    result = step_time.Result("compiled")
+    step_time.profile(result, optimizer, torch.device("cpu"), tmp_path)
+    assert (result.compiled_calls_per_step, result.launches_per_step, result.device_busy_s) == (2, 0, 0), result
+    assert "2 compiled calls, 0 launches" in result.note
 
 
 def test_step_time_interleaved_smoke(eager_lowbit_step, tmp_path):
