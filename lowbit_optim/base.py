@@ -123,8 +123,8 @@ def compiled_foreach_step(step_function):
 def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
     """The (parameter, arguments, param_update) items in chunks of at most FOREACH_CHUNK items and
     FOREACH_ELEMENTS elements (a larger item alone) whose arguments have the same kinds (tensor
-    class, dtype and device, or None) and mode, so that chunks of a model's repeated layers share
-    one graph."""
+    class and dtype, or None), device (the parameter's) and mode, so that chunks of a model's
+    repeated layers share one graph."""
     chunks, filling = [], {}  # filling: kind -> (its open chunk, that chunk's elements)
     for item in compiled:
         _, call, mode = item

@@ -70,7 +70,7 @@ def test_writes_follow_the_float64_reference(fmt, shape):
     """Each write of a sequence (a moving matrix, as a momentum) reads back as the float64 reference's
     subspace step from the state's previous factors plus nearest residual codes: within half a code
     gap of each one's residual (both round x's residual to its nearest code) and fp32 round-off,
-    the state's residual within 1 % of the reference's (seen: 0.1 %). With start_basis's earlier
+    the state's residual at most 1 % above the reference's (seen: 0.1 %). With start_basis's earlier
     integer pattern, whose last directions fp32 round-off chose, (64, 96) at 8bit-lowrank left a
     residual 1.44x the reference's."""
     state = fmt.zeros(shape)
