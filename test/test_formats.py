@@ -1286,7 +1286,7 @@ def _clear_fingerprints() -> None:
             cls.__dict__["_numerics_fingerprint"].__func__.cache_clear()
 
 
-DRAWING_FORMATS = [i.name for i in FORMATS if i.quantized and (getattr(i.fmt, "stochastic", False) or issubclass(i.fmt, LowRankState))]
+DRAWING_FORMATS = [i.name for i in FORMATS if i.stochastic or (i.quantized and issubclass(i.fmt, LowRankState))]
 
 
 @pytest.mark.parametrize("name", DRAWING_FORMATS)
