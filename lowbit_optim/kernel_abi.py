@@ -183,7 +183,7 @@ def _build_structs(fields: list[Field]) -> dict[str, type]:
 
 
 def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
-    """The entry points' prototypes (csrc/fused_step.c, csrc/test_hooks.h)."""
+    """The entry points' prototypes (csrc/fused_step.c, csrc/products.h, csrc/test_hooks.h)."""
     state, param = ctypes.POINTER(structs["state_t"]), ctypes.POINTER(structs["param_t"])
     prototypes = {
         "lowbit_step": ([ctypes.c_int64, param, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
@@ -192,6 +192,8 @@ def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
         "lowbit_quantize": ([state, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None),
         "lowbit_divide": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p], None),
     }
+    product = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    prototypes |= {name: (product, ctypes.c_int) for name in ("lowbit_outer", "lowbit_times", "lowbit_transposed_times")}
     for name, (argtypes, restype) in prototypes.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype

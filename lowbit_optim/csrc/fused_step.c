@@ -29,6 +29,7 @@
  *   update.h     the update stage's interface (chunk_t, optimizer_t) and helpers
  *   update_*.h   one optimizer's update each (update_assign.h: the encoders as an update)
  *   scheduler.h  chunks, tasks and the OpenMP loop
+ *   products.h   the low-rank states' matrix products, in one summation order
  *   test_hooks.h entry points for the tests
  * This file lists the optimizers and exports the entry points.
  */
@@ -62,6 +63,7 @@
 #include "update_muon.h"
 #include "update_assign.h"
 #include "scheduler.h"
+#include "products.h"
 #include "test_hooks.h"
 
 /* The optimizers: name (fused_cpu's), hyper-parameter struct and its fields, state names (in

@@ -93,6 +93,7 @@ static inline vec_t vec_sub(vec_t a, vec_t b) { return VECTOR_OP(sub_ps)(a, b); 
 static inline vec_t vec_mul(vec_t a, vec_t b) { return VECTOR_OP(mul_ps)(a, b); }
 static inline vec_t vec_div(vec_t a, vec_t b) { return VECTOR_OP(div_ps)(a, b); }
 static inline vec_t vec_sqrt(vec_t a) { return VECTOR_OP(sqrt_ps)(a); }
+static inline vec_t vec_fmadd(vec_t a, vec_t b, vec_t c) { return VECTOR_OP(fmadd_ps)(a, b, c); }    /* a * b + c, rounded once */
 static inline vec_t vec_fmsub(vec_t a, vec_t b, vec_t c) { return VECTOR_OP(fmsub_ps)(a, b, c); }    /* a * b - c, rounded once */
 static inline vec_t vec_fnmadd(vec_t a, vec_t b, vec_t c) { return VECTOR_OP(fnmadd_ps)(a, b, c); }  /* c - a * b, rounded once */
 #endif

@@ -1,0 +1,115 @@
+"""The low-rank states' matrix products, in one summation order on the CPU (csrc/products.h).
+
+A LowRankState (lowrank.py) takes three products per write and one per read, each of a (rows x
+cols) matrix with its rank (32 or 64) columns: ``outer(left, right)`` = left @ right.T,
+``times(matrix, basis)`` = matrix @ basis and ``transposed_times(matrix, left)`` = matrix.T @ left.
+On the CPU they come from the fused kernel's library, where every output is a chain of FMAs over the
+shared index in increasing order: the compiled step (through the op ``lowbit_optim::lowrank_product``,
+opaque to inductor), the eager step and the fused kernel all take them here, so they agree bit for
+bit, on every build of the library (AVX-512, AVX2, portable) and any number of threads. torch's BLAS
+fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.4-2.6x the time
+of the library's AVX-512 loops (README, Performance). Elsewhere (another device, or a CPU where the
+library cannot be built) they are torch's products.
+"""
+
+import inspect
+import pathlib
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+
+class _Kind(NamedTuple):
+    function: str  # the library's
+    dims: Callable  # (a, b) -> the C's (rows, cols, rank)
+    shared: tuple[int, int]  # the dimensions of a and b that must agree
+    shape: Callable  # (rows, cols, rank) -> the output's
+    torch_product: Callable  # (a, b, out) -> torch's product into out
+
+
+_KINDS = {
+    "outer": _Kind("lowbit_outer", lambda a, b: (a.shape[0], b.shape[0], a.shape[1]), (1, 1), lambda r, c, k: (r, c), lambda a, b, out: torch.mm(a, b.T, out=out)),
+    "times": _Kind("lowbit_times", lambda a, b: (*a.shape, b.shape[1]), (1, 0), lambda r, c, k: (r, k), lambda a, b, out: torch.mm(a, b, out=out)),
+    "transposed_times": _Kind("lowbit_transposed_times", lambda a, b: (*a.shape, b.shape[1]), (0, 0), lambda r, c, k: (c, k), lambda a, b, out: torch.mm(a.T, b, out=out)),
+}
+
+
+def _shape(kind: str, a: Tensor, b: Tensor) -> tuple:
+    return _KINDS[kind].shape(*_KINDS[kind].dims(a, b))
+
+
+def outer(left: Tensor, right: Tensor, out: Tensor | None = None) -> Tensor:
+    """left (rows x rank) @ right (cols x rank).T, into ``out`` (rows x cols) if given."""
+    return _product("outer", left, right, out)
+
+
+def times(matrix: Tensor, basis: Tensor) -> Tensor:
+    """matrix (rows x cols) @ basis (cols x rank)."""
+    return _product("times", matrix, basis)
+
+
+def transposed_times(matrix: Tensor, left: Tensor) -> Tensor:
+    """matrix (rows x cols).T @ left (rows x rank)."""
+    return _product("transposed_times", matrix, left)
+
+
+def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    if a.device.type != "cpu":
+        return _KINDS[kind].torch_product(a, b, out if out is not None else a.new_empty(_shape(kind, a, b)))
+    if out is None:
+        return torch.ops.lowbit_optim.lowrank_product(kind, a, b)
+    return _into(kind, a, b, out)
+
+
+def fingerprint() -> str:
+    """The text that defines these products' numbers (for a format's numerics fingerprint)."""
+    return inspect.getsource(_product) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
+
+
+def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
+    """What the C reads: two float32 matrices (on the CPU) whose shared dimension agrees."""
+    if kind not in _KINDS:
+        raise ValueError(f"lowrank_product: kind {kind!r} is none of {sorted(_KINDS)}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.float32 or t.dim() != 2 or (device and t.device.type != "cpu"):
+            raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dim()}-D {t.dtype} tensor on {t.device}, not a float32 matrix on the CPU")
+    i, j = _KINDS[kind].shared
+    if a.shape[i] != b.shape[j]:
+        raise ValueError(f"lowrank_product({kind!r}): shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree in the dimension they share")
+
+
+def _into(kind: str, a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """The product into ``out``: the library's, or torch's where it cannot be built."""
+    _check(kind, a, b)
+    shape = _shape(kind, a, b)
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"lowrank_product({kind!r}): out is a {out.dtype} {tuple(out.shape)} tensor on {out.device}, not a contiguous float32 {shape} CPU matrix")
+    # imported here: kernel_build imports stochastic_bf16, whose format registers after lowrank's
+    from . import kernel_abi
+
+    kernel = kernel_abi.load()[0]
+    if kernel is None:
+        return _KINDS[kind].torch_product(a, b, out)
+    a, b = a.contiguous(), b.contiguous()
+    rows, cols, rank = _KINDS[kind].dims(a, b)
+    if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"lowrank_product({kind!r}): out of memory for the packed factor of a {rows} x {cols} product")
+    return out
+
+
+def _lowrank_product(kind: str, a: Tensor, b: Tensor) -> Tensor:
+    _check(kind, a, b)
+    return _into(kind, a, b, a.new_empty(_shape(kind, a, b)))
+
+
+_LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
+_LIBRARY.define("lowrank_product(str kind, Tensor a, Tensor b) -> Tensor")
+_LIBRARY.impl("lowrank_product", _lowrank_product, "CPU")
+
+
+@torch.library.register_fake("lowbit_optim::lowrank_product", lib=_LIBRARY)
+def _lowrank_product_fake(kind: str, a: Tensor, b: Tensor) -> Tensor:
+    _check(kind, a, b, device=False)
+    return a.new_empty(_shape(kind, a, b))

@@ -1,0 +1,111 @@
+"""lowrank_products: the low-rank states' products, each output a chain of FMAs in order (csrc/products.h)."""
+
+import re
+
+import pytest
+import torch
+from test_fused_cpu import BUILDS, kernel_built_with
+
+from lowbit_optim import fused_cpu, kernel_abi, lowrank_products
+
+KINDS = ("outer", "times", "transposed_times")
+# (rows, cols, rank): tails of every tile and vector (rows of 4 and 8, columns of 8 and of two
+# vectors, ranks of one vector), transposed_times' blocks of 256 rows, and vectors of one element
+SHAPES = [(1, 1, 1), (5, 3, 2), (9, 33, 17), (37, 70, 32), (130, 47, 64), (300, 1, 1), (1, 300, 1), (513, 20, 31)]
+
+pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="the fused kernel's library cannot be built here")
+
+
+def factors(kind, rows, cols, rank, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "outer":
+        return torch.randn(rows, rank, generator=g), torch.randn(cols, rank, generator=g)
+    return torch.randn(rows, cols, generator=g), torch.randn(cols if kind == "times" else rows, rank, generator=g)
+
+
+def product(kind, a, b):
+    return getattr(lowrank_products, kind)(a, b)
+
+
+def chained(kind, a, b):
+    """Each output as fp32 FMAs over the shared index in increasing order from +0, emulated in
+    float64 (a product of two fp32 numbers is exact there; the sum is rounded to fp32 after each
+    term, which can differ from one FMA's rounding only by double rounding, not seen with these seeds)."""
+    terms = {
+        "outer": lambda j: a[:, j, None] * b[None, :, j],
+        "times": lambda j: a[:, j, None] * b[None, j, :],
+        "transposed_times": lambda j: a[j, :, None] * b[None, j, :],
+    }[kind]
+    shared = a.shape[1] if kind in ("outer", "times") else a.shape[0]
+    a, b = a.double(), b.double()
+    acc = torch.zeros(lowrank_products._shape(kind, a, b), dtype=torch.float64)
+    for j in range(shared):
+        acc = (terms(j) + acc).float().double()
+    return acc.float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_each_output_is_a_chain_of_fmas_in_order(kind, shape):
+    a, b = factors(kind, *shape)
+    assert torch.equal(product(kind, a, b), chained(kind, a, b))
+
+
+@pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
+def test_every_build_and_thread_count_gives_the_same_bits(flag):
+    cases = [(kind, factors(kind, *shape, seed=1)) for kind in KINDS for shape in SHAPES]
+    expected = [product(kind, a, b) for kind, (a, b) in cases]
+    threads = torch.get_num_threads()
+    with kernel_built_with(flag):
+        for count in {1, threads, 3}:
+            torch.set_num_threads(count)
+            try:
+                for (kind, (a, b)), reference in zip(cases, expected):
+                    assert torch.equal(product(kind, a, b), reference), (kind, a.shape, b.shape, count)
+            finally:
+                torch.set_num_threads(threads)
+
+
+def test_compiled_products_are_the_eager_ones():
+    """Opaque to inductor (the op lowbit_optim::lowrank_product), so a compiled step cannot sum
+    them in an order of its own; the factors may be views (a QR's column-major Q)."""
+    step = torch.compile(lambda m, q, left: (lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2), dynamic=True)
+    for rows, cols in ((40, 24), (300, 1), (7, 130)):
+        m = torch.randn(rows, cols)
+        q, left = torch.linalg.qr(torch.randn(cols, min(rows, cols, 8))).Q, torch.randn(rows, min(rows, cols, 8))
+        eager = (lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2)
+        for got, want in zip(step(m, q, left), eager):
+            assert torch.equal(got, want)
+
+
+def test_into_a_buffer():
+    left, right = factors("outer", 37, 70, 32)
+    out = torch.full((37, 70), float("nan"))
+    assert lowrank_products.outer(left, right, out=out) is out
+    assert torch.equal(out, product("outer", left, right))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: lowrank_products.times(torch.randn(4, 5), torch.randn(6, 2)), "do not agree in the dimension they share"),
+        (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 3)), "do not agree in the dimension they share"),
+        (lambda: lowrank_products.transposed_times(torch.randn(4, 5), torch.randn(5, 2)), "do not agree in the dimension they share"),
+        (lambda: lowrank_products.times(torch.randn(4, 5, dtype=torch.float64), torch.randn(5, 2)), "not a float32 matrix"),
+        (lambda: lowrank_products.times(torch.randn(20), torch.randn(5, 2)), "not a float32 matrix"),
+        (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4)), "out is a torch.float32 (6, 4) tensor"),
+        (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4).T), "not a contiguous float32 (4, 6)"),
+        (lambda: torch.ops.lowbit_optim.lowrank_product("inner", torch.randn(4, 2), torch.randn(2, 3)), "kind 'inner' is none of"),
+    ],
+)
+def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+def test_without_the_library_the_products_are_torchs(monkeypatch):
+    monkeypatch.setattr(kernel_abi, "load", lambda: (None, "no compiler"))
+    for kind in KINDS:
+        a, b = factors(kind, 37, 70, 32)
+        reference = {"outer": lambda: a @ b.T, "times": lambda: a @ b, "transposed_times": lambda: a.T @ b}[kind]()
+        assert torch.equal(product(kind, a, b), reference)
