@@ -140,8 +140,7 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
         return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
     if isinstance(state, StateTensor) and state.has_addend and _stored_kind(state) != "codebook":  # chunk_io.h adds it to codebook codes only
         return f"the {name} state keeps a part outside its {_stored_kind(state)} codes (the kernel takes one beside codebook codes only)"
-    refusal = state.kernel_refusal() if isinstance(state, StateTensor) else None
-    return f"the {name} state is {refusal}" if refusal else None
+    return None
 
 
 def chunks_unsupported(states) -> str | None:

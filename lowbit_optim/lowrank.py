@@ -28,9 +28,9 @@ nonnegative state's grid has no zero (as ``int8-linear``'s), so that a small v n
 Under FSDP2 the rank applies to each rank's rows, so the factors' share grows with the world size
 (4096 x 11008 at rank 32: 1.06 B/param on one rank, 2.03 on 32). The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. The fused CPU kernel steps it in
-three moves (README, Design: the addend); the same ATen products and QRs as the compiled step, so
-the same bits, but for a matrix of one column, whose product inductor computes as a sum of its own
-(kernel_refusal: it takes the compiled step). It cannot be cut into row slices (the low-rank part spans every row), so
+three moves (README, Design: the addend); the same products (lowrank_products: on the CPU in one
+summation order, which inductor cannot change) and QRs as the compiled step, so the same bits. It
+cannot be cut into row slices (the low-rank part spans every row), so
 torch.distributed.checkpoint loads it whole (distributed.py: bit-exact on the same world size,
 rewritten from the saved values when resharded). Under FSDP2 each rank's state is its own rows, with
 a low-rank part of its own.
@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from . import quant
+from . import lowrank_products, quant
 from .state import SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, _format_name, computes_as, extend_fingerprint
 
 
@@ -124,8 +124,8 @@ class LowRankState(CodebookState):
     @classmethod
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
-        # the subspace iteration's start (quant.dither's numbers) lives outside the methods the base hashes
-        text = inspect.getsource(start_basis) + quant.dither_fingerprint() + inspect.getsource(LowRankState._fit_low_rank) + inspect.getsource(LowRankState._low_rank)
+        # the subspace iteration's start (quant.dither's numbers) and products live outside the methods the base hashes
+        text = inspect.getsource(start_basis) + quant.dither_fingerprint() + lowrank_products.fingerprint() + inspect.getsource(LowRankState._fit_low_rank) + inspect.getsource(LowRankState._low_rank)
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     def quantize_(self, x: Tensor) -> None:
@@ -140,9 +140,9 @@ class LowRankState(CodebookState):
         matrix = values.reshape(rows, cols)
         previous = self.right.view(cols, self.rank)
         start = torch.where(previous.abs().sum() > 0, previous, start_basis(cols, self.rank, values.device))
-        left = torch.linalg.qr(matrix @ torch.linalg.qr(start).Q).Q
+        left = torch.linalg.qr(lowrank_products.times(matrix, torch.linalg.qr(start).Q)).Q
         self.left.copy_(left.reshape(-1))
-        self.right.copy_((matrix.T @ left).reshape(-1))
+        self.right.copy_(lowrank_products.transposed_times(matrix, left).reshape(-1))
         # the residual of the product exactly as dequantize computes it, its rounding included
         if product is None:
             return values.reshape(-1) - self._low_rank()
@@ -153,7 +153,7 @@ class LowRankState(CodebookState):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         # the residual's codes are a codebook state's; the low-rank part passes through the addend
-        low_rank = ("_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual", "kernel_refusal")
+        low_rank = ("_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual")
         if not computes_as(cls, LowRankState, "encode", "encode_blocks", "decode", *SCALED_AS_THE_KERNEL, *low_rank):
             return None
         return cls._codebook_layout(signed)
@@ -161,13 +161,6 @@ class LowRankState(CodebookState):
     @property
     def has_addend(self) -> bool:
         return self.rank > 0
-
-    def kernel_refusal(self) -> str | None:
-        # inductor computes a (1 x k) @ (k x 1) product on the CPU as its own sum (its mm
-        # decomposition), not BLAS's dot: a one-column matrix's `matrix.T @ left` then differs
-        if self.rank and self._matrix_shape()[1] == 1:
-            return f"a low-rank state of one column (shape {tuple(self.shape)}: the compiled step sums its products in its own order)"
-        return None
 
     def kernel_addend(self, out: Tensor) -> Tensor:
         return self._low_rank(out)
@@ -186,8 +179,8 @@ class LowRankState(CodebookState):
         rows, cols = self._matrix_shape()
         left, right = self.left.view(rows, self.rank), self.right.view(cols, self.rank)
         if out is not None:
-            return torch.mm(left, right.T, out=out.view(rows, cols)).view(-1)
-        return (left @ right.T).view(-1)
+            return lowrank_products.outer(left, right, out=out.view(rows, cols)).view(-1)
+        return lowrank_products.outer(left, right).view(-1)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         values = super().dequantize(torch.float32)

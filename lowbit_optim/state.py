@@ -186,11 +186,6 @@ class StateTensor(Tensor):
         from kernel_addend)."""
         return False
 
-    def kernel_refusal(self) -> str | None:
-        """Why the kernel cannot give this state's compiled-step bits although its format declares a
-        layout (None: it can); such a state takes the compiled step."""
-        return None
-
     def kernel_addend(self, out: Tensor) -> Tensor:
         """The part of this state's values outside its codes, written into ``out`` (numel flat fp32
         values) and returned (``has_addend``)."""

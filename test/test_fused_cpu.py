@@ -1230,17 +1230,12 @@ def test_op_refuses_an_addend_beside_other_codes(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["8bit-lowrank", "4bit-lowrank-mulaw"])
-def test_a_one_column_low_rank_state_takes_the_compiled_step(fmt):
-    """Inductor computes a (1 x k) @ (k x 1) product on the CPU as a sum of its own, not BLAS's dot, so
-    the kernel cannot give a one-column low-rank state's compiled bits: such a parameter is refused
-    by fused=True and takes the compiled step under fused=None, its neighbours the kernel (one row,
-    two columns: the same bits)."""
+def test_low_rank_states_of_one_row_or_column_take_the_kernel(fmt):
+    """The compiled step takes its low-rank products from lowrank_products, as the kernel's part
+    does, where inductor would have summed a one-column matrix's (1 x k) @ (k x 1) product in its own
+    order: every shape gets the compiled step's bits from the kernel."""
     shapes = [(71, 64), (300, 1), (1, 300), (300, 2)]
-    with pytest.raises(RuntimeError, match=r"shape \(300, 1\): the exp_avg state is a low-rank state of one column"):
-        run(True, shapes=shapes, state_format=fmt, min_quantize_numel=1)
-    assert_identical(run(None, shapes=shapes, state_format=fmt, min_quantize_numel=1), run(False, shapes=shapes, state_format=fmt, min_quantize_numel=1))
-    for shape in ((71, 64), (1, 300), (300, 2)):
-        assert_identical(run(True, shapes=[shape], state_format=fmt, min_quantize_numel=1), run(False, shapes=[shape], state_format=fmt, min_quantize_numel=1))
+    assert_identical(run(True, shapes=shapes, state_format=fmt, min_quantize_numel=1), run(False, shapes=shapes, state_format=fmt, min_quantize_numel=1))
 
 
 # ---- factored states ------------------------------------------------------------------------------
