@@ -45,14 +45,14 @@ def outer(left: Tensor, right: Tensor, out: Tensor | None = None) -> Tensor:
     return _product("outer", left, right, out)
 
 
-def times(matrix: Tensor, basis: Tensor) -> Tensor:
-    """matrix (rows x cols) @ basis (cols x rank)."""
-    return _product("times", matrix, basis)
+def times(matrix: Tensor, basis: Tensor, out: Tensor | None = None) -> Tensor:
+    """matrix (rows x cols) @ basis (cols x rank), into ``out`` (rows x rank) if given."""
+    return _product("times", matrix, basis, out)
 
 
-def transposed_times(matrix: Tensor, left: Tensor) -> Tensor:
-    """matrix (rows x cols).T @ left (rows x rank)."""
-    return _product("transposed_times", matrix, left)
+def transposed_times(matrix: Tensor, left: Tensor, out: Tensor | None = None) -> Tensor:
+    """matrix (rows x cols).T @ left (rows x rank), into ``out`` (cols x rank) if given."""
+    return _product("transposed_times", matrix, left, out)
 
 
 def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:

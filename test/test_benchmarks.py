@@ -1,5 +1,5 @@
 """Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py), of
-benchmarks/compute_bound.py and benchmarks/memory.py: each main function runs on a tiny configuration,
+benchmarks/compute_bound.py, benchmarks/memory.py and benchmarks/lowrank_products.py: each main function runs on a tiny configuration,
 writes its files, and reports finite numbers."""
 
 import json
@@ -115,6 +115,20 @@ def test_lowrank_refit_smoke(tmp_path):
     assert set(runs) == {"lowbit fp32", "lowbit momentum_buffer 8bit-lowrank", "lowbit momentum_buffer refit every 1", "lowbit momentum_buffer refit every 4"}
     assert runs["lowbit momentum_buffer refit every 1"]["train_losses"] == runs["lowbit momentum_buffer 8bit-lowrank"]["train_losses"]
     assert all(math.isfinite(r["train_set_loss"]) for r in runs.values())
+
+
+def test_lowrank_products_smoke(monkeypatch, capsys):
+    """benchmarks/lowrank_products.py on small matrices: a row per matrix and product, and the total."""
+    from lowbit_optim import fused_cpu
+
+    if fused_cpu.library() is None:
+        pytest.skip("the fused kernel's library cannot be built here")
+    lowrank_products = import_script("benchmarks/lowrank_products")
+    monkeypatch.setattr(lowrank_products, "SHAPES", [(40, 24), (24, 40)])
+    lowrank_products.main(["--rank", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("| 40 x 24 |") == 3 and out.count("| 24 x 40 |") == 3
+    assert "a step's four products" in out
 
 
 def test_memory_smoke(tmp_path):

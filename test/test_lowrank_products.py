@@ -78,11 +78,12 @@ def test_compiled_products_are_the_eager_ones():
             assert torch.equal(got, want)
 
 
-def test_into_a_buffer():
-    left, right = factors("outer", 37, 70, 32)
-    out = torch.full((37, 70), float("nan"))
-    assert lowrank_products.outer(left, right, out=out) is out
-    assert torch.equal(out, product("outer", left, right))
+@pytest.mark.parametrize("kind", KINDS)
+def test_into_a_buffer(kind):
+    a, b = factors(kind, 37, 70, 32)
+    out = torch.full(lowrank_products._shape(kind, a, b), float("nan"))
+    assert getattr(lowrank_products, kind)(a, b, out=out) is out
+    assert torch.equal(out, product(kind, a, b))
 
 
 @pytest.mark.parametrize(
