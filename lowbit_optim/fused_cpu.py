@@ -102,13 +102,13 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
         _call(optimizer, [item for item, _, _ in whole], hyper, [c for _, c, _ in whole])
     if not apart:
         return
-    # an addend per such state and a scratch, sized for the largest parameter and reused by the
-    # others: fresh memory costs a page fault per 4 KiB (the products took twice as long)
-    buffers = torch.empty(max(len(added) for *_, added in apart) + 1, max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
+    # an addend per such state, sized for the largest parameter and reused by the others: fresh
+    # memory costs a page fault per 4 KiB (the products took twice as long)
+    buffers = torch.empty(max(len(added) for *_, added in apart), max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
     for item, correction, added in apart:
         addends = [s.kernel_addend(buffers[i, : s.numel()]) for i, s in enumerate(added)]
         _call(optimizer, [item], hyper, [correction], addends)
-        residuals = [s.kernel_residual(values, buffers[-1, : s.numel()]) for s, values in zip(added, addends)]
+        residuals = [s.kernel_residual(values) for s, values in zip(added, addends)]
         _call("assign", [(values, values, torch.zeros(1, dtype=torch.float32), codes) for codes, values in residuals], {})  # a counter it needs, unused
 
 

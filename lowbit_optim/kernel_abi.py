@@ -192,8 +192,9 @@ def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
         "lowbit_quantize": ([state, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None),
         "lowbit_divide": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p], None),
     }
-    product = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    prototypes |= {name: (product, ctypes.c_int) for name in ("lowbit_outer", "lowbit_times", "lowbit_transposed_times")}
+    factors = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # a, b, rows, cols, rank
+    prototypes |= {name: ([*factors, ctypes.c_void_p, ctypes.c_int], ctypes.c_int) for name in ("lowbit_times", "lowbit_transposed_times")}
+    prototypes["lowbit_outer"] = ([*factors, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)  # and a minuend (or NULL)
     for name, (argtypes, restype) in prototypes.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype

@@ -132,10 +132,10 @@ class LowRankState(CodebookState):
         values = x.float()
         super().quantize_(self._fit_low_rank(values) if self.rank else values)
 
-    def _fit_low_rank(self, values: Tensor, product: Tensor | None = None) -> Tensor:
+    def _fit_low_rank(self, values: Tensor, in_place: bool = False) -> Tensor:
         """One step of subspace iteration: the low-rank part follows ``values``; returns the flat
-        residual its codes must hold (quantize_), or with ``product`` (the kernel's writes,
-        kernel_residual) computes the new part there and the residual over ``values``."""
+        residual its codes must hold (quantize_), written over ``values`` where ``in_place`` (the
+        kernel's writes, kernel_residual)."""
         rows, cols = self._matrix_shape()
         matrix = values.reshape(rows, cols)
         previous = self.right.view(cols, self.rank)
@@ -144,9 +144,8 @@ class LowRankState(CodebookState):
         self.left.copy_(left.reshape(-1))
         self.right.copy_(lowrank_products.transposed_times(matrix, left).reshape(-1))
         # the residual of the product exactly as dequantize computes it, its rounding included
-        if product is None:
-            return values.reshape(-1) - self._low_rank()
-        return values.sub_(self._low_rank(product))
+        left, right = self.left.view(rows, self.rank), self.right.view(cols, self.rank)
+        return lowrank_products.residual(matrix, left, right, out=matrix if in_place else None).view(-1)
 
     # ---- the fused CPU kernel: codes as the codebook's, the low-rank part through the addend ----
 
@@ -165,8 +164,8 @@ class LowRankState(CodebookState):
     def kernel_addend(self, out: Tensor) -> Tensor:
         return self._low_rank(out)
 
-    def kernel_residual(self, values: Tensor, scratch: Tensor) -> tuple["LowRankState", Tensor]:
-        residual = self._fit_low_rank(values, scratch)
+    def kernel_residual(self, values: Tensor) -> tuple["LowRankState", Tensor]:
+        residual = self._fit_low_rank(values, in_place=True)
         no_factors = self.left.new_empty(0)
         return type(self)(self.codes, self.scale, no_factors, no_factors, self.shape, self.block_size, self.signed, 0, self.dtype), residual
 

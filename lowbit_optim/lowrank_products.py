@@ -2,12 +2,13 @@
 
 A LowRankState (lowrank.py) takes three products per write and one per read, each of a (rows x
 cols) matrix with its rank (32 or 64) columns: ``outer(left, right)`` = left @ right.T,
-``times(matrix, basis)`` = matrix @ basis and ``transposed_times(matrix, left)`` = matrix.T @ left.
-On the CPU they come from the fused kernel's library, where every output is a chain of FMAs over the
-shared index in increasing order: the compiled step (through the op ``lowbit_optim::lowrank_product``,
-opaque to inductor), the eager step and the fused kernel all take them here, so they agree bit for
+``times(matrix, basis)`` = matrix @ basis and ``transposed_times(matrix, left)`` = matrix.T @ left;
+its write's residual, ``residual(values, left, right)`` = values - outer(left, right), is the last
+in one pass (in place in the fused kernel's buffer, which then needs no second one). On the CPU they come from the fused kernel's library, where every output is a chain of FMAs over the
+shared index in increasing order: the compiled step (through the ops ``lowbit_optim::lowrank_product``
+and ``lowrank_residual``, opaque to inductor), the eager step and the fused kernel all take them here, so they agree bit for
 bit, on every build of the library (AVX-512, AVX2, portable) and any number of threads. torch's BLAS
-fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.4-2.6x the time
+fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.2-2.2x the time
 of the library's AVX-512 loops (README, Performance). Elsewhere (another device, or a CPU where the
 library cannot be built) they are torch's products.
 """
@@ -55,6 +56,17 @@ def transposed_times(matrix: Tensor, left: Tensor, out: Tensor | None = None) ->
     return _product("transposed_times", matrix, left, out)
 
 
+def residual(values: Tensor, left: Tensor, right: Tensor, out: Tensor | None = None) -> Tensor:
+    """values (rows x cols) - left @ right.T, the product rounded as outer's: a low-rank state's
+    residual, into ``out`` (which may be ``values``) if given."""
+    if values.device.type != "cpu":
+        product = outer(left, right)
+        return values - product if out is None else torch.sub(values, product, out=out)
+    if out is None:
+        return torch.ops.lowbit_optim.lowrank_residual(values, left, right)
+    return _into("outer", left, right, out, minuend=values)
+
+
 def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     if a.device.type != "cpu":
         return _KINDS[kind].torch_product(a, b, out if out is not None else a.new_empty(_shape(kind, a, b)))
@@ -65,7 +77,7 @@ def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tens
 
 def fingerprint() -> str:
     """The text that defines these products' numbers (for a format's numerics fingerprint)."""
-    return inspect.getsource(_product) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
+    return inspect.getsource(_product) + inspect.getsource(residual) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
 
 
 def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
@@ -80,21 +92,26 @@ def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
         raise ValueError(f"lowrank_product({kind!r}): shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree in the dimension they share")
 
 
-def _into(kind: str, a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """The product into ``out``: the library's, or torch's where it cannot be built."""
+def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None = None) -> Tensor:
+    """The product into ``out`` (outer with a minuend: the minuend less it): the library's, or
+    torch's where it cannot be built."""
     _check(kind, a, b)
     shape = _shape(kind, a, b)
-    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"lowrank_product({kind!r}): out is a {out.dtype} {tuple(out.shape)} tensor on {out.device}, not a contiguous float32 {shape} CPU matrix")
+    for name, t in (("out", out), ("the minuend", minuend if minuend is not None else out)):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
     # imported here: kernel_build imports stochastic_bf16, whose format registers after lowrank's
     from . import kernel_abi
 
     kernel = kernel_abi.load()[0]
     if kernel is None:
-        return _KINDS[kind].torch_product(a, b, out)
+        if minuend is None:
+            return _KINDS[kind].torch_product(a, b, out)
+        return torch.sub(minuend, _KINDS[kind].torch_product(a, b, torch.empty_like(out)), out=out)
     a, b = a.contiguous(), b.contiguous()
     rows, cols, rank = _KINDS[kind].dims(a, b)
-    if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, out.data_ptr(), torch.get_num_threads()):
+    minuend_at = [minuend.data_ptr() if minuend is not None else None] if kind == "outer" else []  # outer's argument alone
+    if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, *minuend_at, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"lowrank_product({kind!r}): out of memory for the packed factor of a {rows} x {cols} product")
     return out
 
@@ -104,12 +121,25 @@ def _lowrank_product(kind: str, a: Tensor, b: Tensor) -> Tensor:
     return _into(kind, a, b, a.new_empty(_shape(kind, a, b)))
 
 
+def _lowrank_residual(values: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    _check("outer", left, right)
+    return _into("outer", left, right, torch.empty(_shape("outer", left, right), dtype=torch.float32), minuend=values.contiguous())
+
+
 _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define("lowrank_product(str kind, Tensor a, Tensor b) -> Tensor")
 _LIBRARY.impl("lowrank_product", _lowrank_product, "CPU")
+_LIBRARY.define("lowrank_residual(Tensor values, Tensor left, Tensor right) -> Tensor")
+_LIBRARY.impl("lowrank_residual", _lowrank_residual, "CPU")
 
 
 @torch.library.register_fake("lowbit_optim::lowrank_product", lib=_LIBRARY)
 def _lowrank_product_fake(kind: str, a: Tensor, b: Tensor) -> Tensor:
     _check(kind, a, b, device=False)
     return a.new_empty(_shape(kind, a, b))
+
+
+@torch.library.register_fake("lowbit_optim::lowrank_residual", lib=_LIBRARY)
+def _lowrank_residual_fake(values: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    _check("outer", left, right, device=False)
+    return values.new_empty(_shape("outer", left, right))

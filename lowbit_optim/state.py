@@ -191,10 +191,10 @@ class StateTensor(Tensor):
         values) and returned (``has_addend``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no values outside its codes")
 
-    def kernel_residual(self, values: Tensor, scratch: Tensor) -> tuple["StateTensor", Tensor]:
+    def kernel_residual(self, values: Tensor) -> tuple["StateTensor", Tensor]:
         """Given the state's new flat fp32 values, update the part outside the codes and return the
         state of its codes alone and the flat values to encode into them, computed over ``values``
-        (``scratch``: numel more fp32 values to work in; ``has_addend``)."""
+        (``has_addend``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no values outside its codes")
 
     def _check_sizes(self) -> None:

@@ -18,12 +18,15 @@ pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="the fused k
 
 def factors(kind, rows, cols, rank, seed=0):
     g = torch.Generator().manual_seed(seed)
-    if kind == "outer":
+    if kind in ("outer", "residual"):
         return torch.randn(rows, rank, generator=g), torch.randn(cols, rank, generator=g)
     return torch.randn(rows, cols, generator=g), torch.randn(cols if kind == "times" else rows, rank, generator=g)
 
 
 def product(kind, a, b):
+    if kind == "residual":  # of values made from the factors' sizes
+        values = torch.linspace(-1, 1, a.shape[0] * b.shape[0]).view(a.shape[0], b.shape[0])
+        return lowrank_products.residual(values, a, b)
     return getattr(lowrank_products, kind)(a, b)
 
 
@@ -51,9 +54,21 @@ def test_each_output_is_a_chain_of_fmas_in_order(kind, shape):
     assert torch.equal(product(kind, a, b), chained(kind, a, b))
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_residual_is_the_values_less_the_rounded_product(shape):
+    """residual takes outer's product, rounded, from the values: in one pass, or in place."""
+    left, right = factors("outer", *shape)
+    values = torch.randn(shape[0], shape[1])
+    expected = values - chained("outer", left, right)
+    assert torch.equal(lowrank_products.residual(values, left, right), expected)
+    in_place = values.clone()
+    assert lowrank_products.residual(in_place, left, right, out=in_place) is in_place
+    assert torch.equal(in_place, expected)
+
+
 @pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
 def test_every_build_and_thread_count_gives_the_same_bits(flag):
-    cases = [(kind, factors(kind, *shape, seed=1)) for kind in KINDS for shape in SHAPES]
+    cases = [(kind, factors(kind, *shape, seed=1)) for kind in (*KINDS, "residual") for shape in SHAPES]
     expected = [product(kind, a, b) for kind, (a, b) in cases]
     threads = torch.get_num_threads()
     with kernel_built_with(flag):
@@ -69,11 +84,17 @@ def test_every_build_and_thread_count_gives_the_same_bits(flag):
 def test_compiled_products_are_the_eager_ones():
     """Opaque to inductor (the op lowbit_optim::lowrank_product), so a compiled step cannot sum
     them in an order of its own; the factors may be views (a QR's column-major Q)."""
-    step = torch.compile(lambda m, q, left: (lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2), dynamic=True)
+    def products(m, q, left):
+        return (
+            lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2,
+            lowrank_products.residual(m, left, q).view(-1) + 1,
+        )  # fmt: skip
+
+    step = torch.compile(products, dynamic=True)
     for rows, cols in ((40, 24), (300, 1), (7, 130)):
         m = torch.randn(rows, cols)
         q, left = torch.linalg.qr(torch.randn(cols, min(rows, cols, 8))).Q, torch.randn(rows, min(rows, cols, 8))
-        eager = (lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2)
+        eager = products(m, q, left)
         for got, want in zip(step(m, q, left), eager):
             assert torch.equal(got, want)
 
@@ -97,6 +118,8 @@ def test_into_a_buffer(kind):
         (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4)), "out is a torch.float32 (6, 4) tensor"),
         (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4).T), "not a contiguous float32 (4, 6)"),
         (lambda: torch.ops.lowbit_optim.lowrank_product("inner", torch.randn(4, 2), torch.randn(2, 3)), "kind 'inner' is none of"),
+        (lambda: lowrank_products.residual(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2)), "the minuend is a torch.float32 (4, 5) tensor"),
+        (lambda: lowrank_products.residual(torch.randn(6, 4).T, torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(4, 6)), "not a contiguous float32 (4, 6)"),
     ],
 )
 def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
@@ -110,3 +133,6 @@ def test_without_the_library_the_products_are_torchs(monkeypatch):
         a, b = factors(kind, 37, 70, 32)
         reference = {"outer": lambda: a @ b.T, "times": lambda: a @ b, "transposed_times": lambda: a.T @ b}[kind]()
         assert torch.equal(product(kind, a, b), reference)
+    left, right = factors("outer", 37, 70, 32)
+    values = torch.randn(37, 70)
+    assert torch.equal(lowrank_products.residual(values, left, right), values - left @ right.T)

@@ -1,6 +1,6 @@
 /* The low-rank states' matrix products (lowrank.py, lowrank_products.py) in one summation order:
  *
- *   lowbit_outer            out (rows x cols) = left (rows x rank) @ right (cols x rank).T
+ *   lowbit_outer            out (rows x cols) = left (rows x rank) @ right (cols x rank).T (or a minuend less it)
  *   lowbit_times            out (rows x rank) = matrix (rows x cols) @ basis (cols x rank)
  *   lowbit_transposed_times out (cols x rank) = matrix (rows x cols).T @ left (rows x rank)
  *
@@ -59,23 +59,36 @@ static inline __attribute__((always_inline)) void outer_panel(int tile, const fl
 #endif
 }
 
-/* rows r0.. (tile of them, a constant where it is inlined), every panel; the last, partial one
- * through a buffer */
+/* rows r0.. (tile of them, a constant where it is inlined), every panel: into out directly, or
+ * through a buffer where the panel is the last, partial one or a minuend takes the product (out =
+ * minuend - product; minuend may be out itself) */
 static inline __attribute__((always_inline)) void outer_rows(int tile, const float *left, int64_t r0, const float *packed, int64_t cols, int64_t rank,
-                                                            float *out) {
+                                                            const float *minuend, float *out) {
     for (int64_t c = 0; c < cols; c += OUTER_PANEL) {
         const float *panel = packed + c * rank;  /* panel c / OUTER_PANEL */
-        if (c + OUTER_PANEL <= cols) {
+        int64_t width = cols - c < OUTER_PANEL ? cols - c : OUTER_PANEL;
+        if (!minuend && width == OUTER_PANEL) {
             outer_panel(tile, left, r0, panel, rank, out + r0 * cols + c, cols);
-        } else {
-            float part[OUTER_TILE * OUTER_PANEL];
-            outer_panel(tile, left, r0, panel, rank, part, OUTER_PANEL);
-            for (int i = 0; i < tile; i++) memcpy(out + (r0 + i) * cols + c, part + i * OUTER_PANEL, (size_t)(cols - c) * sizeof(float));
+            continue;
+        }
+        float part[OUTER_TILE * OUTER_PANEL];
+        outer_panel(tile, left, r0, panel, rank, part, OUTER_PANEL);
+        for (int i = 0; i < tile; i++) {
+            float *row = out + (r0 + i) * cols + c;
+            const float *product = part + i * OUTER_PANEL;
+            if (minuend) {
+                const float *from = minuend + (r0 + i) * cols + c;
+                for (int64_t j = 0; j < width; j++) row[j] = from[j] - product[j];
+            } else {
+                memcpy(row, product, (size_t)width * sizeof(float));
+            }
         }
     }
 }
 
-int lowbit_outer(const float *left, const float *right, int64_t rows, int64_t cols, int64_t rank, float *out, int threads) {
+/* out = left @ right.T, or with a minuend (NULL: none) out = minuend - left @ right.T: a low-rank
+ * state's residual, in place where minuend is out */
+int lowbit_outer(const float *left, const float *right, int64_t rows, int64_t cols, int64_t rank, const float *minuend, float *out, int threads) {
     int64_t panels = (cols + OUTER_PANEL - 1) / OUTER_PANEL;
     float *packed = calloc((size_t)(panels * rank > 0 ? panels * rank : 1) * OUTER_PANEL, sizeof(float));  /* zeros past the last column */
     if (!packed) return 1;
@@ -84,9 +97,9 @@ int lowbit_outer(const float *left, const float *right, int64_t rows, int64_t co
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r0 = 0; r0 < rows; r0 += OUTER_TILE) {
         if (rows - r0 >= OUTER_TILE)
-            outer_rows(OUTER_TILE, left, r0, packed, cols, rank, out);
+            outer_rows(OUTER_TILE, left, r0, packed, cols, rank, minuend, out);
         else
-            for (int64_t r = r0; r < rows; r++) outer_rows(1, left, r, packed, cols, rank, out);
+            for (int64_t r = r0; r < rows; r++) outer_rows(1, left, r, packed, cols, rank, minuend, out);
     }
     free(packed);
     return 0;
