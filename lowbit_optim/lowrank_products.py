@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 
-
 class _Kind(NamedTuple):
     function: str  # the library's
     dims: Callable  # (a, b) -> the C's (rows, cols, rank)
@@ -97,8 +96,8 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None =
     torch's where it cannot be built."""
     _check(kind, a, b)
     shape = _shape(kind, a, b)
-    for name, t in (("out", out), ("the minuend", minuend if minuend is not None else out)):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+    for name, t in (("out", out), ("the minuend", minuend)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu"):
             raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
     # imported here: kernel_build imports stochastic_bf16, whose format registers after lowrank's
     from . import kernel_abi
@@ -112,7 +111,7 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None =
     rows, cols, rank = _KINDS[kind].dims(a, b)
     minuend_at = [minuend.data_ptr() if minuend is not None else None] if kind == "outer" else []  # outer's argument alone
     if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, *minuend_at, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"lowrank_product({kind!r}): out of memory for the packed factor of a {rows} x {cols} product")
+        raise MemoryError(f"lowrank_product({kind!r}): out of memory for a {rows} x {cols} matrix's product")
     return out
 
 
