@@ -8,13 +8,14 @@ in one pass (in place in the fused kernel's buffer, which then needs no second o
 shared index in increasing order: the compiled step (through the ops ``lowbit_optim::lowrank_product``
 and ``lowrank_residual``, opaque to inductor), the eager step and the fused kernel all take them here, so they agree bit for
 bit, on every build of the library (AVX-512, AVX2, portable) and any number of threads. torch's BLAS
-fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.2-2.2x the time
+fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.3-2.2x the time
 of the library's AVX-512 loops (README, Performance). Elsewhere (another device, or a CPU where the
 library cannot be built) they are torch's products.
 """
 
 import inspect
 import pathlib
+import sys
 from typing import Callable, NamedTuple
 
 import torch
@@ -26,7 +27,7 @@ class _Kind(NamedTuple):
     dims: Callable  # (a, b) -> the C's (rows, cols, rank)
     shared: tuple[int, int]  # the dimensions of a and b that must agree
     shape: Callable  # (rows, cols, rank) -> the output's
-    torch_product: Callable  # (a, b, out) -> torch's product into out
+    torch_product: Callable  # (a, b, out) -> torch's product (into out, unless None)
 
 
 _KINDS = {
@@ -68,15 +69,16 @@ def residual(values: Tensor, left: Tensor, right: Tensor, out: Tensor | None = N
 
 def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     if a.device.type != "cpu":
-        return _KINDS[kind].torch_product(a, b, out if out is not None else a.new_empty(_shape(kind, a, b)))
+        return _KINDS[kind].torch_product(a, b, out)
     if out is None:
         return torch.ops.lowbit_optim.lowrank_product(kind, a, b)
     return _into(kind, a, b, out)
 
 
 def fingerprint() -> str:
-    """The text that defines these products' numbers (for a format's numerics fingerprint)."""
-    return inspect.getsource(_product) + inspect.getsource(residual) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
+    """The text that defines these products' numbers, this module's and the C's (for a format's
+    numerics fingerprint)."""
+    return inspect.getsource(sys.modules[__name__]) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
 
 
 def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
@@ -99,6 +101,10 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None =
     for name, t in (("out", out), ("the minuend", minuend)):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu"):
             raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
+    # the C reads its inputs while it writes out (restrict): out may be the minuend itself, nothing else of theirs
+    shared = [name for name, t in (("a", a), ("b", b), ("the minuend", minuend)) if t is not None and _shares_memory(t, out)]
+    if shared and not (shared == ["the minuend"] and minuend.data_ptr() == out.data_ptr()):
+        raise ValueError(f"lowrank_product({kind!r}): out shares memory with {' and '.join(shared)} (only a residual may be written over its minuend)")
     # imported here: kernel_build imports stochastic_bf16, whose format registers after lowrank's
     from . import kernel_abi
 
@@ -113,6 +119,14 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None =
     if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, *minuend_at, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"lowrank_product({kind!r}): out of memory for a {rows} x {cols} matrix's product")
     return out
+
+
+def _shares_memory(t: Tensor, u: Tensor) -> bool:
+    """Whether the storages of t and u overlap (both on the CPU): a view of either counts as either."""
+    t_bytes, u_bytes = t.untyped_storage(), u.untyped_storage()
+    if not t_bytes.nbytes() or not u_bytes.nbytes():
+        return False
+    return t_bytes.data_ptr() < u_bytes.data_ptr() + u_bytes.nbytes() and u_bytes.data_ptr() < t_bytes.data_ptr() + t_bytes.nbytes()
 
 
 def _lowrank_product(kind: str, a: Tensor, b: Tensor) -> Tensor:
@@ -141,4 +155,7 @@ def _lowrank_product_fake(kind: str, a: Tensor, b: Tensor) -> Tensor:
 @torch.library.register_fake("lowbit_optim::lowrank_residual", lib=_LIBRARY)
 def _lowrank_residual_fake(values: Tensor, left: Tensor, right: Tensor) -> Tensor:
     _check("outer", left, right, device=False)
-    return values.new_empty(_shape("outer", left, right))
+    shape = _shape("outer", left, right)
+    if values.dtype != torch.float32 or values.dim() != 2 or tuple(values.shape) != shape:
+        raise ValueError(f"lowrank_residual: values are a {values.dtype} {tuple(values.shape)} tensor, not a float32 {shape} matrix")
+    return values.new_empty(shape)

@@ -66,6 +66,28 @@ def test_the_residual_is_the_values_less_the_rounded_product(shape):
     assert torch.equal(in_place, expected)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(0, 5, 3), (4, 0, 3), (4, 5, 0)], ids=str)
+def test_empty_sizes(kind, shape):
+    """No rows, no columns or rank 0: the products of empty sums are zeros."""
+    a, b = factors(kind, *shape)
+    assert torch.equal(product(kind, a, b), chained(kind, a, b))
+
+
+def test_an_output_over_an_input_is_refused():
+    """The C reads its inputs while it writes: an output may overlap none of them, but for a residual
+    written over its own values."""
+    m = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="out shares memory with b"):
+        lowrank_products.times(torch.randn(8, 8), m, out=m)
+    left, right, buffer = torch.randn(8, 2), torch.randn(8, 2), torch.randn(65)
+    with pytest.raises(ValueError, match="out shares memory with the minuend"):
+        lowrank_products.residual(buffer[:64].view(8, 8), left, right, out=buffer[1:].view(8, 8))
+    values = torch.randn(8, 8)
+    expected = values - chained("outer", left, right)
+    assert torch.equal(lowrank_products.residual(values, left, right, out=values), expected)
+
+
 @pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
 def test_every_build_and_thread_count_gives_the_same_bits(flag):
     cases = [(kind, factors(kind, *shape, seed=1)) for kind in (*KINDS, "residual") for shape in SHAPES]
@@ -90,11 +112,12 @@ def test_compiled_products_are_the_eager_ones():
             lowrank_products.residual(m, left, q).view(-1) + 1,
         )  # fmt: skip
 
-    step = torch.compile(products, dynamic=True)
+    step = torch.compile(products, dynamic=True, fullgraph=True)
     for rows, cols in ((40, 24), (300, 1), (7, 130)):
         m = torch.randn(rows, cols)
         q, left = torch.linalg.qr(torch.randn(cols, min(rows, cols, 8))).Q, torch.randn(rows, min(rows, cols, 8))
         eager = products(m, q, left)
+        assert torch.equal(eager[0], chained("times", m, q))  # the column-major Q read as its values
         for got, want in zip(step(m, q, left), eager):
             assert torch.equal(got, want)
 
@@ -127,6 +150,12 @@ def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
         call()
 
 
+def test_compiling_a_residual_of_mismatched_values_fails_as_the_op_would():
+    """The op's fake (what compiling runs) refuses the values the op refuses."""
+    with pytest.raises(RuntimeError, match=re.escape("values are a torch.float32 (4, 5) tensor, not a float32 (4, 6) matrix")):
+        torch.compile(lowrank_products.residual, fullgraph=True)(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2))
+
+
 def test_without_the_library_the_products_are_torchs(monkeypatch):
     monkeypatch.setattr(kernel_abi, "load", lambda: (None, "no compiler"))
     for kind in KINDS:
@@ -135,4 +164,6 @@ def test_without_the_library_the_products_are_torchs(monkeypatch):
         assert torch.equal(product(kind, a, b), reference)
     left, right = factors("outer", 37, 70, 32)
     values = torch.randn(37, 70)
-    assert torch.equal(lowrank_products.residual(values, left, right), values - left @ right.T)
+    expected = values - left @ right.T
+    assert torch.equal(lowrank_products.residual(values, left, right), expected)
+    assert torch.equal(lowrank_products.residual(values, left, right, out=values), expected)

@@ -6,12 +6,14 @@
  *
  * Every output is a chain of FMAs over the shared index in increasing order, from +0: acc =
  * fma(a_j, b_j, acc). The vector loops (vector.h) run many such chains side by side, the portable
- * loops (fmaf, in an order compilers vectorize across outputs) the rest, so every build gives the
- * same bits, and so does any number of threads (each output is one thread's). The compiled step, the
- * eager step and the fused kernel all take these products on the CPU, so they agree bit for bit;
- * torch's BLAS fixes no order (and on the AMD EPYC of family 26 its MKL ran these skinny shapes on
- * AVX2 kernels, at 1.4-2.6x the AVX-512 loops' time). All arrays are row-major and contiguous.
- * Each returns 0, or 1 where memory ran out. */
+ * loops the rest with fmaf (correctly rounded, as C99 requires; ordered so that compilers vectorize
+ * them across outputs where the target has FMA, and a slow libm call where it has none), so every
+ * build gives the same bits, and so does any number of threads (each output is one thread's). The
+ * compiled step, the eager step and the fused kernel all take these products on the CPU, so they
+ * agree bit for bit; torch's BLAS fixes no order (and on the AMD EPYC of family 26 its MKL ran these
+ * skinny shapes on AVX2 kernels, at 1.3-2.2x the AVX-512 loops' time). All arrays are row-major and
+ * contiguous; out overlaps no input (lowbit_outer's may be its minuend). Each returns 0, or 1 where
+ * memory ran out (lowbit_outer, which packs right; the others allocate nothing). */
 
 /* tiles: rows (outer, times) or columns (transposed_times) held in registers at once, a vector of
  * the other index each (outer: two); rows of a block whose left stays in cache (transposed_times) */
