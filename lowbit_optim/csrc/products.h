@@ -16,10 +16,14 @@
  * memory ran out (lowbit_outer, which packs right; the others allocate nothing). */
 
 /* tiles: rows (outer, times) or columns (transposed_times) held in registers at once, a vector of
- * the other index each (outer: two); rows of a block whose left stays in cache (transposed_times) */
-#define OUTER_TILE 4
+ * the other index each (outer: two); rows of a block whose left stays in cache (transposed_times).
+ * On the AMD EPYC of family 26, 2 threads, GPT-2-small's matrices at rank 32, against torch's mm:
+ * outer's tile of 4 rows 0.57-1.07x its time (AVX2 build 0.96-1.27x), of 6 0.33-0.54x (0.64-0.83x),
+ * of 8 no faster than 6 (AVX2 slower: 16 accumulators in 16 registers); transposed_times' of 8
+ * columns 0.43-0.52x (0.89-0.96x), of 12 0.36-0.51x (0.71-0.80x); times' the same with 8 or 12. */
+#define OUTER_TILE 6
 #define TIMES_TILE 8
-#define TRANSPOSED_TILE 8
+#define TRANSPOSED_TILE 12
 #define TRANSPOSED_BLOCK 256
 
 /* outer reads right in panels of OUTER_PANEL columns, each (rank x OUTER_PANEL) contiguous: a tile
