@@ -8,7 +8,7 @@ in one pass (in place in the fused kernel's buffer, which then needs no second o
 shared index in increasing order: the compiled step (through the ops ``lowbit_optim::lowrank_product``
 and ``lowrank_residual``, opaque to inductor), the eager step and the fused kernel all take them here, so they agree bit for
 bit, on every build of the library (AVX-512, AVX2, portable) and any number of threads. torch's BLAS
-fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 1.3-2.2x the time
+fixes no order, and on the AMD EPYC of family 26 its MKL took these skinny shapes 2.1-2.9x the time
 of the library's AVX-512 loops (README, Performance). Elsewhere (another device, or a CPU where the
 library cannot be built) they are torch's products.
 """

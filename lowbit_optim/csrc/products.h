@@ -11,7 +11,7 @@
  * build gives the same bits, and so does any number of threads (each output is one thread's). The
  * compiled step, the eager step and the fused kernel all take these products on the CPU, so they
  * agree bit for bit; torch's BLAS fixes no order (and on the AMD EPYC of family 26 its MKL ran these
- * skinny shapes on AVX2 kernels, at 1.3-2.2x the AVX-512 loops' time). All arrays are row-major and
+ * skinny shapes on AVX2 kernels, at 2.1-2.9x the AVX-512 loops' time). All arrays are row-major and
  * contiguous; out overlaps no input (lowbit_outer's may be its minuend). Each returns 0, or 1 where
  * memory ran out (lowbit_outer, which packs right; the others allocate nothing). */
 
