@@ -136,15 +136,13 @@ class LowRankState(CodebookState):
         """One step of subspace iteration: the low-rank part follows ``values``; returns the flat
         residual its codes must hold (quantize_), written over ``values`` where ``in_place`` (the
         kernel's writes, kernel_residual)."""
-        rows, cols = self._matrix_shape()
-        matrix = values.reshape(rows, cols)
-        previous = self.right.view(cols, self.rank)
-        start = torch.where(previous.abs().sum() > 0, previous, start_basis(cols, self.rank, values.device))
-        left = torch.linalg.qr(lowrank_products.times(matrix, torch.linalg.qr(start).Q)).Q
-        self.left.copy_(left.reshape(-1))
-        self.right.copy_(lowrank_products.transposed_times(matrix, left).reshape(-1))
+        left, right = self._factors()
+        matrix = values.reshape(left.shape[0], right.shape[0])
+        start = torch.where(right.abs().sum() > 0, right, start_basis(right.shape[0], self.rank, values.device))
+        fitted = torch.linalg.qr(lowrank_products.times(matrix, torch.linalg.qr(start).Q)).Q
+        left.copy_(fitted)
+        right.copy_(lowrank_products.transposed_times(matrix, fitted))
         # the residual of the product exactly as dequantize computes it, its rounding included
-        left, right = self.left.view(rows, self.rank), self.right.view(cols, self.rank)
         return lowrank_products.residual(matrix, left, right, out=matrix if in_place else None).view(-1)
 
     # ---- the fused CPU kernel: codes as the codebook's, the low-rank part through the addend ----
@@ -152,7 +150,7 @@ class LowRankState(CodebookState):
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
         # the residual's codes are a codebook state's; the low-rank part passes through the addend
-        low_rank = ("_fit_low_rank", "_low_rank", "has_addend", "kernel_addend", "kernel_residual")
+        low_rank = ("_fit_low_rank", "_low_rank", "_factors", "has_addend", "kernel_addend", "kernel_residual")
         if not computes_as(cls, LowRankState, "encode", "encode_blocks", "decode", *SCALED_AS_THE_KERNEL, *low_rank):
             return None
         return cls._codebook_layout(signed)
@@ -175,11 +173,15 @@ class LowRankState(CodebookState):
         per 4 KiB). Flat, because under torch.compile's dynamic shapes the
         factors' sizes and the state's shape are different symbols: a view of the product to the
         state's shape made inductor index it with an integer division per element (4x slower steps)."""
-        rows, cols = self._matrix_shape()
-        left, right = self.left.view(rows, self.rank), self.right.view(cols, self.rank)
+        left, right = self._factors()
         if out is not None:
-            return lowrank_products.outer(left, right, out=out.view(rows, cols)).view(-1)
+            return lowrank_products.outer(left, right, out=out.view(left.shape[0], right.shape[0])).view(-1)
         return lowrank_products.outer(left, right).view(-1)
+
+    def _factors(self) -> tuple[Tensor, Tensor]:
+        """left (rows x rank) and right (cols x rank): views of the flat inner tensors."""
+        rows, cols = self._matrix_shape()
+        return self.left.view(rows, self.rank), self.right.view(cols, self.rank)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         values = super().dequantize(torch.float32)

@@ -64,7 +64,7 @@ def residual(values: Tensor, left: Tensor, right: Tensor, out: Tensor | None = N
         return values - product if out is None else torch.sub(values, product, out=out)
     if out is None:
         return torch.ops.lowbit_optim.lowrank_residual(values, left, right)
-    return _into("outer", left, right, out, minuend=values)
+    return _into("outer", left, right, out, values)
 
 
 def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
@@ -93,11 +93,13 @@ def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
         raise ValueError(f"lowrank_product({kind!r}): shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree in the dimension they share")
 
 
-def _into(kind: str, a: Tensor, b: Tensor, out: Tensor, minuend: Tensor | None = None) -> Tensor:
-    """The product into ``out`` (outer with a minuend: the minuend less it): the library's, or
-    torch's where it cannot be built."""
+def _into(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None, minuend: Tensor | None = None) -> Tensor:
+    """The product into ``out`` (None: a new matrix; outer with a minuend: the minuend less it): the
+    library's, or torch's where it cannot be built."""
     _check(kind, a, b)
     shape = _shape(kind, a, b)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
     for name, t in (("out", out), ("the minuend", minuend)):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu"):
             raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
@@ -129,21 +131,11 @@ def _shares_memory(t: Tensor, u: Tensor) -> bool:
     return t_bytes.data_ptr() < u_bytes.data_ptr() + u_bytes.nbytes() and u_bytes.data_ptr() < t_bytes.data_ptr() + t_bytes.nbytes()
 
 
-def _lowrank_product(kind: str, a: Tensor, b: Tensor) -> Tensor:
-    _check(kind, a, b)
-    return _into(kind, a, b, a.new_empty(_shape(kind, a, b)))
-
-
-def _lowrank_residual(values: Tensor, left: Tensor, right: Tensor) -> Tensor:
-    _check("outer", left, right)
-    return _into("outer", left, right, torch.empty(_shape("outer", left, right), dtype=torch.float32), minuend=values.contiguous())
-
-
 _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define("lowrank_product(str kind, Tensor a, Tensor b) -> Tensor")
-_LIBRARY.impl("lowrank_product", _lowrank_product, "CPU")
+_LIBRARY.impl("lowrank_product", lambda kind, a, b: _into(kind, a, b), "CPU")
 _LIBRARY.define("lowrank_residual(Tensor values, Tensor left, Tensor right) -> Tensor")
-_LIBRARY.impl("lowrank_residual", _lowrank_residual, "CPU")
+_LIBRARY.impl("lowrank_residual", lambda values, left, right: _into("outer", left, right, minuend=values.contiguous()), "CPU")
 
 
 @torch.library.register_fake("lowbit_optim::lowrank_product", lib=_LIBRARY)

@@ -111,6 +111,17 @@ int lowbit_outer(const float *left, const float *right, int64_t rows, int64_t co
     return 0;
 }
 
+/* how many of the rank's columns times and transposed_times take by vectors (the rest, all of them
+ * in portable builds, by the loops compilers vectorize) */
+static inline int64_t vector_columns(int64_t rank) {
+#ifdef VECTOR_LANES
+    return rank - rank % VECTOR_LANES;
+#else
+    (void)rank;
+    return 0;
+#endif
+}
+
 #ifdef VECTOR_LANES
 /* times for `tile` rows from r (a constant where it is inlined), the rank's vector at k */
 static inline __attribute__((always_inline)) void times_block(int tile, const float *restrict matrix, const float *restrict basis, int64_t r, int64_t k,
@@ -126,10 +137,7 @@ static inline __attribute__((always_inline)) void times_block(int tile, const fl
 #endif
 
 int lowbit_times(const float *matrix, const float *basis, int64_t rows, int64_t cols, int64_t rank, float *out, int threads) {
-    int64_t vectors = 0;  /* the rank's first columns go by vectors, the rest (all, in portable builds) apart */
-#ifdef VECTOR_LANES
-    vectors = rank - rank % VECTOR_LANES;
-#endif
+    int64_t vectors = vector_columns(rank);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r0 = 0; r0 < rows; r0 += TIMES_TILE) {
         int64_t tile = rows - r0 < TIMES_TILE ? rows - r0 : TIMES_TILE;
@@ -173,10 +181,7 @@ static inline __attribute__((always_inline)) void transposed_block(int tile, con
 /* by blocks of rows, so that the block's part of left stays in cache while every column takes it;
  * each column's sums continue from block to block in order, the same thread's (static schedule) */
 int lowbit_transposed_times(const float *matrix, const float *left, int64_t rows, int64_t cols, int64_t rank, float *out, int threads) {
-    int64_t vectors = 0;
-#ifdef VECTOR_LANES
-    vectors = rank - rank % VECTOR_LANES;
-#endif
+    int64_t vectors = vector_columns(rank);
     if (rows == 0)
         for (int64_t i = 0; i < cols * rank; i++) out[i] = 0.0f;
     #pragma omp parallel num_threads(threads)
