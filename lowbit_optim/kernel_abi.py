@@ -210,6 +210,10 @@ def load() -> tuple[Kernel | None, str | None]:
         return None, str(error)
     except OSError as error:  # a failed build, an unloadable library, a LayoutMismatch
         why = f"building it failed ({error})" if not isinstance(error, LayoutMismatch) else f"its structures do not match ({error})"
-        warnings.warn(f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead: {why}", stacklevel=2)
+        warnings.warn(
+            f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead, and low-rank states' products "
+            f"torch's (another summation order: the same compiled and eager, but not the bits a built kernel gives): {why}",
+            stacklevel=2,
+        )
         return None, why
     return kernel, None

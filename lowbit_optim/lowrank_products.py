@@ -81,32 +81,39 @@ def fingerprint() -> str:
     return inspect.getsource(sys.modules[__name__]) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
 
 
-def _check(kind: str, a: Tensor, b: Tensor, device: bool = True) -> None:
-    """What the C reads: two float32 matrices (on the CPU) whose shared dimension agrees."""
+def _check(kind: str, a: Tensor, b: Tensor, device: bool = True, minuend: bool = False) -> None:
+    """What the C reads: two float32 matrices (on the CPU) whose shared dimension agrees (``minuend``:
+    the factors of a residual, whose errors then say so)."""
     if kind not in _KINDS:
         raise ValueError(f"lowrank_product: kind {kind!r} is none of {sorted(_KINDS)}")
+    op = _op_name(kind, minuend)
     for name, t in (("a", a), ("b", b)):
         if t.dtype != torch.float32 or t.dim() != 2 or (device and t.device.type != "cpu"):
-            raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dim()}-D {t.dtype} tensor on {t.device}, not a float32 matrix on the CPU")
+            raise ValueError(f"{op}: {name} is a {t.dim()}-D {t.dtype} tensor on {t.device}, not a float32 matrix on the CPU")
     i, j = _KINDS[kind].shared
     if a.shape[i] != b.shape[j]:
-        raise ValueError(f"lowrank_product({kind!r}): shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree in the dimension they share")
+        raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree in the dimension they share")
+
+
+def _op_name(kind: str, minuend: bool) -> str:
+    """How errors name the call: lowrank_residual (outer with a minuend) or lowrank_product(kind)."""
+    return "lowrank_residual" if minuend else f"lowrank_product({kind!r})"
 
 
 def _into(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None, minuend: Tensor | None = None) -> Tensor:
     """The product into ``out`` (None: a new matrix; outer with a minuend: the minuend less it): the
     library's, or torch's where it cannot be built."""
-    _check(kind, a, b)
-    shape = _shape(kind, a, b)
+    _check(kind, a, b, minuend=minuend is not None)
+    op, shape = _op_name(kind, minuend is not None), _shape(kind, a, b)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     for name, t in (("out", out), ("the minuend", minuend)):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu"):
-            raise ValueError(f"lowrank_product({kind!r}): {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
+            raise ValueError(f"{op}: {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")
     # the C reads its inputs while it writes out (restrict): out may be the minuend itself, nothing else of theirs
     shared = [name for name, t in (("a", a), ("b", b), ("the minuend", minuend)) if t is not None and _shares_memory(t, out)]
     if shared and not (shared == ["the minuend"] and minuend.data_ptr() == out.data_ptr()):
-        raise ValueError(f"lowrank_product({kind!r}): out shares memory with {' and '.join(shared)} (only a residual may be written over its minuend)")
+        raise ValueError(f"{op}: out shares memory with {' and '.join(shared)} (only a residual may be written over its minuend)")
     # imported here: kernel_build imports stochastic_bf16, whose format registers after lowrank's
     from . import kernel_abi
 
@@ -119,7 +126,7 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None, minuend: T
     rows, cols, rank = _KINDS[kind].dims(a, b)
     minuend_at = [minuend.data_ptr() if minuend is not None else None] if kind == "outer" else []  # outer's argument alone
     if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, *minuend_at, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"lowrank_product({kind!r}): out of memory for a {rows} x {cols} matrix's product")
+        raise MemoryError(f"{op}: out of memory for a {rows} x {cols} matrix's product")
     return out
 
 
@@ -146,7 +153,7 @@ def _lowrank_product_fake(kind: str, a: Tensor, b: Tensor) -> Tensor:
 
 @torch.library.register_fake("lowbit_optim::lowrank_residual", lib=_LIBRARY)
 def _lowrank_residual_fake(values: Tensor, left: Tensor, right: Tensor) -> Tensor:
-    _check("outer", left, right, device=False)
+    _check("outer", left, right, device=False, minuend=True)
     shape = _shape("outer", left, right)
     if values.dtype != torch.float32 or values.dim() != 2 or tuple(values.shape) != shape:
         raise ValueError(f"lowrank_residual: values are a {values.dtype} {tuple(values.shape)} tensor, not a float32 {shape} matrix")

@@ -141,8 +141,9 @@ def test_into_a_buffer(kind):
         (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4)), "out is a torch.float32 (6, 4) tensor"),
         (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(6, 4).T), "not a contiguous float32 (4, 6)"),
         (lambda: torch.ops.lowbit_optim.lowrank_product("inner", torch.randn(4, 2), torch.randn(2, 3)), "kind 'inner' is none of"),
-        (lambda: lowrank_products.residual(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2)), "the minuend is a torch.float32 (4, 5) tensor"),
-        (lambda: lowrank_products.residual(torch.randn(6, 4).T, torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(4, 6)), "not a contiguous float32 (4, 6)"),
+        (lambda: lowrank_products.residual(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2)), "lowrank_residual: the minuend is a torch.float32 (4, 5) tensor"),
+        (lambda: lowrank_products.residual(torch.randn(6, 4).T, torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(4, 6)), "lowrank_residual: the minuend is a torch.float32 (4, 6) tensor on cpu, not a contiguous"),
+        (lambda: lowrank_products.residual(torch.randn(4, 6), torch.randn(4, 2), torch.randn(6, 3)), "lowrank_residual: shapes (4, 2) and (6, 3) do not agree"),
     ],
 )
 def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
