@@ -18,6 +18,7 @@ import functools
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,7 +193,10 @@ class State:
     - ``when``: a param-group key; the state exists only where that option is true or nonzero
       (amsgrad's running maximum, SGD's momentum buffer). The step function gets None otherwise;
     - ``follows``: another state whose format it takes (amsgrad's maximum follows exp_avg_sq); a
-      per-state ``state_format`` dict names only the states that follow none.
+      per-state ``state_format`` dict names only the states that follow none;
+    - ``decay``: for a moving average, the share of itself it keeps per step (its beta) as a function
+      of the param group. A format whose rounding noise is fresh at every write holds signed averages
+      up to its ``max_signed_decay`` only (lowrank.py), and the optimizer refuses it for a slower one.
     """
 
     name: str
@@ -200,6 +204,7 @@ class State:
     initial: float = 0.0
     when: str | None = None
     follows: str | None = None
+    decay: Callable[[dict], float] | None = None
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -397,6 +402,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         used = self._state_format_names(group)
         for state in self.states:
             self._check_signed(state, formats.get_format(used[state.name]))
+            self._check_decay(state, formats.get_format(used[state.name]), group)
         if group["param_update"] == "kahan":
             compensation = formats.get_format(group["compensation_format"])
             if formats.is_quantized(compensation):
@@ -458,6 +464,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         raise ValueError(
             f"the {fmt.name!r} state format holds nonnegative states only: use it for {', '.join(unsigned)}, "
             f"e.g. state_format={example}"
+        )
+
+    def _check_decay(self, state: State, fmt, group: dict) -> None:
+        limit = fmt.max_signed_decay if state.signed else None
+        if limit is None or state.decay is None or state.decay(group) <= limit:
+            return
+        keys = self._format_keys()
+        spec = group["state_format"]
+        example = {k: ("10bit-sr" if k == state.name else spec[k] if isinstance(spec, dict) else spec) for k in keys}
+        raise ValueError(
+            f"the {fmt.name!r} state format cannot hold {self._family}'s {state.name}, an average that keeps "
+            f"{state.decay(group)} of itself per step: its rounding noise is drawn afresh at every write, and an average "
+            f"that keeps more than {limit} per step gathers that noise faster than it lets it decay, growing without bound "
+            f"(README, \"Low-rank states and slow averages\"). Use a format without that limit for it, e.g. state_format={example}"
         )
 
     def _state(self, name: str) -> State:

@@ -44,6 +44,7 @@ class PlainFormat:
     bits: int
     default_block_size = None
     holds_signed = True
+    max_signed_decay = None
 
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype

@@ -28,8 +28,8 @@ class Adam(LowBitOptimizer):
     step_function = staticmethod(functional.adam_step)
     elementwise_step = True
     states = (
-        State("exp_avg", signed=True),
-        State("exp_avg_sq", signed=False),
+        State("exp_avg", signed=True, decay=lambda group: group["betas"][0]),
+        State("exp_avg_sq", signed=False, decay=lambda group: group["betas"][1]),
         State("max_exp_avg_sq", signed=False, when="amsgrad", follows="exp_avg_sq"),
     )
     family = "Adam/AdamW"
@@ -92,7 +92,7 @@ class SGD(LowBitOptimizer):
 
     step_function = staticmethod(functional.sgd_step)
     elementwise_step = True
-    states = (State("momentum_buffer", signed=True, when="momentum"),)
+    states = (State("momentum_buffer", signed=True, when="momentum", decay=lambda group: group["momentum"]),)
     torch_name = "SGD"
     _step_when_missing = 1.0  # torch.optim.SGD checkpoints count no steps; a buffer means one was taken
 
@@ -136,7 +136,7 @@ class Lion(LowBitOptimizer):
 
     step_function = staticmethod(functional.lion_step)
     elementwise_step = True
-    states = (State("exp_avg", signed=True),)
+    states = (State("exp_avg", signed=True, decay=lambda group: group["betas"][1]),)  # m = beta2 * m + (1 - beta2) * g
 
     def __init__(
         self,
@@ -178,7 +178,7 @@ class Muon(LowBitOptimizer):
     """
 
     step_function = staticmethod(functional.muon_step)
-    states = (State("momentum_buffer", signed=True),)
+    states = (State("momentum_buffer", signed=True, decay=lambda group: group["momentum"]),)
     torch_name = "Muon"
     flat_step = False  # Newton-Schulz needs each matrix's shape
 
@@ -257,7 +257,11 @@ class AdEMAMix(LowBitOptimizer):
 
     step_function = staticmethod(functional.ademamix_step)
     elementwise_step = True
-    states = (State("exp_avg", signed=True), State("exp_avg_slow", signed=True), State("exp_avg_sq", signed=False))
+    states = (
+        State("exp_avg", signed=True, decay=lambda group: group["betas"][0]),
+        State("exp_avg_slow", signed=True, decay=lambda group: group["betas"][2]),  # where beta3's warm-up ends
+        State("exp_avg_sq", signed=False, decay=lambda group: group["betas"][1]),
+    )
 
     def __init__(
         self,

@@ -93,6 +93,10 @@ class StateTensor(Tensor):
     inner_names: ClassVar[tuple[str, ...]] = ()
     inner_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # of the inner tensors, in inner_names' order
     holds_signed: ClassVar[bool] = True  # False: only nonnegative states (second moments)
+    # the slowest moving average (its per-step decay, beta) that a signed state in this format holds,
+    # or None: any. A format whose rounding noise is drawn afresh at every write gathers it in an
+    # average with a larger beta faster than the average lets it decay (lowrank.py)
+    max_signed_decay: ClassVar[float | None] = None
     # whether the state is blocks of codes stored apart from each other, so that a slice on block
     # boundaries is a state of its own (the compiled step cuts large parameters so, base._pieces; DCP
     # reshards so, distributed.py): OptimState's are, factored sums and low-rank parts are not

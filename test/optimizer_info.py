@@ -113,15 +113,28 @@ class OptimizerInfo:
     def signed(self, state_name: str) -> bool:
         return next(s.signed for s in self.cls.states if s.name == state_name)
 
+    @property
+    def group(self) -> dict:
+        """The hyper-parameters of the shared tests' groups: the constructor's defaults and ``kwargs``."""
+        parameters = inspect.signature(self.cls.__init__).parameters.values()
+        return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty} | self.kwargs
+
+    def holds(self, info: FormatInfo, state_name: str) -> bool:
+        """Whether ``info``'s format holds ``state_name`` in the shared tests' groups: a nonnegative
+        format no signed state, a format with a max_signed_decay no slower signed average."""
+        state = next(s for s in self.cls.states if s.name == state_name)
+        if not state.signed:
+            return True
+        limit = info.fmt.max_signed_decay
+        return info.fmt.holds_signed and (limit is None or state.decay is None or state.decay(self.group) <= limit)
+
     def spec(self, info: FormatInfo):
-        """The ``state_format`` that puts ``info``'s format on every state it can hold (the others
-        fp32), or None where it holds none of this optimizer's states (``factored`` for SGD)."""
-        if info.fmt.holds_signed:
-            return info.name
-        unsigned = [k for k in self.format_keys if not self.signed(k)]
-        if not unsigned:
+        """The ``state_format`` that puts ``info``'s format on every state it can hold (``holds``; the
+        others fp32), or None where it holds none of this optimizer's states (``factored`` for SGD)."""
+        held = [k for k in self.format_keys if self.holds(info, k)]
+        if not held:
             return None
-        return info.name if len(unsigned) == len(self.format_keys) else {k: (info.name if k in unsigned else "fp32") for k in self.format_keys}
+        return info.name if len(held) == len(self.format_keys) else {k: (info.name if k in held else "fp32") for k in self.format_keys}
 
     def format_of(self, info: FormatInfo, state_name: str) -> str:
         """The format name ``spec(info)`` gives ``state_name`` (before the min_quantize_numel rule)."""

@@ -1,5 +1,5 @@
 """Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py), of
-benchmarks/compute_bound.py, benchmarks/memory.py and benchmarks/lowrank_products.py: each main function runs on a tiny configuration,
+benchmarks/compute_bound.py, benchmarks/memory.py, benchmarks/lowrank_products.py and benchmarks/slow_averages.py: each main function runs on a tiny configuration,
 writes its files, and reports finite numbers."""
 
 import json
@@ -129,6 +129,18 @@ def test_lowrank_products_smoke(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("| 40 x 24 |") == 3 and out.count("| 24 x 40 |") == 3
     assert "a step's four products" in out
+
+
+def test_slow_averages_smoke(tmp_path):
+    """benchmarks/slow_averages.py on a small matrix: a row per format and beta with four finite
+    ratios, fp32 (exactly the reference average) at 1, and the table written."""
+    slow_averages = import_script("benchmarks/slow_averages")
+    out = tmp_path / "slow.md"
+    rows = slow_averages.main(["--formats", "fp32,8bit-lowrank", "--sizes", "40", "--betas", "0.9,0.99", "--writes", "8", "--out-md", str(out)])
+    assert [(r["format"], r["beta"]) for r in rows] == [("fp32", 0.9), ("fp32", 0.99), ("8bit-lowrank", 0.9), ("8bit-lowrank", 0.99)]
+    assert all(len(r["ratios"]) == 4 and all(math.isfinite(x) for x in r["ratios"]) for r in rows)
+    assert all(r["ratios"] == [1.0] * 4 for r in rows if r["format"] == "fp32")
+    assert out.read_text().count("| 8bit-lowrank | 40 |") == 2
 
 
 def test_memory_smoke(tmp_path):

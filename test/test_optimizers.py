@@ -601,6 +601,42 @@ def test_a_subclass_with_its_own_step_takes_the_compiled_step():
         LrTwice(make_mlp().parameters(), fused=True)
 
 
+# every optimizer with every format that limits the averages it holds (max_signed_decay: lowrank.py)
+DECAY_LIMITED = [(o, f) for o in OPTIMIZERS for f in FORMATS if isinstance(f.fmt, type) and f.fmt.max_signed_decay is not None]
+
+
+@pytest.mark.parametrize("opt_info, info", DECAY_LIMITED, ids=[f"{o}-{f.name}" for o, f in DECAY_LIMITED])
+def test_a_format_is_refused_for_averages_slower_than_it_holds(opt_info, info):
+    """Each signed average (State.decay) in a format whose rounding noise is fresh at every write: an
+    optimizer whose default beta for it is above the format's max_signed_decay refuses the format,
+    naming the state and a state_format that works; one within the limit takes it."""
+    limit = info.fmt.max_signed_decay
+    for state in opt_info.cls.states:
+        if not state.signed or state.decay is None:
+            continue
+        spec = {k: (info.name if k == state.name else "fp32") for k in opt_info.format_keys}
+        decay = state.decay(opt_info.group)
+        if decay <= limit:
+            opt_info.make(opt_info.mlp().parameters(), state_format=spec)
+            continue
+        message = f"cannot hold {opt_info.make(opt_info.mlp().parameters())._family}'s {state.name}, an average that keeps {decay} of itself per step"
+        with pytest.raises(ValueError, match=message) as caught:
+            opt_info.make(opt_info.mlp().parameters(), state_format=spec)
+        suggested = eval(str(caught.value).split("state_format=")[-1])  # the message's example: a dict literal
+        opt_info.make(opt_info.mlp().parameters(), state_format=suggested)
+
+
+def test_ademamix_keeps_its_slow_momentum_out_of_4bit_lowrank():
+    """The case that diverged (README, "Low-rank states and slow averages"): AdEMAMix's exp_avg_slow
+    (beta3 = 0.9999) in 4bit-lowrank, which the MLP task's training left at a loss of 39, refused
+    with the whole message; Lion's momentum (beta2 = 0.99) in it and AdEMAMix's with beta3 = 0.99 taken."""
+    with pytest.raises(ValueError) as caught:
+        lowbit_optim.AdEMAMix(make_mlp().parameters(), state_format="4bit-lowrank")
+    expecttest.assert_expected_inline(str(caught.value), """the '4bit-lowrank' state format cannot hold AdEMAMix's exp_avg_slow, an average that keeps 0.9999 of itself per step: its rounding noise is drawn afresh at every write, and an average that keeps more than 0.99 per step gathers that noise faster than it lets it decay, growing without bound (README, "Low-rank states and slow averages"). Use a format without that limit for it, e.g. state_format={'exp_avg': '4bit-lowrank', 'exp_avg_slow': '10bit-sr', 'exp_avg_sq': '4bit-lowrank'}""")
+    lowbit_optim.Lion(make_mlp().parameters(), state_format="4bit-lowrank")
+    lowbit_optim.AdEMAMix(make_mlp().parameters(), betas=(0.9, 0.999, 0.99), state_format="4bit-lowrank")
+
+
 @pytest.mark.parametrize("states, message", [
     ((lowbit_optim.State("step", signed=True),), "declares a state named 'step', a name lowbit_optim keeps for its own"),
     ((lowbit_optim.State("m", signed=True), lowbit_optim.State("m", signed=True)), "declares two states named 'm'"),
