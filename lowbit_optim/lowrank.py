@@ -19,16 +19,17 @@ low-rank part follows M's strongest directions across steps at the cost of two s
 (rows x cols x rank) products per write, one per read. The residual holds the weak directions, so its codes' noise is a
 fraction of theirs rather than of the strongest values (benchmarks/results/convergence_mlp_muon.md).
 
-Slow averages. A codebook state rounded to nearest stalls where an average moves by less than half
-a code a step, and stochastic rounding's noise is the size of that move: small either way. Here the
+Slow averages. A codebook state rounded to nearest stalls where an average moves by less than half a
+code a step, and stochastic rounding's noise is the size of that move: small either way. Here the
 refit moves the low-rank part at every write, so the residual lands on its grid afresh and its
 rounding noise is new each time, a share of the residual's own energy (on the benchmark's 256 x 256
-average below: 8bit-lowrank 5e-5 a write, the 4-bit formats about 1e-2). An average that keeps beta of itself per step lets about 2 (1 - beta) of its
-energy go per step: where it gathers more noise than that, the residual grows without bound.
-benchmarks/slow_averages.py measures where (|state| / |fp32 average| after 4,000 writes,
-benchmarks/results/slow_averages.md): 4bit-lowrank at 0.99 1.02-1.09 at 256 to 1536 square, at 0.993
-1.32 at 768, at 0.995 4e13x there; 4bit-lowrank-mulaw at 0.95 1.01-1.04, at 0.98 1e9x at 512;
-8bit-lowrank at 0.99995 1.03 after 40,000 writes, at 0.99999 1.07 and growing. Larger matrices hold less (the rank's share of them is smaller). Each format's
+average below: 8bit-lowrank 5e-5 a write, the 4-bit formats about 1e-2). An average that keeps beta
+of itself per step lets about 2 (1 - beta) of its energy go per step: where it gathers more noise
+than that, the residual grows without bound. benchmarks/slow_averages.py measures where (|state| /
+|fp32 average| after 4,000 writes, benchmarks/results/slow_averages.md): 4bit-lowrank at 0.99
+1.02-1.09 at 256 to 1536 square, at 0.993 1.32 at 768, at 0.995 4e13x there; 4bit-lowrank-mulaw at
+0.95 1.01-1.04, at 0.98 1e9x at 512; 8bit-lowrank at 0.99995 1.03 after 40,000 writes, at 0.99999
+1.07 and growing. Larger matrices hold less (the rank's share of them is smaller). Each format's
 ``max_signed_decay`` is that limit, and an optimizer refuses the format for a signed average slower
 than it (base.State.decay): AdEMAMix's slow momentum (beta3 = 0.9999) in 4bit-lowrank grew 19,000x
 in a 3,000-step MLP run and training diverged; Lion's momentum (beta2 = 0.99) fits 4bit-lowrank,
