@@ -47,6 +47,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--writes", type=int, default=4000)
     parser.add_argument("--out-md", default=None, help="also write the table here")
     args = parser.parse_args(argv)
+    if args.writes < 4:
+        parser.error(f"--writes {args.writes}: at least 4 (the ratio is printed at each quarter)")
     rows = []
     lines = ["| format | size | beta | writes | max_signed_decay | \\|state\\| / \\|fp32\\| at each quarter | s |", "|---|---:|---:|---:|---:|---|---:|"]
     for name in args.formats.split(","):

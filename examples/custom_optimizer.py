@@ -32,7 +32,7 @@ class RMSprop(lowbit_optim.LowBitOptimizer):
     """torch.optim.RMSprop (without momentum or centering), its square average in any state format."""
 
     step_function = staticmethod(rmsprop_step)
-    states = (lowbit_optim.State("square_avg", signed=False, decay=lambda group: group["alpha"]),)  # an average: its beta
+    states = (lowbit_optim.State("square_avg", signed=False, decay=lambda group: group["alpha"]),)  # its beta (checked for signed states)
     torch_name = "RMSprop"
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, **options):

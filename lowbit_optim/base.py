@@ -196,7 +196,8 @@ class State:
       per-state ``state_format`` dict names only the states that follow none;
     - ``decay``: for a moving average, the share of itself it keeps per step (its beta) as a function
       of the param group. A format whose rounding noise is fresh at every write holds signed averages
-      up to its ``max_signed_decay`` only (lowrank.py), and the optimizer refuses it for a slower one.
+      up to its ``max_signed_decay`` only (lowrank.py), and the optimizer refuses it for a slower one
+      when a group is added or a checkpoint loads its betas (not when a beta is changed later).
     """
 
     name: str
@@ -402,7 +403,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         used = self._state_format_names(group)
         for state in self.states:
             self._check_signed(state, formats.get_format(used[state.name]))
-            self._check_decay(state, formats.get_format(used[state.name]), group)
+        self._check_decays(group)
         if group["param_update"] == "kahan":
             compensation = formats.get_format(group["compensation_format"])
             if formats.is_quantized(compensation):
@@ -466,18 +467,27 @@ class LowBitOptimizer(torch.optim.Optimizer):
             f"e.g. state_format={example}"
         )
 
-    def _check_decay(self, state: State, fmt, group: dict) -> None:
-        limit = fmt.max_signed_decay if state.signed else None
-        if limit is None or state.decay is None or state.decay(group) <= limit:
+    def _check_decays(self, group: dict) -> None:
+        """Refuse a format for a signed average slower than it holds (State.decay,
+        StateTensor.max_signed_decay), as the group stands: when it is added, and when a checkpoint
+        loads its numbers (a later change of its betas is not checked)."""
+        used, too_slow = self._state_format_names(group), {}
+        for state in self.states:
+            fmt = formats.get_format(used[state.name])
+            exists = state.when is None or bool(group.get(state.when))
+            limit = fmt.max_signed_decay if state.signed and state.decay is not None and exists else None
+            if limit is not None and float(state.decay(group)) > limit:
+                too_slow[state.follows or state.name] = (state.name, float(state.decay(group)), fmt.name, limit)
+        if not too_slow:
             return
-        keys = self._format_keys()
+        name, decay, fmt_name, limit = next(iter(too_slow.values()))
         spec = group["state_format"]
-        example = {k: ("10bit-sr" if k == state.name else spec[k] if isinstance(spec, dict) else spec) for k in keys}
+        example = {k: ("10bit-sr" if k in too_slow else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
         raise ValueError(
-            f"the {fmt.name!r} state format cannot hold {self._family}'s {state.name}, an average that keeps "
-            f"{state.decay(group)} of itself per step: its rounding noise is drawn afresh at every write, and an average "
-            f"that keeps more than {limit} per step gathers that noise faster than it lets it decay, growing without bound "
-            f"(README, \"Low-rank states and slow averages\"). Use a format without that limit for it, e.g. state_format={example}"
+            f"the {fmt_name!r} state format cannot hold {self._family}'s {name}, an average that keeps {decay} of itself "
+            f"per step: its rounding noise is drawn afresh at every write, and an average that keeps more than {limit} per "
+            f"step gathers that noise faster than it lets it decay, growing without bound (README, \"Low-rank states and "
+            f"slow averages\"). Use a format without that limit for it, e.g. state_format={example}"
         )
 
     def _state(self, name: str) -> State:
@@ -731,7 +741,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             # the constructor's checks, before anything is loaded: a step must not run on what it refuses
             for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
                 try:
-                    self._check_hyper_parameters({**self.defaults, **group, **keep, "params": ours["params"]})
+                    merged = {**self.defaults, **group, **keep, "params": ours["params"]}
+                    self._check_hyper_parameters(merged)
+                    self._check_decays(merged)  # the checkpoint's betas under this optimizer's formats
                 except ValueError as error:
                     raise ValueError(f"param group {i} of this {source}: {error}") from None
 

@@ -212,7 +212,8 @@ def load() -> tuple[Kernel | None, str | None]:
         why = f"building it failed ({error})" if not isinstance(error, LayoutMismatch) else f"its structures do not match ({error})"
         warnings.warn(
             f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead, and low-rank states' products "
-            f"torch's (another summation order: the same compiled and eager, but not the bits a built kernel gives): {why}",
+            f"fall back to torch's matmul (another summation order: compiled and eager steps agree, but not bit for bit with a "
+            f"built kernel): {why}",
             stacklevel=2,
         )
         return None, why

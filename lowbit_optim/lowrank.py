@@ -33,8 +33,10 @@ than that, the residual grows without bound. benchmarks/slow_averages.py measure
 ``max_signed_decay`` is that limit, and an optimizer refuses the format for a signed average slower
 than it (base.State.decay): AdEMAMix's slow momentum (beta3 = 0.9999) in 4bit-lowrank grew 19,000x
 in a 3,000-step MLP run and training diverged; Lion's momentum (beta2 = 0.99) fits 4bit-lowrank,
-Muon's (0.95) both 4-bit ones, and no built-in average reaches 8bit-lowrank's. A subclass with
-another rank or grid keeps no limit until it sets one (measure it with the benchmark).
+Muon's (0.95) both 4-bit ones, and no built-in average reaches 8bit-lowrank's. The limits come from
+matrices of at most 1536 square (8bit-lowrank's from 256; at 1024 it held 0.9999, 1.02 after 20,000
+writes). A subclass inherits its parent's limit, and a direct subclass of LowRankState has none: one
+with another rank or grid should measure and set its own with the benchmark.
 
 Costs: (rows + cols) * rank * 4 bytes on top of the codes (1 byte per element for 8 bits); at rank 32 that is 0.06 bytes
 per element of a 4096 x 4096 matrix, and a whole byte of a 256 x 256 one. (bf16 factors were as
@@ -165,11 +167,11 @@ class LowRankState(CodebookState):
 
     def _subspace_start(self, right: Tensor) -> Tensor:
         """The subspace iteration's start: the previous ``right``, or ``start_basis`` where there is
-        none yet (all zeros). A graph (compiled, or on a GPU, where a branch would wait for the
-        device) takes torch.where's choice; an eager CPU write branches, so that it builds the basis
+        none yet (all zeros). A graph (compiled, traced with fake tensors, or on a GPU, where a branch
+        would wait for the device) takes torch.where's choice; an eager CPU write branches, so that it builds the basis
         only when it takes it: otherwise its hashes cost 15 ms of a 280 ms fused SGD step on the
         GPT-2-small set (AMD EPYC of family 26, 2 threads). Either way the same numbers."""
-        if torch.compiler.is_compiling() or right.device.type != "cpu":
+        if torch.compiler.is_compiling() or right.device.type != "cpu" or torch._guards.detect_fake_mode() is not None:
             return torch.where(right.abs().sum() > 0, right, start_basis(right.shape[0], self.rank, right.device))
         return right if bool(right.abs().sum() > 0) else start_basis(right.shape[0], self.rank, right.device)
 

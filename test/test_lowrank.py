@@ -128,14 +128,14 @@ def test_repeated_writes_converge_to_the_best_low_rank_part(fmt):
 def test_max_signed_decay_is_where_a_slow_average_stops_growing(fmt):
     """benchmarks/slow_averages.py's average of noisy rank-8 gradients (256 x 256, 1,500 writes)
     kept in the format: at its max_signed_decay within 10 % of the fp32 average's norm, and with a
-    tenth of that 1 - beta more than 10x it (the residual's rounding noise, fresh at every write,
+    twentieth of that 1 - beta more than 10x it (the residual's rounding noise, fresh at every write,
     gathers faster than the average decays it: lowrank.py, "Slow averages"). Seen: 4bit-lowrank
-    1.02 and 21x, 4bit-lowrank-mulaw 1.01 and 5e5x. 8bit-lowrank's limit (0.99995) takes some
+    at most 1.04 and 36x, 4bit-lowrank-mulaw 1.02 and 2e7x. 8bit-lowrank's limit (0.99995) takes some
     100,000 writes to show either way; its figures are the benchmark's."""
     norm_ratios = import_script("benchmarks/slow_averages").norm_ratios
     limit = fmt.max_signed_decay
     assert max(norm_ratios(fmt.name, limit, 1500, 256)) < 1.1
-    assert norm_ratios(fmt.name, 1 - (1 - limit) / 10, 1500, 256)[-1] > 10
+    assert norm_ratios(fmt.name, 1 - (1 - limit) / 20, 1500, 256)[-1] > 10
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

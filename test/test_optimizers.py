@@ -18,9 +18,11 @@ Cost: the compiled tests share graphs (one test per matrix cell compiles, checks
 then changes hyper-parameters); everything structural runs the step eagerly (``compile=False``).
 """
 
+import ast
 import copy
 import functools
 import inspect
+import re
 
 import expecttest
 import pytest
@@ -622,7 +624,7 @@ def test_a_format_is_refused_for_averages_slower_than_it_holds(opt_info, info):
         message = f"cannot hold {opt_info.make(opt_info.mlp().parameters())._family}'s {state.name}, an average that keeps {decay} of itself per step"
         with pytest.raises(ValueError, match=message) as caught:
             opt_info.make(opt_info.mlp().parameters(), state_format=spec)
-        suggested = eval(str(caught.value).split("state_format=")[-1])  # the message's example: a dict literal
+        suggested = ast.literal_eval(str(caught.value).split("state_format=")[-1])  # the message's example
         opt_info.make(opt_info.mlp().parameters(), state_format=suggested)
 
 
@@ -635,6 +637,42 @@ def test_ademamix_keeps_its_slow_momentum_out_of_4bit_lowrank():
     expecttest.assert_expected_inline(str(caught.value), """the '4bit-lowrank' state format cannot hold AdEMAMix's exp_avg_slow, an average that keeps 0.9999 of itself per step: its rounding noise is drawn afresh at every write, and an average that keeps more than 0.99 per step gathers that noise faster than it lets it decay, growing without bound (README, "Low-rank states and slow averages"). Use a format without that limit for it, e.g. state_format={'exp_avg': '4bit-lowrank', 'exp_avg_slow': '10bit-sr', 'exp_avg_sq': '4bit-lowrank'}""")
     lowbit_optim.Lion(make_mlp().parameters(), state_format="4bit-lowrank")
     lowbit_optim.AdEMAMix(make_mlp().parameters(), betas=(0.9, 0.999, 0.99), state_format="4bit-lowrank")
+
+
+@pytest.mark.parametrize("cls, kwargs, fmt, refused", [
+    (lowbit_optim.Lion, {}, "4bit-lowrank-mulaw", "Lion's exp_avg, an average that keeps 0.99"),  # beta2 (+318 %)
+    (lowbit_optim.Lion, dict(betas=(0.99, 0.9)), "4bit-lowrank-mulaw", None),  # beta1 is no average's
+    (lowbit_optim.SGD, dict(lr=0.1, momentum=0.99), "4bit-lowrank-mulaw", "SGD's momentum_buffer, an average that keeps 0.99"),
+    (lowbit_optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.5), "4bit-lowrank-mulaw", None),  # dampening scales the input only
+    (lowbit_optim.Muon, dict(momentum=0.99), "4bit-lowrank-mulaw", "Muon's momentum_buffer, an average that keeps 0.99"),
+    (lowbit_optim.AdEMAMix, dict(betas=(0.97, 0.999, 0.9999)), "4bit-lowrank-mulaw", "AdEMAMix's exp_avg, an average that keeps 0.97"),
+], ids=["lion-beta2", "lion-beta1", "sgd", "sgd-dampening", "muon", "ademamix-both"])  # fmt: skip
+def test_each_optimizer_declares_the_beta_of_its_averages(cls, kwargs, fmt, refused):
+    """Which beta each state's average keeps (State.decay), pinned against the optimizers' update
+    rules: Lion's momentum moves by beta2, SGD's and Muon's by momentum, AdEMAMix's by beta1 and
+    beta3. The suggested state_format is taken, also where two states are too slow (AdEMAMix)."""
+    params = lambda: [nn.Parameter(torch.randn(64, 64))]  # noqa: E731 - a matrix: Muon takes nothing else
+    if refused is None:
+        cls(params(), **kwargs, state_format=fmt)
+        return
+    with pytest.raises(ValueError, match=re.escape(refused)) as caught:
+        cls(params(), **kwargs, state_format=fmt)
+    suggested = ast.literal_eval(str(caught.value).split("state_format=")[-1])
+    cls(params(), **kwargs, state_format=suggested)
+    if cls is lowbit_optim.AdEMAMix:
+        assert suggested == {"exp_avg": "10bit-sr", "exp_avg_slow": "10bit-sr", "exp_avg_sq": fmt}
+
+
+def test_a_checkpoint_with_slower_betas_is_refused():
+    """load_state_dict takes the checkpoint's betas under this optimizer's formats: a beta3 of
+    0.9999 loaded into a 4bit-lowrank AdEMAMix would be the divergent case, and is refused before
+    anything is loaded."""
+    source = lowbit_optim.AdEMAMix(make_mlp().parameters(), betas=(0.9, 0.999, 0.9999))
+    train(make_mlp(), source, 0)
+    target = lowbit_optim.AdEMAMix(make_mlp().parameters(), betas=(0.9, 0.999, 0.99), state_format="4bit-lowrank")
+    with pytest.raises(ValueError, match=re.escape("param group 0 of this checkpoint: the '4bit-lowrank' state format cannot hold AdEMAMix's exp_avg_slow")):
+        target.load_state_dict(source.state_dict())
+    assert target.param_groups[0]["betas"] == (0.9, 0.999, 0.99)
 
 
 @pytest.mark.parametrize("states, message", [
