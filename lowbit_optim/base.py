@@ -207,6 +207,14 @@ class State:
     follows: str | None = None
     decay: Callable[[dict], float] | None = None
 
+    def too_slow_for(self, fmt, group: dict) -> float | None:
+        """This average's decay under ``group`` where ``fmt`` cannot hold it (above its
+        max_signed_decay), else None (also for a state that does not exist under the group)."""
+        if not self.signed or self.decay is None or fmt.max_signed_decay is None or (self.when is not None and not group.get(self.when)):
+            return None
+        decay = float(self.decay(group))
+        return decay if decay > fmt.max_signed_decay else None
+
 
 class LowBitOptimizer(torch.optim.Optimizer):
     """An optimizer with its states in any registered format, settable per param group (and per
@@ -474,10 +482,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         used, too_slow = self._state_format_names(group), {}
         for state in self.states:
             fmt = formats.get_format(used[state.name])
-            exists = state.when is None or bool(group.get(state.when))
-            limit = fmt.max_signed_decay if state.signed and state.decay is not None and exists else None
-            if limit is not None and float(state.decay(group)) > limit:
-                too_slow[state.follows or state.name] = (state.name, float(state.decay(group)), fmt.name, limit)
+            decay = state.too_slow_for(fmt, group)
+            if decay is not None:
+                too_slow[state.follows or state.name] = (state.name, decay, fmt.name, fmt.max_signed_decay)
         if not too_slow:
             return
         name, decay, fmt_name, limit = next(iter(too_slow.values()))

@@ -167,10 +167,11 @@ class LowRankState(CodebookState):
 
     def _subspace_start(self, right: Tensor) -> Tensor:
         """The subspace iteration's start: the previous ``right``, or ``start_basis`` where there is
-        none yet (all zeros). A graph (compiled, traced with fake tensors, or on a GPU, where a branch
-        would wait for the device) takes torch.where's choice; an eager CPU write branches, so that it builds the basis
-        only when it takes it: otherwise its hashes cost 15 ms of a 280 ms fused SGD step on the
-        GPT-2-small set (AMD EPYC of family 26, 2 threads). Either way the same numbers."""
+        none yet (all zeros). A graph (compiled, traced with fake tensors, or on a GPU, where a
+        branch would wait for the device) takes torch.where's choice; an eager CPU write branches,
+        so that it builds the basis only when it takes it: otherwise its hashes cost 15 ms of a
+        280 ms fused SGD step on the GPT-2-small set (AMD EPYC of family 26, 2 threads). Either way
+        the same numbers."""
         if torch.compiler.is_compiling() or right.device.type != "cpu" or torch._guards.detect_fake_mode() is not None:
             return torch.where(right.abs().sum() > 0, right, start_basis(right.shape[0], self.rank, right.device))
         return right if bool(right.abs().sum() > 0) else start_basis(right.shape[0], self.rank, right.device)

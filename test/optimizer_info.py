@@ -123,10 +123,7 @@ class OptimizerInfo:
         """Whether ``info``'s format holds ``state_name`` in the shared tests' groups: a nonnegative
         format no signed state, a format with a max_signed_decay no slower signed average."""
         state = next(s for s in self.cls.states if s.name == state_name)
-        if not state.signed:
-            return True
-        limit = info.fmt.max_signed_decay
-        return info.fmt.holds_signed and (limit is None or state.decay is None or state.decay(self.group) <= limit)
+        return (info.fmt.holds_signed or not state.signed) and state.too_slow_for(info.fmt, self.group) is None
 
     def spec(self, info: FormatInfo):
         """The ``state_format`` that puts ``info``'s format on every state it can hold (``holds``; the

@@ -612,13 +612,12 @@ def test_a_format_is_refused_for_averages_slower_than_it_holds(opt_info, info):
     """Each signed average (State.decay) in a format whose rounding noise is fresh at every write: an
     optimizer whose default beta for it is above the format's max_signed_decay refuses the format,
     naming the state and a state_format that works; one within the limit takes it."""
-    limit = info.fmt.max_signed_decay
     for state in opt_info.cls.states:
         if not state.signed or state.decay is None:
             continue
         spec = {k: (info.name if k == state.name else "fp32") for k in opt_info.format_keys}
         decay = state.decay(opt_info.group)
-        if decay <= limit:
+        if decay <= info.fmt.max_signed_decay:
             opt_info.make(opt_info.mlp().parameters(), state_format=spec)
             continue
         message = f"cannot hold {opt_info.make(opt_info.mlp().parameters())._family}'s {state.name}, an average that keeps {decay} of itself per step"
