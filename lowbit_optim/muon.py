@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from .base import SlowAverageError
 from .optim import AdamW, Muon
 
 
@@ -60,8 +61,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not matrices:
             raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
         self._built = False
-        self.muon = Muon(matrices, **{**options, **(muon or {})})
-        self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+        with _suggesting_inside("muon"):
+            self.muon = Muon(matrices, **{**options, **(muon or {})})
+        with _suggesting_inside("adamw"):
+            self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; the groups are replaced below
         self._link()
         self._built = True
@@ -113,9 +116,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             raise ValueError("the checkpoint's split between Muon and AdamW differs from this model's")
         kept = [(o, o.state, o.param_groups) for o in self.optimizers]
         try:
-            self.muon.load_state_dict(state_dict["muon"])
+            with _suggesting_inside("muon"):
+                self.muon.load_state_dict(state_dict["muon"])
             if self.adamw:
-                self.adamw.load_state_dict(state_dict["adamw"])
+                with _suggesting_inside("adamw"):
+                    self.adamw.load_state_dict(state_dict["adamw"])
         except BaseException:  # AdamW's part refused: Muon's as it was too
             for optimizer, state, groups in kept:
                 optimizer.state, optimizer.param_groups = state, groups
@@ -127,6 +132,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping
             raise TypeError("add groups to opt.muon or opt.adamw, which know what each parameter needs")
         super().add_param_group(param_group)
+
+
+@contextlib.contextmanager
+def _suggesting_inside(keyword: str):
+    """A format one of MuonWithAdamW's optimizers refuses is suggested inside ``keyword``, where the
+    wrapper takes a per-state ``state_format`` (a flat one goes to both, whose states differ)."""
+    try:
+        yield
+    except SlowAverageError as refused:
+        raise refused.restated(spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
 
 
 class _States(Mapping):

@@ -2,6 +2,9 @@
 cover. The eager step against torch.optim.Muon at fp32 round-off, the errors for what Muon cannot step,
 and ``muon_split``, the usual recipe's split of a model between Muon and AdamW."""
 
+import pickle
+import re
+
 import pytest
 import torch
 from optimizer_info import OPTIMIZERS
@@ -203,3 +206,24 @@ def test_muon_with_adamw_refused_checkpoint_leaves_both_as_they_were():
     assert _lm_steps([opt], model, 2) == _lm_steps([copied], copied_model, 2)
     for p, q in zip(model.parameters(), copied_model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("side", ["muon", "adamw"])
+def test_muon_with_adamw_suggests_a_format_where_it_takes_one(side):
+    """A format too coarse for one side's slow average (README, "Low-rank states and slow averages")
+    is refused with a suggestion inside that side's keyword: a flat per-state state_format would go
+    to both optimizers, whose states differ. The suggestion is accepted, in the constructor and when
+    a checkpoint with the slow average loads."""
+    slow = dict(muon=dict(momentum=0.99), adamw=dict(betas=(0.99, 0.999)))[side]
+    kwargs = dict(state_format="4bit-lowrank-mulaw", min_quantize_numel=0, compile=False)
+    with pytest.raises(lowbit_optim.SlowAverageError) as refused:
+        lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs, **{side: slow})
+    suggested = refused.value.state_format
+    assert str(refused.value).endswith(f"e.g. {side}=dict(state_format={suggested})")
+    accepted = lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs, **{side: {**slow, "state_format": suggested}})
+    assert pickle.loads(pickle.dumps(refused.value)).args == refused.value.args
+
+    target = lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs)
+    with pytest.raises(lowbit_optim.SlowAverageError, match=re.escape(f"e.g. {side}=dict(state_format={suggested})")) as loading:
+        target.load_state_dict(accepted.state_dict())
+    assert str(loading.value).startswith("param group 0 of this checkpoint: the '4bit-lowrank-mulaw' state format cannot hold")
