@@ -326,7 +326,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
         __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
+            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
             __m512i u = _mm512_castps_si512(v), a = _mm512_and_si512(u, magnitude);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
             __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, odd), _mm512_set1_epi32(0x7FFFF - (120 << 23))), 20);
@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         buckets16_t buckets;
         if (bucketed) buckets = buckets16(bucketed);
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
+            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code;
             if (bucketed && vec_magnitude_within(v, 0, bits_of(1.0f) + 1) == 0xFFFF) {  /* every |v| <= 1 (not NaN) */
@@ -373,7 +373,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         affine_t map;
         if (affine) map = affine_registers(s->affine);
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
+            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code = affine ? affine_or_table16(&map, s, v, v, NULL) : table_codes16(s, v);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));

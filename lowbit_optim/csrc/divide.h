@@ -8,7 +8,7 @@
  *
  * It pays where the divider is the bottleneck (Adam's update: a square root and three divisions per
  * element), not where other work is (encoding: there the AVX2 build divides, measured faster, and
- * so does the AVX-512 build where the divider is fast, divide_for_codes).
+ * so does the AVX-512 build where the divider is fast, divide_ports_busy).
  *
  * Where the divider is fast (FAST_DIVIDER), the update's sqrt(v) / sqrt(bias correction) is a real
  * division instead: the divider then takes a square root and two divisions per element while the
@@ -62,10 +62,13 @@ static inline vec_t divide(vec_t a, const divisor_t *d) {
     return mask_any(rest) ? vec_select(rest, vec_div(a, b), corrected) : corrected;
 }
 
-/* divide() where nothing else waits on the divider (encoding: every value of a block by its scale):
- * a real division where the divider is fast (FAST_DIVIDER), else the corrected quotient. On the AMD
- * EPYC of family 26, one thread, storing a 4bit moment 0.53 -> 0.47 ns per value. */
-static inline vec_t divide_for_codes(vec_t a, const divisor_t *d) { return FAST_DIVIDER ? vec_div(a, vec_set1(d->b)) : divide(a, d); }
+/* divide() in a loop that the vector ports bound, not the divider: encoding (every value of a block by
+ * its scale) and an update that converts bf16 states in registers. A real division where the
+ * divider is fast (FAST_DIVIDER), else the corrected quotient. On the AMD EPYC of family 26, one
+ * thread: storing a 4bit moment 0.53 -> 0.47 ns per value; Adam's bf16 step in L1, AVX2 build
+ * 0.59-0.61 -> 0.50-0.51 ns per element, AVX-512 0.32-0.33 -> 0.27 (fp32 states, which leave the
+ * ports idle, keep the corrected quotient). */
+static inline vec_t divide_ports_busy(vec_t a, const divisor_t *d) { return FAST_DIVIDER ? vec_div(a, vec_set1(d->b)) : divide(a, d); }
 
 /* divide() for a = sqrt(v): a is NaN, +-0, +inf or in [2**-75, 2**64), so when that whole range
  * suits the divisor (root_ready), only a's special values need a lane check: they come out exact

@@ -285,7 +285,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     if (bucketed) buckets = buckets16(bucketed);
     uint32_t limit = bucketed ? bits_of(1.0f) : bits_of(FLT_MAX);  /* the largest magnitude the vector loop takes */
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
-        __m512 v = divide_for_codes(_mm512_loadu_ps(x + i), &d);
+        __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
         if (vec_magnitude_within(v, 0, limit + 1) != 0xFFFF) {
             for (int64_t j = i; j < i + 16; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;

@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
 #ifdef VECTOR_LANES
 /* ademamix_elements' arithmetic a vector at a time from element 0, dividing by the bias corrections
  * exactly as Adam's vector loop does (adam_vectors): one real division per element (two with
- * FAST_DIVIDER), not three. bf16: the states are bf16, in place. Returns how many elements it stepped. */
+ * FAST_DIVIDER, three for bf16 states there), not three. bf16: the states are bf16, in place. Returns how many elements it stepped. */
 static inline __attribute__((always_inline)) int64_t ademamix_vectors(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, const chunk_t *c) {
     float *p = c->param;
     void *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
@@ -96,7 +96,8 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
         vec_write_value(m_slow, i, S, bf16);
         vec_write_value(v, i, V, bf16);
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
-        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(divide(M, &bc1), vec_mul(alpha, S))), denom)));
+        vec_t M_hat = bf16 ? divide_ports_busy(M, &bc1) : divide(M, &bc1);  /* as adam_vectors */
+        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(M_hat, vec_mul(alpha, S))), denom)));
     }
     return i;
 }
