@@ -17,7 +17,8 @@
    real division too: one more per element on the divider, one corrected product fewer on the ports;
    and the AVX-512 encoding divides by each block scale with real divisions, as the AVX2 one does.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
-   divisions are counted (decoding, block absmax, encoding, calibration).
+   divisions are counted (decoding, block absmax, encoding, calibration). ``--optimizer ademamix``
+   steps lowbit_optim.AdEMAMix instead of AdamW (three states).
 5. The stages of an Adam step with ``--stages-format`` state (default ``4bit``), each timed alone
    on 1024 values (two of the kernel's chunks) held in L1 (the kernel's own functions, compiled
    with its flags into a timing library): storing the first moment (block absmax, codes, packing),
@@ -197,9 +198,13 @@ def fused_adamw_ns_per_element(n: int, steps: int) -> float:
     return step_ns_per_element(lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True), n, steps)
 
 
-def kernel_ns_per_element(state_format: str, n: int, steps: int) -> float:
-    """The fused CPU kernel's step (lowbit_optim.AdamW, fused=True)."""
-    make = lambda params: lowbit_optim.AdamW(params, lr=1e-3, state_format=state_format, fused=True, min_quantize_numel=0)
+KERNEL_OPTIMIZERS = {"adamw": "AdamW", "ademamix": "AdEMAMix"}  # --optimizer: lowbit_optim's class
+
+
+def kernel_ns_per_element(state_format: str, n: int, steps: int, optimizer: str = "adamw") -> float:
+    """The fused CPU kernel's step (lowbit_optim.AdamW or AdEMAMix, fused=True)."""
+    cls = getattr(lowbit_optim, KERNEL_OPTIMIZERS[optimizer])
+    make = lambda params: cls(params, lr=1e-3, state_format=state_format, fused=True, min_quantize_numel=0)
     return step_ns_per_element(make, n, steps)
 
 
@@ -256,10 +261,10 @@ def measure(args, isa: str) -> dict:
         print("fused kernel skipped: it cannot be built here")
         return results
     for state_format in args.formats.split(","):
-        sizes = {n: kernel_ns_per_element(state_format, n, steps) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
+        sizes = {n: kernel_ns_per_element(state_format, n, steps, args.optimizer) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
         results["kernel_ns"][state_format] = sizes
         cache, dram = sizes.values()
-        print(f"fused kernel, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
+        print(f"fused kernel, {args.optimizer}, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
     results["stage_ns"] = stage_ns_per_element(args.stages_format, reps=args.stages_reps)
     if results["stage_ns"]:
         stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
@@ -291,6 +296,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dram-elements", type=int, default=2**27, help="a parameter far larger than the caches")
     p.add_argument("--max-divisions", type=int, default=5)
     p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit-calibrated,4bit", help="kernel formats of part 4")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(KERNEL_OPTIMIZERS), help="lowbit_optim optimizer of part 4")
     p.add_argument("--stages-format", default="4bit", help="state format of part 5")
     p.add_argument("--stages-reps", type=int, default=20000, help="repetitions of each stage per round in part 5")
     p.add_argument("--isa", default="native", help="native, avx2 or both (comma-separated): see the module's doc")

@@ -101,6 +101,7 @@ def test_compute_bound_smoke():
     assert set(out["kernel_ns"]) == {"8bit", "4bit"} and all(math.isfinite(ns) for sizes in out["kernel_ns"].values() for ns in sizes.values())
     assert out["divider_s"] is None or (set(out["divider_s"]) == {0, 1} and all(s > 0 for s in out["divider_s"].values()))
     assert set(out["stage_ns"]) == set(compute_bound.STAGES) and all(0 < ns < math.inf for ns in out["stage_ns"].values())
+    assert math.isfinite(compute_bound.kernel_ns_per_element("bf16", 4096, 2, "ademamix"))  # --optimizer ademamix
 
 
 def test_lowrank_refit_smoke(tmp_path):
