@@ -77,6 +77,12 @@ static inline float lerp(float start, float end, float coeff, int high) {
 static inline vec_t vec_lerp(vec_t start, vec_t end, vec_t coeff, int high) {  /* lerp, a vector at a time */
     return vec_add(high ? end : start, vec_mul(coeff, vec_sub(end, start)));
 }
+
+/* a first moment divided by its bias correction (exactly: divide.h) in a vector update; bf16 states'
+ * conversions keep the vector ports busy, so there the divider takes it where it is fast */
+static inline vec_t divide_moment(vec_t m, const divisor_t *bias_correction, int bf16) {
+    return bf16 ? divide_ports_busy(m, bias_correction) : divide(m, bias_correction);
+}
 #endif
 
 /* an operand of the update: fp32 values, or bf16 values (bf16 states, read and written in place) */

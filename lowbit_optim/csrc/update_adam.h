@@ -112,8 +112,7 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
             vec_write_value(vmax, i, V, bf16);
         }
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
-        vec_t M_hat = bf16 ? divide_ports_busy(M, &bc1) : divide(M, &bc1);  /* bf16: the conversions keep the ports busy */
-        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, M_hat), denom)));
+        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, divide_moment(M, &bc1, bf16)), denom)));
     }
     return i;
 }

@@ -96,8 +96,7 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
         vec_write_value(m_slow, i, S, bf16);
         vec_write_value(v, i, V, bf16);
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
-        vec_t M_hat = bf16 ? divide_ports_busy(M, &bc1) : divide(M, &bc1);  /* as adam_vectors */
-        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(M_hat, vec_mul(alpha, S))), denom)));
+        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, vec_add(divide_moment(M, &bc1, bf16), vec_mul(alpha, S))), denom)));
     }
     return i;
 }
