@@ -14,7 +14,8 @@
    divides by its bias corrections so too, but the encoding divides by each block scale with 8-lane
    divisions (measured faster there than the corrected products). Where the divider is fast
    (FAST_DIVIDER: AMD's family 26, kernel_build.tuning), the update's square root is divided by a
-   real division too: one more per element on the divider, one corrected product fewer on the ports;
+   real division too: one more per element on the divider, one corrected product fewer on the ports
+   (with bf16 states, whose conversions keep the ports busy, the first moment's quotient as well);
    and the AVX-512 encoding divides by each block scale with real divisions, as the AVX2 one does.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration). ``--optimizer ademamix``
@@ -256,7 +257,7 @@ def measure(args, isa: str) -> dict:
     else:
         for k, seconds in results["divider_s"].items():
             print(f"{isa}: 1 sqrt + {k} divisions per element, {args.elements:,} elements: {seconds:.4f} s")
-    results["kernel_ns"] = {}
+    results["kernel_ns"], results["kernel_optimizer"] = {}, args.optimizer
     if fused_cpu.library() is None:
         print("fused kernel skipped: it cannot be built here")
         return results

@@ -183,22 +183,22 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     return pieces
 
 
-class SlowAverageError(ValueError):
-    """A state format refused for an average slower than it holds (LowBitOptimizer._check_decays).
-    ``state_format`` is one that holds every such average; ``spelled`` is how the caller passes it
-    (a wrapper such as MuonWithAdamW takes it inside its own keyword)."""
+class StateFormatError(ValueError):
+    """A state format refused for one of an optimizer's states (one that holds nonnegative values only
+    for a signed state, _check_signed; one too coarse for a slow average, _check_decays), with a
+    per-state ``state_format`` that works. ``spelled`` is how the caller passes it: a wrapper such
+    as MuonWithAdamW takes it inside its own keyword."""
 
     def __init__(self, reason: str, state_format: dict, spelled: str | None = None):
-        self.reason, self.state_format = reason, state_format
-        super().__init__(f"{reason}. Use a format without that limit for it, e.g. {spelled or f'state_format={state_format}'}")
-        self.spelled = spelled
+        self.reason, self.state_format, self.spelled = reason, state_format, spelled
+        super().__init__(f"{reason}, e.g. {spelled or f'state_format={state_format}'}")
 
-    def restated(self, *, context: str = "", spelled: str | None = None) -> "SlowAverageError":
+    def restated(self, *, context: str = "", spelled: str | None = None) -> "StateFormatError":
         """The same refusal with ``context`` before it, or its format spelled as the caller takes it."""
-        return SlowAverageError(context + self.reason, self.state_format, spelled or self.spelled)
+        return type(self)(context + self.reason, self.state_format, spelled or self.spelled)
 
-    def __reduce__(self):  # pickles (multiprocessing) with its fields, not only its message
-        return type(self), (self.reason, self.state_format, self.spelled)
+    def __reduce__(self):  # pickles (multiprocessing) with its fields and notes, not only its message
+        return type(self), (self.reason, self.state_format, self.spelled), self.__dict__
 
 
 @dataclass(frozen=True)
@@ -488,10 +488,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"{' and '.join(self._format_keys())} can be negative: pick another format"
             )
         example = {k: (fmt.name if k in unsigned else "4bit") for k in self._format_keys()}
-        raise ValueError(
-            f"the {fmt.name!r} state format holds nonnegative states only: use it for {', '.join(unsigned)}, "
-            f"e.g. state_format={example}"
-        )
+        raise StateFormatError(f"the {fmt.name!r} state format holds nonnegative states only: use it for {', '.join(unsigned)}", example)
 
     def _check_decays(self, group: dict) -> None:
         """Refuse a format for a signed average slower than it holds (State.decay,
@@ -508,11 +505,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         name, decay, fmt_name, limit = next(iter(too_slow.values()))
         spec = group["state_format"]
         example = {k: ("10bit-sr" if k in too_slow else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
-        raise SlowAverageError(
+        raise StateFormatError(
             f"the {fmt_name!r} state format cannot hold {self._family}'s {name}, an average that keeps {decay} of itself "
             f"per step: its rounding noise is drawn afresh at every write, and an average that keeps more than {limit} per "
             f"step gathers that noise faster than it lets it decay, growing without bound (README, \"Low-rank states and "
-            f"slow averages\")",
+            f"slow averages\"). Use a format without that limit for it",
             example,
         )
 
@@ -770,7 +767,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     merged = {**self.defaults, **group, **keep, "params": ours["params"]}
                     self._check_hyper_parameters(merged)
                     self._check_decays(merged)  # the checkpoint's betas under this optimizer's formats
-                except SlowAverageError as error:  # still one, for a wrapper to restate
+                except StateFormatError as error:  # still one, for a wrapper to restate
                     raise error.restated(context=f"param group {i} of this {source}: ") from None
                 except ValueError as error:
                     raise ValueError(f"param group {i} of this {source}: {error}") from None

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .base import SlowAverageError
+from .base import StateFormatError
 from .optim import AdamW, Muon
 
 
@@ -136,12 +136,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 @contextlib.contextmanager
 def _suggesting_inside(keyword: str):
-    """A format one of MuonWithAdamW's optimizers refuses is suggested inside ``keyword``, where the
-    wrapper takes a per-state ``state_format`` (a flat one goes to both, whose states differ)."""
+    """A format one of MuonWithAdamW's optimizers refuses is named as that one's (its checkpoint's
+    group numbers count its own groups) and suggested inside ``keyword``, where the wrapper takes a
+    per-state ``state_format`` (a flat one goes to both, whose states differ)."""
     try:
         yield
-    except SlowAverageError as refused:
-        raise refused.restated(spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
+    except StateFormatError as refused:
+        raise refused.restated(context=f"{keyword}: ", spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
 
 
 class _States(Mapping):

@@ -200,8 +200,9 @@ build_flags = pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys()
 # The AVX2 build with either kind of table lookup, whichever the compiler's tuning chose: gathers,
 # or scalar loads as on AMD's cores (lookup.h, stochastic.h)
 AVX2_LOOKUPS = {"AVX2 gathers": ("-mno-avx512f", "-DSLOW_GATHERS=0"), "AVX2 no gathers": ("-mno-avx512f", "-DSLOW_GATHERS=1")}
-# Both vector builds with the update's sqrt(v) / sqrt(bias correction) and the encoders' quotients
-# the other way than this CPU's tuning chose (divide.h, kernel_build.tuning): the builds above take the chosen way
+# Both vector builds with the update's sqrt(v) / sqrt(bias correction), bf16 states' first moment and
+# the encoders' quotients the other way than this CPU's tuning chose (divide.h, kernel_build.tuning): the
+# builds above take the chosen way
 OTHER_DIVIDER = 0 if "-DFAST_DIVIDER=1" in kernel_build.tuning() else 1
 DIVIDER_BUILDS = {
     f"{isa}{'divided' if OTHER_DIVIDER else 'corrected'} roots": (*flags, f"-DFAST_DIVIDER={OTHER_DIVIDER}")
@@ -277,7 +278,7 @@ def test_builds_for_other_cpus_match(flag):
     """Built without AVX-512 the kernel runs AVX2 lookups (gathers, or scalar loads where gathers
     are slow) and compiler-vectorized loops, without VBMI it decodes 8-bit codes with gathers, for
     x86-64 it runs its portable loops alone, and either vector build may divide the update's square
-    root by a real division or a corrected product: the same bits again."""
+    root (and bf16 states' first moment) by a real division or a corrected product: the same bits again."""
     expected = [run(True, **kwargs) for kwargs in OTHER_BUILD_CASES]
     with kernel_built_with(flag):
         for kwargs, reference in zip(OTHER_BUILD_CASES, expected):

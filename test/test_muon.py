@@ -216,14 +216,29 @@ def test_muon_with_adamw_suggests_a_format_where_it_takes_one(side):
     a checkpoint with the slow average loads."""
     slow = dict(muon=dict(momentum=0.99), adamw=dict(betas=(0.99, 0.999)))[side]
     kwargs = dict(state_format="4bit-lowrank-mulaw", min_quantize_numel=0, compile=False)
-    with pytest.raises(lowbit_optim.SlowAverageError) as refused:
+    with pytest.raises(lowbit_optim.StateFormatError) as refused:
         lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs, **{side: slow})
     suggested = refused.value.state_format
     assert str(refused.value).endswith(f"e.g. {side}=dict(state_format={suggested})")
     accepted = lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs, **{side: {**slow, "state_format": suggested}})
-    assert pickle.loads(pickle.dumps(refused.value)).args == refused.value.args
+    copied = pickle.loads(pickle.dumps(refused.value))
+    assert (copied.args, copied.state_format, copied.spelled) == (refused.value.args, suggested, refused.value.spelled)
 
     target = lowbit_optim.MuonWithAdamW(TinyLM(), **kwargs)
-    with pytest.raises(lowbit_optim.SlowAverageError, match=re.escape(f"e.g. {side}=dict(state_format={suggested})")) as loading:
+    with pytest.raises(lowbit_optim.StateFormatError, match=re.escape(f"e.g. {side}=dict(state_format={suggested})")) as loading:
         target.load_state_dict(accepted.state_dict())
-    assert str(loading.value).startswith("param group 0 of this checkpoint: the '4bit-lowrank-mulaw' state format cannot hold")
+    assert str(loading.value).startswith(f"{side}: param group 0 of this checkpoint: the '4bit-lowrank-mulaw' state format cannot hold")
+
+
+def test_muon_with_adamw_suggests_a_signed_format_inside_adamw():
+    """The other per-state suggestion (a format for nonnegative states given a signed one) is
+    spelled inside the wrapper's keyword too, and is accepted there."""
+    with pytest.raises(lowbit_optim.StateFormatError) as refused:
+        lowbit_optim.MuonWithAdamW(TinyLM(), adamw=dict(state_format="factored"), compile=False)
+    suggested = refused.value.state_format
+    assert suggested == {"exp_avg": "4bit", "exp_avg_sq": "factored"}
+    assert str(refused.value) == (
+        "adamw: the 'factored' state format holds nonnegative states only: use it for exp_avg_sq, "
+        "e.g. adamw=dict(state_format={'exp_avg': '4bit', 'exp_avg_sq': 'factored'})"
+    )
+    lowbit_optim.MuonWithAdamW(TinyLM(), adamw=dict(state_format=suggested), compile=False)

@@ -12,7 +12,8 @@
  *
  * Where the divider is fast (FAST_DIVIDER), the update's sqrt(v) / sqrt(bias correction) is a real
  * division instead: the divider then takes a square root and two divisions per element while the
- * vector ports correct the first moment's quotient, and neither waits on the other. On an AMD EPYC
+ * vector ports correct the first moment's quotient, and neither waits on the other (fp32 states;
+ * bf16 states, whose conversions keep the ports busy, divide the first moment too: divide_ports_busy). On an AMD EPYC
  * of family 26 (Zen 5), one thread, Adam's update of a chunk in L1 (compute_bound.py part 5): AVX2
  * build 0.50 -> 0.41 ns per element, AVX-512 0.285 -> 0.26. kernel_build.tuning() sets it for that
  * family only, where it was measured; an Emerald Rapids Xeon's divider is slower (0.215 ns per
@@ -65,7 +66,7 @@ static inline vec_t divide(vec_t a, const divisor_t *d) {
 /* divide() in a loop that the vector ports bound, not the divider: encoding (every value of a block by
  * its scale) and an update that converts bf16 states in registers. A real division where the
  * divider is fast (FAST_DIVIDER), else the corrected quotient. On the AMD EPYC of family 26, one
- * thread: storing a 4bit moment 0.53 -> 0.47 ns per value; Adam's bf16 step in L1, AVX2 build
+ * thread: storing a 4bit moment 0.53 -> 0.47 ns per value; Adam's bf16 step in cache, AVX2 build
  * 0.59-0.61 -> 0.50-0.51 ns per element, AVX-512 0.32-0.33 -> 0.27 (fp32 states, which leave the
  * ports idle, keep the corrected quotient). */
 static inline vec_t divide_ports_busy(vec_t a, const divisor_t *d) { return FAST_DIVIDER ? vec_div(a, vec_set1(d->b)) : divide(a, d); }
@@ -78,7 +79,7 @@ static inline int root_ready(const divisor_t *d) {
 }
 
 static inline vec_t divide_root(vec_t a, const divisor_t *d, int ready) {
-    if (FAST_DIVIDER) return vec_div(a, vec_set1(d->b));
+    if (FAST_DIVIDER) return divide_ports_busy(a, d);  /* a real division */
     if (!ready) return divide(a, d);
     vec_t q, corrected = corrected_quotient(a, d, &q);
     return vec_select(vec_zero_or_not_finite(a), q, corrected);
