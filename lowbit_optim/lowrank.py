@@ -27,16 +27,17 @@ average below: 8bit-lowrank 5e-5 a write, the 4-bit formats about 1e-2). An aver
 of itself per step lets about 2 (1 - beta) of its energy go per step: where it gathers more noise
 than that, the residual grows without bound. benchmarks/slow_averages.py measures where (|state| /
 |fp32 average| after 4,000 writes, benchmarks/results/slow_averages.md): 4bit-lowrank at 0.99
-1.02-1.09 at 256 to 1536 square, at 0.993 1.32 at 768, at 0.995 4e13x there; 4bit-lowrank-mulaw at
-0.95 1.01-1.04, at 0.98 1e9x at 512; 8bit-lowrank at 0.99995 1.03 after 40,000 writes, at 0.99999
+1.02-1.09 at 256 to 2048 square, at 0.993 1.32 at 768, at 0.995 4e13x there; 4bit-lowrank-mulaw at
+0.95 1.01-1.06 at 256 to 3072 square, at 0.98 1e9x at 512; 8bit-lowrank at 0.99995 1.03 after 40,000 writes, at 0.99999
 1.07 and growing. Larger matrices hold less (the rank's share of them is smaller). Each format's
 ``max_signed_decay`` is that limit, and an optimizer refuses the format for a signed average slower
 than it (base.State.decay): AdEMAMix's slow momentum (beta3 = 0.9999) in 4bit-lowrank grew 19,000x
 in a 3,000-step MLP run and training diverged; Lion's momentum (beta2 = 0.99) fits 4bit-lowrank,
 Muon's (0.95) both 4-bit ones, and no built-in average reaches 8bit-lowrank's. The limits come from
-matrices of at most 1536 square (8bit-lowrank's from 256; at 1024 it held 0.9999, 1.02 after 20,000
-writes). A subclass inherits its parent's limit, and a direct subclass of LowRankState has none: one
-with another rank or grid should measure and set its own with the benchmark.
+square matrices: 4bit-lowrank's to 2048, 4bit-lowrank-mulaw's to 3072 wide, 8bit-lowrank's from
+256 (at 1024 it held 0.9999, 1.02 after 20,000 writes); wider and rectangular ones are unmeasured.
+A subclass inherits its parent's limit, and a direct subclass of LowRankState has none: one with
+another rank or grid should measure and set its own with the benchmark.
 
 Costs: (rows + cols) * rank * 4 bytes on top of the codes (1 byte per element for 8 bits); at rank 32 that is 0.06 bytes
 per element of a 4096 x 4096 matrix, and a whole byte of a 256 x 256 one. (bf16 factors were as
@@ -251,7 +252,7 @@ class OptimState4bitLowRank(LowRankState):
     bits = 4
     default_block_size = 128
     rank = 64
-    max_signed_decay = 0.99  # module docstring: 1.02-1.09x of fp32 after 4,000 writes; 0.993 1.32x at 768 x 768
+    max_signed_decay = 0.99  # module docstring: 1.02-1.09x of fp32 (to 2048 x 2048); 0.993 1.32x at 768 x 768
 
 
 class OptimState4bitLowRankMuLaw(OptimState4bitLowRank):
@@ -269,7 +270,7 @@ class OptimState4bitLowRankMuLaw(OptimState4bitLowRank):
     name = "4bit-lowrank-mulaw"
     default_block_size = 64
     mu = 15.0
-    max_signed_decay = 0.95  # module docstring: 1.01-1.04x of fp32 after 4,000 writes; 0.98 grew 1e9x at 512 x 512
+    max_signed_decay = 0.95  # module docstring: 1.01-1.06x of fp32 (to 3072 x 3072); 0.98 grew 1e9x at 512 x 512
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
