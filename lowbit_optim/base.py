@@ -767,10 +767,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     merged = {**self.defaults, **group, **keep, "params": ours["params"]}
                     self._check_hyper_parameters(merged)
                     self._check_decays(merged)  # the checkpoint's betas under this optimizer's formats
-                except StateFormatError as error:  # still one, for a wrapper to restate
-                    raise error.restated(context=f"param group {i} of this {source}: ") from None
                 except ValueError as error:
-                    raise ValueError(f"param group {i} of this {source}: {error}") from None
+                    context = f"param group {i} of this {source}: "
+                    if isinstance(error, StateFormatError):  # still one, for a wrapper to restate
+                        raise error.restated(context=context) from None
+                    raise ValueError(context + str(error)) from None
 
         def keep_saved_tensors(optimizer, loaded: dict) -> None:
             # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
