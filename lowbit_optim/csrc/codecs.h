@@ -110,16 +110,22 @@ static inline search8_t search8(const float *t) {
                        _mm256_setr_ps(t[0], t[2], t[4], t[6], t[8], t[10], t[12], t[14])};
 }
 
-static inline __m256i count8(const search8_t *s, __m256 v) {
+/* how many of t[1], t[3], ..., t[13] are <= v: count8's first three probes. The count of all 15 is
+ * twice that, plus one where v reaches t[2 c] (c: this count), the even number the last probe reads. */
+static inline __m256i count8_odd(const search8_t *s, __m256 v) {
     /* the count so far, doubled at each probe less its mask (-1 where v reaches the probe): after
-     * two probes it indexes odd, after three even */
+     * two probes it indexes odd */
     __m256i up8 = _mm256_castps_si256(_mm256_cmp_ps(v, s->t7, _CMP_GE_OQ));
     __m256i up4 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_blendv_ps(s->t3, s->t11, _mm256_castsi256_ps(up8)), _CMP_GE_OQ));
     __m256i count = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(_mm256_add_epi32(up8, up8), up4));
     __m256i up2 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->odd, count), _CMP_GE_OQ));
-    count = _mm256_sub_epi32(_mm256_add_epi32(count, count), up2);
-    __m256i up1 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->even, count), _CMP_GE_OQ));
-    return _mm256_sub_epi32(_mm256_add_epi32(count, count), up1);
+    return _mm256_sub_epi32(_mm256_add_epi32(count, count), up2);
+}
+
+static inline __m256i count8(const search8_t *s, __m256 v) {
+    __m256i half = count8_odd(s, v);
+    __m256i up1 = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar8x32_ps(s->even, half), _CMP_GE_OQ));
+    return _mm256_sub_epi32(_mm256_add_epi32(half, half), up1);
 }
 #endif
 

@@ -183,9 +183,15 @@ static inline void encode_stochastic_one(const state_t *s, const float *restrict
 }
 
 #ifdef AVX2_ONLY
-/* encode_stochastic4's vector loop on 8 lanes (AVX2); returns how many values it encoded. The pair's
- * lower value and width come from tables indexed by count8's count (whose bit 3 is its first probe),
- * two permutes and a select8 each, not lookup16's blendv. For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
+/* encode_stochastic4's vector loop on 8 lanes (AVX2); returns how many values it encoded. low is
+ * the count of q[1..15] <= v, the nearest code's neighbours' lower one, and the code is low, plus
+ * one where up: wherever the pair (q[low], q[low + 1]) is not one of codes, up is false. Below the
+ * codebook v - q[0] < 0; at or above its last used value the width of q[low + 1] - q[low] is NaN
+ * (w: an unused code, or past the 16th). A vector with a NaN or an infinity takes the reference.
+ * That count is 2 c, plus one where v reaches q[2 c + 1], c being the count of q[2], q[4], ..., q[14]
+ * <= v (count8_odd's three probes): a is that last probe's value where v reaches it, else q[2 c],
+ * and the width one of two tables indexed by c (three permutes and two blends; nothing of the
+ * nearest code). For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
  * quant.linear_codebook_without_zero) floor(16 v), clamped to [0, 16], values are <= v (16 v is
  * exact) and q[low] is that number / 16: no search and no lookups, 17 % off the AVX2 4bit step
  * (with AVX-512 the same measured no gain, so it searches there). It is inlined once for each kind
@@ -195,28 +201,28 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
                                                                         const calibration_t *cal, int32_t last_pair, uint32_t pair_lanes, int linear) {
     const float *q = s->codebook;
     int64_t i = 0;
-    __m256 divisor = _mm256_set1_ps(scale), q15 = _mm256_set1_ps(q[15]);
-    search8_t search = search8(q);
-    __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), scaled = _mm256_set1_ps(0x1p-24f);
-    __m256 w_low = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q + 1), q_low), scaled);
-    __m256 w_high = _mm256_mul_ps(_mm256_sub_ps(_mm256_permutevar8x32_ps(q_high, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7)), q_high), scaled);
-    /* q[c - 1] and w[c - 1] for c = 0..15 ([0] unused): the low half, and low ^ high (select8) */
-    __m256i down = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6), seven = _mm256_set1_epi32(7);
-    __m256 a_low = _mm256_permutevar8x32_ps(q_low, down), wa_low = _mm256_permutevar8x32_ps(w_low, down);
-    __m256 a_flip = _mm256_xor_ps(a_low, _mm256_blend_ps(_mm256_permutevar8x32_ps(q_high, down), _mm256_permutevar8x32_ps(q_low, seven), 1));
-    __m256 wa_flip = _mm256_xor_ps(wa_low, _mm256_blend_ps(_mm256_permutevar8x32_ps(w_high, down), _mm256_permutevar8x32_ps(w_low, seven), 1));
-    __m256 smallest = _mm256_set1_ps(FLT_MIN), magnitude_ps = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    uint32_t exact = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_low, magnitude_ps), smallest, _CMP_GE_OQ)) |
-                     (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_high, magnitude_ps), smallest, _CMP_GE_OQ)) << 8;
+    int calibrated = cal->vv != NULL;  /* a local: a store to codes (bytes) could change *cal */
+    float w[16];  /* (q[k + 1] - q[k]) * 2**-24 for the pairs, NaN past them */
+    uint32_t exact = 0;
+    for (int k = 0; k < 16; k++) {
+        w[k] = k <= last_pair ? (q[k + 1] - q[k]) * 0x1p-24f : NAN;
+        exact |= (uint32_t)(fabsf(w[k]) >= FLT_MIN) << k;
+    }
     int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
-    __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(last_pair);
-    __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), largest = _mm256_set1_epi32(0x7F7FFFFF);
+    __m256 divisor = _mm256_set1_ps(scale);
+    search8_t search = search8(q + 1);
+    __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), w_low = _mm256_loadu_ps(w);
+    /* q[2 c], w[2 c] and w[2 c + 1] for c = 0..7 */
+    __m256 a_even = _mm256_setr_ps(q[0], q[2], q[4], q[6], q[8], q[10], q[12], q[14]);
+    __m256 w_even = _mm256_setr_ps(w[0], w[2], w[4], w[6], w[8], w[10], w[12], w[14]);
+    __m256 w_odd = _mm256_setr_ps(w[1], w[3], w[5], w[7], w[9], w[11], w[13], w[15]);
+    __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15);
     __m256 sixteen = _mm256_set1_ps(16.0f), sixteenth = _mm256_set1_ps(0x1p-4f);
-    __m256i fifteen = _mm256_set1_epi32(15);
     __m256i places = dither_places8(dither_salt(scale)), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
-        if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), largest))) {
+        __m256 nothing = _mm256_sub_ps(v, v);  /* NaN where v is NaN or infinite, else 0 */
+        if (_mm256_movemask_ps(_mm256_cmp_ps(nothing, nothing, _CMP_UNORD_Q))) {
             for (int64_t j = i; j < i + 8; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;
         }
@@ -227,25 +233,19 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
             low = _mm256_sub_epi32(count, one);
             a = _mm256_mul_ps(_mm256_cvtepi32_ps(count), sixteenth), pair_width = w_low;  /* every lane's width: 2**-28 */
         } else {
-            __m256i count = count8(&search, v), upper = _mm256_cmpgt_epi32(count, seven);
-            /* low = count - 1, plus one where v reaches q[15] (a mask is -1) */
-            low = _mm256_sub_epi32(_mm256_sub_epi32(count, one), _mm256_castps_si256(_mm256_cmp_ps(v, q15, _CMP_GE_OQ)));
-            /* q[count - 1] and its width, from tables indexed by count: where low is not count - 1
-             * or lies outside [0, last_pair], a and its width are never used */
-            a = select8(_mm256_permutevar8x32_ps(a_low, count), _mm256_permutevar8x32_ps(a_flip, count), upper);
-            pair_width = select8(_mm256_permutevar8x32_ps(wa_low, count), _mm256_permutevar8x32_ps(wa_flip, count), upper);
+            __m256i half = count8_odd(&search, v);
+            __m256 probed = _mm256_permutevar8x32_ps(search.even, half);  /* q[2 c + 1] */
+            __m256 reached = _mm256_cmp_ps(v, probed, _CMP_GE_OQ);
+            low = _mm256_sub_epi32(_mm256_add_epi32(half, half), _mm256_castps_si256(reached));
+            a = _mm256_blendv_ps(_mm256_permutevar8x32_ps(a_even, half), probed, reached);
+            pair_width = _mm256_blendv_ps(_mm256_permutevar8x32_ps(w_even, half), _mm256_permutevar8x32_ps(w_odd, half), reached);
         }
         __m256 up = _mm256_cmp_ps(_mm256_sub_ps(v, a), _mm256_mul_ps(dither_draws8(v, places), pair_width), _CMP_GT_OQ);
-        __m256i code;
-        if (linear) {  /* every code used: below the pairs low is -1 (code 0), above them 15 (code 15) */
-            code = _mm256_max_epi32(_mm256_min_epi32(_mm256_sub_epi32(low, _mm256_castps_si256(up)), fifteen), zero);
-        } else {
-            __m256i nearest = _mm256_max_epi32(low, zero);
-            __m256i inside = _mm256_cmpeq_epi32(_mm256_min_epi32(nearest, last), low);  /* 0 <= low <= last_pair */
-            code = _mm256_sub_epi32(nearest, _mm256_and_si256(_mm256_castps_si256(up), inside));  /* + 1 where up inside */
-        }
+        __m256i code = _mm256_sub_epi32(low, _mm256_castps_si256(up));  /* + 1 where up (a mask is -1) */
+        if (linear)  /* every code used: below the pairs low is -1 (code 0), above them 15 (code 15) */
+            code = _mm256_max_epi32(_mm256_min_epi32(code, fifteen), zero);
         store_low_bytes(codes + i, code);
-        if (cal->vv) store_products8(cal, i, v, lookup16(q_low, q_high, code));
+        if (calibrated) store_products8(cal, i, v, lookup16(q_low, q_high, code));
     }
     return i;
 }
