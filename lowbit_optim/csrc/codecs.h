@@ -328,11 +328,12 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
                                                                  const calibration_t *cal, float *restrict normalized) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    divisor_t d = exact_divisor(scale);
+    quotients_t quotients = encoding_quotients(x, bs, scale);
+    divisor_t d = quotients.d;
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
         __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
+            __m512 v = next_quotient(&quotients, x, i, bs);
             __m512i u = _mm512_castps_si512(v), a = _mm512_and_si512(u, magnitude);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
             __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, odd), _mm512_set1_epi32(0x7FFFF - (120 << 23))), 20);
@@ -351,7 +352,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         buckets16_t buckets;
         if (bucketed) buckets = buckets16(bucketed);
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
+            __m512 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code;
             if (bucketed && vec_magnitude_within(v, 0, bits_of(1.0f) + 1) == 0xFFFF) {  /* every |v| <= 1 (not NaN) */
@@ -379,7 +380,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         affine_t map;
         if (affine) map = affine_registers(s->affine);
         for (; i + 16 <= bs; i += 16) {
-            __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
+            __m512 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
             __m512i code = affine ? affine_or_table16(&map, s, v, v, NULL) : table_codes16(s, v);
             _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
@@ -387,12 +388,12 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         }
     }
 #elif defined(AVX2_ONLY)
-    __m256 divisor = _mm256_set1_ps(scale);
+    quotients_t quotients = encoding_quotients(x, bs, scale);
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 8 at a time (compilers vectorize it, with many more packs) */
         __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
         __m256 two14 = _mm256_set1_ps(16384.0f);
         for (; i + 8 <= bs; i += 8) {
-            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256 v = next_quotient(&quotients, x, i, bs);
             __m256i u = _mm256_castps_si256(v), a = _mm256_and_si256(u, magnitude);
             __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
             __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, odd), _mm256_set1_epi32(0x7FFFF - (120 << 23))), 20);
@@ -408,7 +409,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         __m256 q_low = _mm256_loadu_ps(s->codebook), q_high = _mm256_loadu_ps(s->codebook + 8);
         __m256i nan_code = _mm256_set1_epi32(s->nan_code), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
         for (; i + 8 <= bs; i += 8) {
-            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm256_storeu_ps(normalized + i, v);
             __m256i code = count8(&thresholds, v);
             __m256i non_finite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), _mm256_set1_epi32(0x7F7FFFFF));
@@ -419,7 +420,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
     } else if (s->kind == KIND_CODEBOOK) {
         __m256i sign = _mm256_set1_epi32(INT32_MIN);  /* flipped: an unsigned comparison as a signed one */
         for (; i + 8 <= bs; i += 8) {
-            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            __m256 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm256_storeu_ps(normalized + i, v);
             __m256i bits = _mm256_castps_si256(v);
             __m256i entry = lookup8(s->near_code, _mm256_srli_epi32(bits, 16));

@@ -41,8 +41,8 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#define AVX2_ONLY 1
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1  /* the AVX2 + FMA build (every AVX2 CPU has FMA); AVX2 alone takes the portable loops */
 #endif
 
 #include "abi.h"

@@ -209,7 +209,6 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
         exact |= (uint32_t)(fabsf(w[k]) >= FLT_MIN) << k;
     }
     int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
-    __m256 divisor = _mm256_set1_ps(scale);
     search8_t search = search8(q + 1);
     __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), w_low = _mm256_loadu_ps(w);
     /* q[2 c], w[2 c] and w[2 c + 1] for c = 0..7 */
@@ -219,8 +218,9 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
     __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15);
     __m256 sixteen = _mm256_set1_ps(16.0f), sixteenth = _mm256_set1_ps(0x1p-4f);
     __m256i places = dither_places8(dither_salt(scale)), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
+    quotients_t quotients = encoding_quotients(x, bs, scale);
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+        __m256 v = next_quotient(&quotients, x, i, bs);
         __m256 nothing = _mm256_sub_ps(v, v);  /* NaN where v is NaN or infinite, else 0 */
         if (_mm256_movemask_ps(_mm256_cmp_ps(nothing, nothing, _CMP_UNORD_Q))) {
             for (int64_t j = i; j < i + 8; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
@@ -270,7 +270,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     uint32_t pair_lanes = last_pair >= 0 ? (2u << last_pair) - 1 : 0;  /* lanes 0 .. last_pair */
     int64_t i = 0;
 #ifdef __AVX512F__
-    divisor_t d = exact_divisor(scale);
+    quotients_t quotients = encoding_quotients(x, bs, scale);
     search16_t search = search16(q);  /* over q[0..14]; q[15] apart */
     __m512 values = search.t, q15 = _mm512_set1_ps(q[15]);
     __m512 widths = _mm512_mul_ps(_mm512_sub_ps(search.odd, values), _mm512_set1_ps(0x1p-24f));
@@ -285,7 +285,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     if (bucketed) buckets = buckets16(bucketed);
     uint32_t limit = bucketed ? bits_of(1.0f) : bits_of(FLT_MAX);  /* the largest magnitude the vector loop takes */
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
-        __m512 v = divide_ports_busy(_mm512_loadu_ps(x + i), &d);
+        __m512 v = next_quotient(&quotients, x, i, bs);
         if (vec_magnitude_within(v, 0, limit + 1) != 0xFFFF) {
             for (int64_t j = i; j < i + 16; j++) encode_stochastic_one(s, x, scale, j, codes, cal);
             continue;

@@ -46,7 +46,7 @@ static inline void vec_store_bf16(uint16_t *p, vec_t x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
 }
 
-#elif defined(AVX2_ONLY) && defined(__FMA__)
+#elif defined(AVX2_ONLY)
 #define VECTOR_LANES 8
 typedef __m256 vec_t;
 typedef __m256 mask_t;  /* all ones in a selected lane */
