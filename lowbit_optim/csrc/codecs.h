@@ -21,12 +21,6 @@ static inline __m256 lookup16(__m256 low, __m256 high, __m256i idx) {
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, idx), _mm256_permutevar8x32_ps(high, idx), upper);
 }
 
-/* low where mask is 0, high where it is -1, given low and flip = low ^ high: two logic µops where
- * a blendv takes two or three on recent Intel cores */
-static inline __m256 select8(__m256 low, __m256 flip, __m256i mask) {
-    return _mm256_xor_ps(low, _mm256_and_ps(flip, _mm256_castsi256_ps(mask)));
-}
-
 /* e4m3_to_f32 of 8 codes, computed from their bits rather than looked up in e4m3_values: where
  * gathers are slow (AMD EPYC of family 26, AVX2 build, one thread) decoding both fp8 moments took
  * 0.351 ns per element with 8 scalar loads, 0.251 so. Intel's cores keep the gather (not measured

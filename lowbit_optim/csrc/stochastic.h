@@ -183,15 +183,15 @@ static inline void encode_stochastic_one(const state_t *s, const float *restrict
 }
 
 #ifdef AVX2_ONLY
-/* encode_stochastic4's vector loop on 8 lanes (AVX2); returns how many values it encoded. low is
- * the count of q[1..15] <= v, the nearest code's neighbours' lower one, and the code is low, plus
- * one where up: wherever the pair (q[low], q[low + 1]) is not one of codes, up is false. Below the
- * codebook v - q[0] < 0; at or above its last used value the width of q[low + 1] - q[low] is NaN
- * (w: an unused code, or past the 16th). A vector with a NaN or an infinity takes the reference.
- * That count is 2 c, plus one where v reaches q[2 c + 1], c being the count of q[2], q[4], ..., q[14]
- * <= v (count8_odd's three probes): a is that last probe's value where v reaches it, else q[2 c],
- * and the width one of two tables indexed by c (three permutes and two blends; nothing of the
- * nearest code). For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
+/* encode_stochastic4's vector loop on 8 lanes (AVX2); returns how many values it encoded. low, the
+ * count of q[1..15] that are <= v, is the lower code of the pair around v, and the code is low, plus
+ * one where rounding goes up. Where no pair lies around v, up is false by itself: below the codebook
+ * v - q[0] < 0, and at or above its last used value the pair's width is NaN (w: past the used codes,
+ * or the 16th). So the nearest code is never needed; a vector with a NaN or an infinity takes the
+ * reference. low is 2 c, plus one where v reaches q[2 c + 1], c being the count of q[2], q[4], ...,
+ * q[14] that are <= v (count8_odd's three probes): the pair's lower value is that last probe's where
+ * v reaches it, else q[2 c], and its width one of two tables indexed by c (three permutes and two
+ * blends in all). For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
  * quant.linear_codebook_without_zero) floor(16 v), clamped to [0, 16], values are <= v (16 v is
  * exact) and q[low] is that number / 16: no search and no lookups, 17 % off the AVX2 4bit step
  * (with AVX-512 the same measured no gain, so it searches there). It is inlined once for each kind
