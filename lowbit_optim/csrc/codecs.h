@@ -322,9 +322,9 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
                                                                  const calibration_t *cal, float *restrict normalized) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    quotients_t quotients = encoding_quotients(x, bs, scale);
-    divisor_t d = quotients.d;
+    divisor_t d = exact_divisor(scale);
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 16 at a time */
+        quotients_t quotients = encoding_quotients(x, bs, d);
         __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), two14 = _mm512_castps_si512(_mm512_set1_ps(16384.0f));
         for (; i + 16 <= bs; i += 16) {
             __m512 v = next_quotient(&quotients, x, i, bs);
@@ -345,6 +345,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         const buckets_t *bucketed = s->threshold_buckets;  /* a local: a store to codes (bytes) could change s */
         buckets16_t buckets;
         if (bucketed) buckets = buckets16(bucketed);
+        quotients_t quotients = encoding_quotients(x, bs, d);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
@@ -373,6 +374,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         int affine = SLOW_GATHERS && s->affine;  /* where gathers are fast, the table (lookup.h) */
         affine_t map;
         if (affine) map = affine_registers(s->affine);
+        quotients_t quotients = encoding_quotients(x, bs, d);
         for (; i + 16 <= bs; i += 16) {
             __m512 v = next_quotient(&quotients, x, i, bs);
             if (normalized) _mm512_storeu_ps(normalized + i, v);
@@ -382,7 +384,7 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
         }
     }
 #elif defined(AVX2_ONLY)
-    quotients_t quotients = encoding_quotients(x, bs, scale);
+    quotients_t quotients = encoding_quotients(x, bs, exact_divisor(scale));
     if (s->kind == KIND_E4M3) {  /* f32_to_e4m3, 8 at a time (compilers vectorize it, with many more packs) */
         __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
         __m256 two14 = _mm256_set1_ps(16384.0f);

@@ -77,9 +77,10 @@ static inline vec_t divide_ports_busy(vec_t a, const divisor_t *d) { return FAST
  * of every chain, fewer vectors fit in the core's schedulers at once. The AVX2 build divides for
  * real (measured faster there than the corrected quotient, the encoding keeping the ports busy), the
  * AVX-512 build as divide_ports_busy. On the AMD EPYC of family 26, one thread, a chunk in L1, ns per
- * value (compute_bound.py part 5): storing a 4bit moment, AVX2 build 0.76 -> 0.67-0.69 (NF4) and 0.58
- * -> 0.51-0.52 (linear), AVX-512 0.35-0.36 -> 0.32-0.33; an fp8 one (AVX2) 0.29 -> 0.27. Two
- * vectors ahead was no faster (AVX2, 4bit). */
+ * value (compute_bound.py part 5): storing a 4bit moment, AVX2 build 0.76-0.77 -> 0.67-0.69 (NF4) and
+ * 0.54-0.56 -> 0.52 (linear), AVX-512 0.35-0.36 -> 0.32-0.33; an fp8 one (AVX2) 0.29 -> 0.27. Two
+ * vectors ahead was no faster (AVX2, 4bit), nor were the compiler-vectorized block-float encoders
+ * with their quotients in a pass of their own (10bit-sr, 8bit-log: block_float.h). */
 typedef struct {
     divisor_t d;
     vec_t ahead;
@@ -93,8 +94,9 @@ static inline vec_t encoding_quotient(vec_t a, const divisor_t *d) {
 #endif
 }
 
-static inline quotients_t encoding_quotients(const float *x, int64_t n, float b) {
-    quotients_t q = {exact_divisor(b), vec_set1(0.0f)};
+/* n: the values the loop will take (0: none, nothing divided) */
+static inline quotients_t encoding_quotients(const float *x, int64_t n, divisor_t d) {
+    quotients_t q = {d, vec_set1(0.0f)};
     if (n >= VECTOR_LANES) q.ahead = encoding_quotient(vec_load(x), &q.d);
     return q;
 }

@@ -189,9 +189,9 @@ static inline void encode_stochastic_one(const state_t *s, const float *restrict
  * v - q[0] < 0, and at or above its last used value the pair's width is NaN (w: past the used codes,
  * or the 16th). So the nearest code is never needed; a vector with a NaN or an infinity takes the
  * reference. low is 2 c, plus one where v reaches q[2 c + 1], c being the count of q[2], q[4], ...,
- * q[14] that are <= v (count8_odd's three probes): the pair's lower value is that last probe's where
- * v reaches it, else q[2 c], and its width one of two tables indexed by c (three permutes and two
- * blends in all). For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
+ * q[14] that are <= v (count8_odd's three probes): the pair's lower value is a last probe's
+ * (q[2 c + 1]) where v reaches it, else q[2 c], and its width one of two tables indexed by c (after
+ * count8_odd, four permutes and two blends). For q[k] = (k + 1) / 16 (linear: 4bit's second moment,
  * quant.linear_codebook_without_zero) floor(16 v), clamped to [0, 16], values are <= v (16 v is
  * exact) and q[low] is that number / 16: no search and no lookups, 17 % off the AVX2 4bit step
  * (with AVX-512 the same measured no gain, so it searches there). It is inlined once for each kind
@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
     __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15);
     __m256 sixteen = _mm256_set1_ps(16.0f), sixteenth = _mm256_set1_ps(0x1p-4f);
     __m256i places = dither_places8(dither_salt(scale)), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
-    quotients_t quotients = encoding_quotients(x, bs, scale);
+    quotients_t quotients = encoding_quotients(x, vectors ? bs : 0, exact_divisor(scale));
     for (; vectors && i + 8 <= bs; i += 8, places = _mm256_add_epi32(places, next_places)) {
         __m256 v = next_quotient(&quotients, x, i, bs);
         __m256 nothing = _mm256_sub_ps(v, v);  /* NaN where v is NaN or infinite, else 0 */
@@ -253,12 +253,13 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
 
 /* 4-bit stochastic codes of the values x / scale in one pass (and a calibrated format's products).
  * For a finite v, encode_stochastic's low is the number of codebook values <= v, less one, whatever
- * v's nearest code is (that is low or low + 1). The vector loops find that number by bucket
- * (AVX-512, where the values fit: bucket_count16) or by a binary search over the 16 values in
- * registers, as encode_nearest counts the thresholds, and never compute the
- * nearest code: v rounds between low and low + 1 where low is in [0, last_pair] (b a used code);
- * elsewhere (below the codebook, at or above its last used value) the nearest code is max(low, 0).
- * A vector of values with a NaN or an infinity takes the reference. */
+ * v's nearest code is (that is low or low + 1). The vector loops find that number without the
+ * nearest code. With AVX-512, by bucket (where the values fit: bucket_count16) or by a binary search
+ * over the values in registers, as encode_nearest counts the thresholds: v rounds between low and
+ * low + 1 where low is in [0, last_pair] (b a used code); elsewhere (below the codebook, at or above
+ * its last used value) the code is max(low, 0). With AVX2, by a search over q[1..15] whose count is
+ * low where v is in the codebook and 0 below it (encode_stochastic8). A vector of values with a NaN
+ * or an infinity takes the reference. */
 static void encode_stochastic4(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
     const float *q = s->codebook;
     int32_t last_pair = 14;
@@ -270,7 +271,6 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     uint32_t pair_lanes = last_pair >= 0 ? (2u << last_pair) - 1 : 0;  /* lanes 0 .. last_pair */
     int64_t i = 0;
 #ifdef __AVX512F__
-    quotients_t quotients = encoding_quotients(x, bs, scale);
     search16_t search = search16(q);  /* over q[0..14]; q[15] apart */
     __m512 values = search.t, q15 = _mm512_set1_ps(q[15]);
     __m512 widths = _mm512_mul_ps(_mm512_sub_ps(search.odd, values), _mm512_set1_ps(0x1p-24f));
@@ -284,6 +284,7 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
     buckets16_t buckets;
     if (bucketed) buckets = buckets16(bucketed);
     uint32_t limit = bucketed ? bits_of(1.0f) : bits_of(FLT_MAX);  /* the largest magnitude the vector loop takes */
+    quotients_t quotients = encoding_quotients(x, vectors ? bs : 0, exact_divisor(scale));
     for (; vectors && i + 16 <= bs; i += 16, places = _mm512_add_epi32(places, next_places)) {
         __m512 v = next_quotient(&quotients, x, i, bs);
         if (vec_magnitude_within(v, 0, limit + 1) != 0xFFFF) {
