@@ -183,6 +183,10 @@ static inline void encode_stochastic_one(const state_t *s, const float *restrict
 }
 
 #ifdef AVX2_ONLY
+/* lanes 0, 2, ..., 14 (odds8: 1, 3, ..., 15) of the 16 values low, high */
+static inline __m256 evens8(__m256 low, __m256 high) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(low, high, 0x88)), 0xD8)); }
+static inline __m256 odds8(__m256 low, __m256 high) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(low, high, 0xDD)), 0xD8)); }
+
 /* encode_stochastic4's vector loop on 8 lanes (AVX2); returns how many values it encoded. low, the
  * count of q[1..15] that are <= v, is the lower code of the pair around v, and the code is low, plus
  * one where rounding goes up. Where no pair lies around v, up is false by itself: below the codebook
@@ -202,19 +206,21 @@ static inline __attribute__((always_inline)) int64_t encode_stochastic8(const st
     const float *q = s->codebook;
     int64_t i = 0;
     int calibrated = cal->vv != NULL;  /* a local: a store to codes (bytes) could change *cal */
-    float w[16];  /* (q[k + 1] - q[k]) * 2**-24 for the pairs, NaN past them */
-    uint32_t exact = 0;
-    for (int k = 0; k < 16; k++) {
-        w[k] = k <= last_pair ? (q[k + 1] - q[k]) * 0x1p-24f : NAN;
-        exact |= (uint32_t)(fabsf(w[k]) >= FLT_MIN) << k;
-    }
+    /* w[k] = (q[k + 1] - q[k]) * 2**-24 for the pairs (k <= last_pair), NaN past them; in registers */
+    __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), scaled = _mm256_set1_ps(0x1p-24f);
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), last = _mm256_set1_epi32(last_pair);
+    __m256 next_high = _mm256_permutevar8x32_ps(q_high, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7));  /* lane 7 is past the pairs */
+    __m256 w_low = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q + 1), q_low), scaled);
+    __m256 w_high = _mm256_mul_ps(_mm256_sub_ps(next_high, q_high), scaled), nan = _mm256_set1_ps(NAN);
+    w_low = _mm256_blendv_ps(w_low, nan, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lanes, last)));
+    w_high = _mm256_blendv_ps(w_high, nan, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_add_epi32(lanes, _mm256_set1_epi32(8)), last)));
+    __m256 smallest = _mm256_set1_ps(FLT_MIN), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    uint32_t exact = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_low, magnitude), smallest, _CMP_GE_OQ)) |
+                     (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(w_high, magnitude), smallest, _CMP_GE_OQ)) << 8;
     int vectors = last_pair >= 0 && (exact & pair_lanes) == pair_lanes;
     search8_t search = search8(q + 1);
-    __m256 q_low = _mm256_loadu_ps(q), q_high = _mm256_loadu_ps(q + 8), w_low = _mm256_loadu_ps(w);
-    /* q[2 c], w[2 c] and w[2 c + 1] for c = 0..7 */
-    __m256 a_even = _mm256_setr_ps(q[0], q[2], q[4], q[6], q[8], q[10], q[12], q[14]);
-    __m256 w_even = _mm256_setr_ps(w[0], w[2], w[4], w[6], w[8], w[10], w[12], w[14]);
-    __m256 w_odd = _mm256_setr_ps(w[1], w[3], w[5], w[7], w[9], w[11], w[13], w[15]);
+    /* q[2 c], w[2 c] and w[2 c + 1] for c = 0..7: the even and odd lanes of the two halves */
+    __m256 a_even = evens8(q_low, q_high), w_even = evens8(w_low, w_high), w_odd = odds8(w_low, w_high);
     __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15);
     __m256 sixteen = _mm256_set1_ps(16.0f), sixteenth = _mm256_set1_ps(0x1p-4f);
     __m256i places = dither_places8(dither_salt(scale)), next_places = _mm256_set1_epi32((int32_t)(8 * DITHER_PLACE));
@@ -308,8 +314,9 @@ static void encode_stochastic4(const state_t *s, const float *restrict x, float 
         if (cal->vv) store_products(cal, i, v, _mm512_permutexvar_ps(code, values));
     }
 #elif defined(AVX2_ONLY)
-    int linear = 1;
-    for (int k = 0; k < 16; k++) linear &= q[k] == (float)(k + 1) * 0x1p-4f;
+    __m256 steps = _mm256_setr_ps(1, 2, 3, 4, 5, 6, 7, 8), sixteenth = _mm256_set1_ps(0x1p-4f);  /* q[k] == (k + 1) / 16, exact */
+    int linear = (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(q), _mm256_mul_ps(steps, sixteenth), _CMP_EQ_OQ)) &
+                  _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(q + 8), _mm256_mul_ps(_mm256_add_ps(steps, _mm256_set1_ps(8)), sixteenth), _CMP_EQ_OQ))) == 0xFF;
     i = linear ? encode_stochastic8(s, x, scale, bs, codes, cal, last_pair, pair_lanes, 1)
                : encode_stochastic8(s, x, scale, bs, codes, cal, last_pair, pair_lanes, 0);
 #endif
