@@ -117,11 +117,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after --cache-dir)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: E402
 
-try:
-    import lowbit_optim
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import lowbit_optim
+# this checkout's lowbit_optim, installed or not, as the other benchmarks take it: an installed one
+# (another checkout's editable install) would be timed in its place
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import lowbit_optim  # noqa: E402
 from lowbit_optim import kernel_build  # noqa: E402
 from lowbit_optim.formats import paired_label, paired_state_format  # noqa: E402
 
