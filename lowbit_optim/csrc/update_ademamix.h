@@ -72,8 +72,9 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
 
 #ifdef VECTOR_LANES
 /* ademamix_elements' arithmetic a vector at a time from element 0, dividing by the bias corrections
- * exactly as Adam's vector loop does (adam_vectors): one real division per element where the scalar
- * loop takes three (two with FAST_DIVIDER; three there for bf16 states). bf16: the states are bf16, in place. Returns how many elements it stepped. */
+ * exactly as Adam's vector loop does (adam_vectors): of the scalar loop's three divisions per
+ * element one is a real division (two with FAST_DIVIDER, all three there for bf16 states). bf16:
+ * the states are bf16, in place. Returns how many elements it stepped. */
 static inline __attribute__((always_inline)) int64_t ademamix_vectors(const ademamix_hyper_t *h, const ademamix_scalars_t *k, int bf16, const chunk_t *c) {
     float *p = c->param;
     void *m = c->state[0], *m_slow = c->state[1], *v = c->state[2];
