@@ -118,15 +118,18 @@ static void store_block_float(const state_t *s, int64_t start, int64_t padded, c
         float scale = block_scale(values, bs, s->scale_max);
         scale = s->power_of_two_scale ? power_of_two_at_least(scale) : scale;
         uint32_t salt = write_salt(*s->writes, block);
+        uint32_t term = salt;
         if (s->log_unbiased)  /* two loops: GCC 12 left one loop testing the flag scalar (10x slower) */
-            for (int64_t i = 0; i < bs; i++) {
+            for (int32_t i = 0; i < (int32_t)bs; i++) {
                 float v = values[i] / scale;
-                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, 1);
+                codes[i] = (uint16_t)small_float_code(v, dither_of_term(v, term), exponent_bits, mantissa_bits, sign_bit, 1);
+                term += DITHER_PLACE;
             }
         else
-            for (int64_t i = 0; i < bs; i++) {
+            for (int32_t i = 0; i < (int32_t)bs; i++) {
                 float v = values[i] / scale;
-                codes[i] = (uint16_t)small_float_code(v, dither(v, (uint32_t)i, salt), exponent_bits, mantissa_bits, sign_bit, 0);
+                codes[i] = (uint16_t)small_float_code(v, dither_of_term(v, term), exponent_bits, mantissa_bits, sign_bit, 0);
+                term += DITHER_PLACE;
             }
         uint8_t *high = (uint8_t *)s->data + block * bytes, *low = high + bs;
         s->scale[block] = scale;
