@@ -573,29 +573,42 @@ def test_int8_correction_of_every_magnitude_and_non_finite_weights(flag):
     """24-bit weights (bf16 + int8-correction) in the kernel: the compiled step's bits for weights of
     every bf16 exponent, zeros and subnormals (which keep no correction); a NaN and an inf in the
     gradient make the same weights NaN, and every finite weight keeps the same bits and correction
-    (a NaN's payload, and the correction beside it, depend on how each compiler converts it)."""
+    (a NaN's payload, and the correction beside it, depend on how each compiler converts it). Row 1's
+    gradient is zero, so its tiny weights stay tiny: their chunk takes the store's division (the
+    others, whose weights the step moves by about lr, its multiplication). Two more parameters, their
+    gradients zero too, have their weights just below the multiplication's bound (2**-114 to
+    2**-113: a chunk that divides) and just above it (2**-113 to 2**-112, the largest rounding up
+    into the next binade: a chunk that multiplies at its edge)."""
 
     def stepped(fused):
         g = torch.Generator().manual_seed(0)
         exponents = torch.randint(-133, 127, (71, 64), generator=g).float()
         values = torch.randn(71, 64, generator=g) * torch.exp2(exponents)
         values[0, :8] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0**-126, 3e38, -3e38, 1.0])
-        param = torch.nn.Parameter(values.bfloat16())
-        opt = lowbit_optim.AdamW([param], lr=1e-2, fused=fused, state_format="8bit", param_update="int8-correction")
+        edge = (1 + torch.arange(8, 520) / 520) * (1 - 2 * (torch.arange(512) % 2))  # 1.015 .. 1.998 (which rounds to 2)
+        params = [torch.nn.Parameter(values.bfloat16())] + [torch.nn.Parameter((edge * 2.0**e).bfloat16().view(8, 64)) for e in (-114, -113)]
+        opt = lowbit_optim.AdamW(params, lr=1e-2, fused=fused, state_format="8bit", param_update="int8-correction")
         for step in range(2):
-            param.grad = torch.randn(param.shape, generator=g).bfloat16()
+            params[0].grad = torch.randn(params[0].shape, generator=g).bfloat16()
+            params[0].grad[1] = 0.0
+            params[1].grad, params[2].grad = torch.zeros_like(params[1]), torch.zeros_like(params[2])
             if step == 1:
-                param.grad[3, 5], param.grad[40, 1] = float("nan"), float("inf")
+                params[0].grad[3, 5], params[0].grad[40, 1] = float("nan"), float("inf")
             opt.step()
-        return param.detach(), opt.state[param]["param_correction"]
+        return [p.detach() for p in params], [opt.state[p]["param_correction"] for p in params]
 
     with kernel_built_with(flag):
         a, correction_a = stepped(True)
     b, correction_b = stepped(False)
-    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    finite = b.isfinite()
-    assert torch.equal(correction_a[finite], correction_b[finite])
-    assert bool((correction_b[finite] != 0).any()) and not bool(finite.all()), "test setup: corrections and NaN weights expected"
+    for got, expected, got_correction, expected_correction in zip(a, b, correction_a, correction_b):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+        finite = expected.isfinite()
+        assert torch.equal(got_correction[finite], expected_correction[finite])
+    assert bool((correction_b[0] != 0).any()) and not bool(b[0].isfinite().all()), "test setup: corrections and NaN weights expected"
+    tiny = (b[0][1].abs() < 2.0**-113) & (b[0][1] != 0) & (correction_b[0][1] != 0)
+    assert bool(tiny.any()), "test setup: a tiny weight with a correction expected"
+    assert bool(b[1].abs().min() >= 2.0**-114) and bool(b[2].abs().min() >= 2.0**-113), "test setup: the edges"
+    assert bool((b[2].abs() == 2.0**-112).any() & (correction_b[2] != 0).all()), "test setup: the edges"
 
 
 def dividends() -> torch.Tensor:
