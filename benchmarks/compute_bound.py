@@ -19,7 +19,8 @@
    and the AVX-512 encoding divides by each block scale with real divisions, as the AVX2 one does.
 4. The fused kernel itself, per element and format, in cache and from DRAM: what is left once the
    divisions are counted (decoding, block absmax, encoding, calibration). ``--optimizer ademamix``
-   steps lowbit_optim.AdEMAMix instead of AdamW (three states).
+   steps lowbit_optim.AdEMAMix instead of AdamW (three states); ``--param-update nearest`` or
+   ``int8-correction`` steps bf16 weights so (precision.py) instead of fp32 ones.
 5. The stages of an Adam step with ``--stages-format`` state (default ``4bit``), each timed alone
    on 1024 values (two of the kernel's chunks) held in L1 (the kernel's own functions, compiled
    with its flags into a timing library): storing the first moment (block absmax, codes, packing),
@@ -175,14 +176,14 @@ def divider_source(isa: str) -> str:
     return DIVIDER_SOURCE.replace("VEC", spec["vec"]).replace("LANES", str(spec["lanes"])).replace("P_", spec["p"] + "_")
 
 
-def step_ns_per_element(make_optimizer, n: int, steps: int) -> float:
-    """Fastest step time per element of one n-element parameter, less the time of a 1024-element
-    step (the per-call cost of Python and the thread pool, which would swamp small sizes). The
-    fastest, not the median: on a shared machine it is the least disturbed."""
+def step_ns_per_element(make_optimizer, n: int, steps: int, dtype: torch.dtype = torch.float32) -> float:
+    """Fastest step time per element of one n-element parameter of ``dtype``, less the time of a
+    1024-element step (the per-call cost of Python and the thread pool, which would swamp small
+    sizes). The fastest, not the median: on a shared machine it is the least disturbed."""
 
     def fastest_step(size: int) -> float:
-        p = torch.nn.Parameter(torch.randn(size))
-        p.grad = torch.randn(size)
+        p = torch.nn.Parameter(torch.randn(size).to(dtype))
+        p.grad = torch.randn(size).to(dtype)
         opt = make_optimizer([p])
         opt.step()
         times = []
@@ -202,11 +203,13 @@ def fused_adamw_ns_per_element(n: int, steps: int) -> float:
 KERNEL_OPTIMIZERS = {"adamw": "AdamW", "ademamix": "AdEMAMix"}  # --optimizer: lowbit_optim's class
 
 
-def kernel_ns_per_element(state_format: str, n: int, steps: int, optimizer: str = "adamw") -> float:
-    """The fused CPU kernel's step (lowbit_optim.AdamW or AdEMAMix, fused=True)."""
+def kernel_ns_per_element(state_format: str, n: int, steps: int, optimizer: str = "adamw", param_update: str | None = None) -> float:
+    """The fused CPU kernel's step (lowbit_optim.AdamW or AdEMAMix, fused=True) of an fp32 weight,
+    or with ``param_update`` of a bf16 weight."""
     cls = getattr(lowbit_optim, KERNEL_OPTIMIZERS[optimizer])
-    make = lambda params: cls(params, lr=1e-3, state_format=state_format, fused=True, min_quantize_numel=0)
-    return step_ns_per_element(make, n, steps)
+    weights = {} if param_update is None else dict(param_update=param_update)
+    make = lambda params: cls(params, lr=1e-3, state_format=state_format, fused=True, min_quantize_numel=0, **weights)
+    return step_ns_per_element(make, n, steps, torch.float32 if param_update is None else torch.bfloat16)
 
 
 def copy_gb_per_s(n: int) -> float:
@@ -257,15 +260,16 @@ def measure(args, isa: str) -> dict:
     else:
         for k, seconds in results["divider_s"].items():
             print(f"{isa}: 1 sqrt + {k} divisions per element, {args.elements:,} elements: {seconds:.4f} s")
-    results["kernel_ns"], results["kernel_optimizer"] = {}, args.optimizer
+    results["kernel_ns"], results["kernel_optimizer"], results["kernel_param_update"] = {}, args.optimizer, args.param_update
     if fused_cpu.library() is None:
         print("fused kernel skipped: it cannot be built here")
         return results
     for state_format in args.formats.split(","):
-        sizes = {n: kernel_ns_per_element(state_format, n, steps, args.optimizer) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
+        sizes = {n: kernel_ns_per_element(state_format, n, steps, args.optimizer, args.param_update) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
         results["kernel_ns"][state_format] = sizes
         cache, dram = sizes.values()
-        print(f"fused kernel, {args.optimizer}, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
+        weights = "fp32 weights" if args.param_update is None else f"bf16 weights, {args.param_update}"
+        print(f"fused kernel, {args.optimizer}, {weights}, {state_format:>17}: {cache:.3f} ns/element in cache, {dram:.3f} from DRAM")
     results["stage_ns"] = stage_ns_per_element(args.stages_format, reps=args.stages_reps)
     if results["stage_ns"]:
         stages = ", ".join(f"{name} {ns:.3f}" for name, ns in results["stage_ns"].items())
@@ -298,6 +302,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-divisions", type=int, default=5)
     p.add_argument("--formats", default="fp32,bf16,8bit,fp8,4bit-uncalibrated,4bit-calibrated,4bit", help="kernel formats of part 4")
     p.add_argument("--optimizer", default="adamw", choices=sorted(KERNEL_OPTIMIZERS), help="lowbit_optim optimizer of part 4")
+    p.add_argument("--param-update", default=None, choices=("nearest", "int8-correction"), help="part 4 with bf16 weights, updated so (default: fp32 weights)")
     p.add_argument("--stages-format", default="4bit", help="state format of part 5")
     p.add_argument("--stages-reps", type=int, default=20000, help="repetitions of each stage per round in part 5")
     p.add_argument("--isa", default="native", help="native, avx2 or both (comma-separated): see the module's doc")

@@ -102,6 +102,7 @@ def test_compute_bound_smoke():
     assert out["divider_s"] is None or (set(out["divider_s"]) == {0, 1} and all(s > 0 for s in out["divider_s"].values()))
     assert set(out["stage_ns"]) == set(compute_bound.STAGES) and all(0 < ns < math.inf for ns in out["stage_ns"].values())
     assert out["kernel_optimizer"] == "ademamix" and math.isfinite(compute_bound.kernel_ns_per_element("bf16", 4096, 2))  # and AdamW
+    assert out["kernel_param_update"] is None and math.isfinite(compute_bound.kernel_ns_per_element("8bit", 4096, 2, param_update="int8-correction"))
 
 
 def test_lowrank_refit_smoke(tmp_path):
