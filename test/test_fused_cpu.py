@@ -297,7 +297,7 @@ def test_kernel_rounds_bf16_like_the_format(flag):
     x = torch.randn(3000, generator=g) * 10.0 ** torch.randint(-20, 20, (3000,), generator=g).float()
     x[:5] = torch.tensor([0.0, -0.0, math.inf, -math.inf, 3.4e38])  # 3.4e38 may carry into infinity
     nans = torch.tensor([0x7FC00000, 0xFFC00001 - 2**32, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
-    x[[7, 200, 1399, 2999]] = nans  # 1399 and 2999: the last of a chunk
+    x[[7, 356, 511, 2999]] = nans  # 356 and 511: in a loop's tail (the last of runs of 101 and 155 values); 2999: the last
     with kernel_built_with(flag):
         for writes in (1, 12345, 2**40 + 5, 2**62 + 3):
             state = StochasticBF16State.zeros(x.numel())
@@ -573,9 +573,10 @@ def test_int8_correction_of_every_magnitude_and_non_finite_weights(flag):
     """24-bit weights (bf16 + int8-correction) in the kernel: the compiled step's bits for weights of
     every bf16 exponent, zeros and subnormals (which keep no correction); a NaN and an inf in the
     gradient make the same weights NaN, and every finite weight keeps the same bits and correction
-    (a NaN's payload, and the correction beside it, depend on how each compiler converts it). Row 1's
-    gradient is zero, so its tiny weights stay tiny: their chunk takes the store's division (the
-    others, whose weights the step moves by about lr, its multiplication). Two more parameters, their
+    (a NaN's payload, and the correction beside it, depend on how each compiler converts it). Row 9's
+    gradient is zero, so its tiny weights stay tiny: their chunk (rows 8-15) takes the store's
+    division; the others, whose weights the step moves by about lr, its multiplication (row 0's
+    special values and a NaN among them). Two more parameters, their
     gradients zero too, have their weights just below the multiplication's bound (2**-114 to
     2**-113: a chunk that divides) and just above it (2**-113 to 2**-112, the largest rounding up
     into the next binade: a chunk that multiplies at its edge)."""
@@ -590,7 +591,7 @@ def test_int8_correction_of_every_magnitude_and_non_finite_weights(flag):
         opt = lowbit_optim.AdamW(params, lr=1e-2, fused=fused, state_format="8bit", param_update="int8-correction")
         for step in range(2):
             params[0].grad = torch.randn(params[0].shape, generator=g).bfloat16()
-            params[0].grad[1] = 0.0
+            params[0].grad[9] = 0.0
             params[1].grad, params[2].grad = torch.zeros_like(params[1]), torch.zeros_like(params[2])
             if step == 1:
                 params[0].grad[3, 5], params[0].grad[40, 1] = float("nan"), float("inf")
@@ -605,7 +606,7 @@ def test_int8_correction_of_every_magnitude_and_non_finite_weights(flag):
         finite = expected.isfinite()
         assert torch.equal(got_correction[finite], expected_correction[finite])
     assert bool((correction_b[0] != 0).any()) and not bool(b[0].isfinite().all()), "test setup: corrections and NaN weights expected"
-    tiny = (b[0][1].abs() < 2.0**-113) & (b[0][1] != 0) & (correction_b[0][1] != 0)
+    tiny = (b[0][9].abs() < 2.0**-113) & (b[0][9] != 0) & (correction_b[0][9] != 0)
     assert bool(tiny.any()), "test setup: a tiny weight with a correction expected"
     assert bool(b[1].abs().min() >= 2.0**-114) and bool(b[2].abs().min() >= 2.0**-113), "test setup: the edges"
     assert bool((b[2].abs() == 2.0**-112).any() & (correction_b[2] != 0).all()), "test setup: the edges"
@@ -1278,9 +1279,10 @@ def test_low_rank_states_of_one_row_or_column_take_the_kernel(fmt):
 def test_factored_sums_are_float64_sums():
     """One step from zero states: a factored second moment's new row and column sums are the float64
     sums of the step's fp32 values, rounded once (the compiled step adds fp32 in inductor's order).
-    (600, 64) has more chunks than tasks; (300,) is a column, stored exactly."""
+    (600, 64) has more chunks than tasks; (300,) is a column, stored exactly, and so is (40000,),
+    whose column sum comes from 79 chunks in 32 tasks."""
     torch.manual_seed(0)
-    shapes = [(71, 64), (600, 64), (300,)]
+    shapes = [(71, 64), (600, 64), (300,), (40000,)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt = lowbit_optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), state_format=FACTORED, fused=True, min_quantize_numel=0)
     for p in params:
@@ -1296,13 +1298,14 @@ def test_factored_sums_are_float64_sums():
 
 def test_factored_sums_do_not_depend_on_threads():
     """A parameter's tasks, and so the order of its column sums, follow from its size alone: one
-    thread and two give the same bits (here 75 chunks in 32 tasks, and 9 in 9)."""
+    thread and two give the same bits (here 75 chunks in 32 tasks, 9 in 9, and a column's 79 in 32)."""
     threads = torch.get_num_threads()
+    shapes = [(600, 64), (71, 64), (40000,)]
     try:
         torch.set_num_threads(1)
-        one = run(True, shapes=[(600, 64), (71, 64)], state_format=FACTORED)
+        one = run(True, shapes=shapes, state_format=FACTORED)
         torch.set_num_threads(2)
-        two = run(True, shapes=[(600, 64), (71, 64)], state_format=FACTORED)
+        two = run(True, shapes=shapes, state_format=FACTORED)
     finally:
         torch.set_num_threads(threads)
     assert_identical(one, two, exact_sums=True)

@@ -34,10 +34,12 @@ static float *load_param(const param_t *t, int64_t start, int64_t n, float *buff
 
 /* A bf16 parameter's n values x rounded to bf16 (as f32_to_bf16) and their int8-correction (as
  * store_param), in one pass and without a division, for a chunk with no tiny weight (nonzero and
- * below 2**-113). x - rounded has at most 17 significant bits, so it times 254 times 1 / ulp =
- * 2**(134 - E) (E: the rounded weight's exponent field) is exact, as the reference's two steps
- * are; their product is 254 with 134 - E added to its exponent, a normal number for E >= 14. A
- * zero, subnormal or non-finite rounded weight (E = 0 or 255) gets 0. */
+ * below 2**-113, a bf16 value: so every rounded weight has E >= 14). x - rounded has at most 17
+ * significant bits, so it times 254 times 1 / ulp = 2**(134 - E) (E: the rounded weight's exponent
+ * field) is exact, as the reference's two steps are; their product is 254 with 134 - E added to its
+ * exponent, a finite number for E >= 14 (exponent field 268 - E). A zero, subnormal or non-finite
+ * rounded weight (E = 0 or 255) gets 0; so does a NaN, whose bits plus the rounding increment
+ * always land on E = 0 or 255. */
 static void store_bf16_and_correction(uint16_t *restrict h, int8_t *restrict c, int64_t n, const float *restrict x) {
     const uint32_t scale = bits_of(CORRECTION_UNITS_PER_ULP) + (134u << 23);
     for (int64_t i = 0; i < n; i++) {
