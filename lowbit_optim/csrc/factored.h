@@ -49,32 +49,44 @@ static void store_factored(const state_t *s, int64_t start, int64_t n, const flo
     }
 }
 
-/* A factored state's fields for one step: col / total (total = the column sums' sum, at least
- * FLT_MIN, as factored.py reads it) and zeroed column sums for each task. Returns 0, or 1 if out of
- * memory. */
-static int begin_factored(state_t *s, int64_t tasks) {
+/* The scratch a factored state needs for one step of `tasks` tasks: col / total, then each task's
+ * column sums (none for another kind of state) */
+static size_t factored_scratch_bytes(const state_t *s, int64_t tasks) {
+    if (s->kind != KIND_FACTORED) return 0;
+    int64_t scaled = (s->cols + 1) / 2 * 2;  /* floats, rounded so that the doubles after them align */
+    return (size_t)scaled * sizeof(float) + (size_t)(tasks * s->cols) * sizeof(double);
+}
+
+/* A factored state's fields for one step, in the scratch at *next (factored_scratch_bytes of it):
+ * col / total (total = the column sums' sum, at least FLT_MIN, as factored.py reads it) and each
+ * task's column sums (zeroed by the task itself: start_factored_task). */
+static void begin_factored(state_t *s, int64_t tasks, char **next) {
     s->col_scaled = NULL;
     s->col_sums = NULL;
-    if (s->kind != KIND_FACTORED) return 0;
-    s->col_scaled = malloc((s->cols > 0 ? s->cols : 1) * sizeof(float));
-    s->col_sums = calloc(tasks * s->cols > 0 ? tasks * s->cols : 1, sizeof(double));
-    if (!s->col_scaled || !s->col_sums) return 1;
+    if (s->kind != KIND_FACTORED) return;
+    s->col_scaled = (float *)*next;
+    s->col_sums = (double *)(*next + (s->cols + 1) / 2 * 2 * sizeof(float));
+    *next += factored_scratch_bytes(s, tasks);
     float total = (float)sum_of(s->col, s->cols);
     if (total < FLT_MIN) total = FLT_MIN;  /* clamp(min=tiny); NaN stays NaN */
     for (int64_t c = 0; c < s->cols; c++) s->col_scaled[c] = s->col[c] / total;
     s->zero = total - total;
-    return 0;
+}
+
+/* A task's running column sums start at zero (written by the thread that steps the task) */
+static void start_factored_task(const state_t *s, int64_t task) {
+    if (s->kind == KIND_FACTORED) memset(s->col_sums + task * s->cols, 0, (size_t)s->cols * sizeof(double));
 }
 
 /* After the step: the new column sums, the tasks' sums added in task order (ok: the step ran). */
 static void end_factored(state_t *s, int64_t tasks, int ok) {
-    if (s->kind != KIND_FACTORED) return;
+    if (s->kind != KIND_FACTORED || !s->col_sums) return;
     if (ok)
         for (int64_t c = 0; c < s->cols; c++) {
             double sum = 0;
             for (int64_t i = 0; i < tasks; i++) sum += s->col_sums[i * s->cols + c];
             s->col[c] = (float)sum;
         }
-    free(s->col_scaled);
-    free(s->col_sums);
+    s->col_scaled = NULL;
+    s->col_sums = NULL;
 }

@@ -5,12 +5,13 @@
  * back, so every byte of state is read once and written once. A parameter's chunks are split into
  * tasks, each stepped by one thread in order: a task per chunk, except for a parameter with a
  * factored state, which has at most MAX_TASKS (factored.h: its column sums then do not depend on
- * the threads). The tasks of all parameters go to one OpenMP loop: one parallel region per step,
- * scheduled guided: a thread takes long runs of consecutive tasks, shorter ones towards the end, so
- * that each streams through memory as torch's fused step does. With dynamic grabs of 8 tasks (of
- * 1024 elements then) the two threads interleaved every 32 KiB, and on an AMD EPYC of family 26
- * (2 vCPUs, GPT-2-small set) the fp32-state step took 50 ms on 2 threads against 62 on 1 (torch's
- * fused AdamW: 32 and 58); guided, 36 ms. */
+ * the threads). The tasks of all parameters go to one parallel region per step, scheduled as
+ * OpenMP's guided schedule would but weighed by elements (end_of_grab): a thread takes long runs
+ * of consecutive tasks, shorter ones towards the end, so that each streams through memory as
+ * torch's fused step does. With dynamic grabs of 8 tasks (of 1024 elements then) the two threads
+ * interleaved every 32 KiB, and on an AMD EPYC of family 26 (2 vCPUs, GPT-2-small set) the
+ * fp32-state step took 50 ms on 2 threads against 62 on 1 (torch's fused AdamW: 32 and 58);
+ * guided, 36 ms. */
 #include <stdlib.h>
 
 #define MAX_TASKS 32
@@ -87,7 +88,49 @@ static int64_t chunk_size(const param_t *t) {
 
 typedef struct {
     int64_t size, chunks;  /* elements per chunk (chunk_size), and chunks in the parameter */
+    int64_t first_element; /* the step's elements before the parameter's (in the order given) */
 } chunking_t;
+
+/* The step's tasks: each parameter's first task (count + 1 entries) and chunking */
+typedef struct {
+    const param_t *params;
+    const int64_t *first_task;
+    const chunking_t *chunking;
+    int64_t count;
+} tasks_t;
+
+static int64_t param_of_task(const tasks_t *k, int64_t c) {
+    int64_t lo = 0, hi = k->count - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (k->first_task[mid] <= c) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* where task c (< the number of tasks) starts among the step's elements */
+static int64_t task_start(const tasks_t *k, int64_t c) {
+    int64_t j = param_of_task(k, c), tasks = k->first_task[j + 1] - k->first_task[j];
+    int64_t offset = (c - k->first_task[j]) * k->chunking[j].chunks / tasks * k->chunking[j].size;
+    return k->chunking[j].first_element + (offset < k->params[j].numel ? offset : k->params[j].numel);
+}
+
+/* The tasks a thread takes next, from task begin on: as OpenMP's guided schedule hands out a loop's
+ * iterations (what is left over the threads, at least one), but weighed by elements. Most tasks are
+ * a chunk, but a factored state's parameter has at most MAX_TASKS: GPT-2-small's token embedding
+ * then 32 tasks of 1.2M elements, the other matrices' 18k to 74k. Guided by count, a thread's first
+ * grab took half the tasks and with them 65 % of the elements: with every second moment factored,
+ * two threads stepped the set 1.23x as fast as one (AMD EPYC of family 26). */
+static int64_t end_of_grab(const tasks_t *k, int64_t begin, int64_t total_elements, int threads) {
+    int64_t total = k->first_task[k->count], from = task_start(k, begin);
+    int64_t until = from + (total_elements - from + threads - 1) / threads;
+    int64_t lo = begin + 1, hi = total;  /* the first task from begin + 1 on that starts at or past until */
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (task_start(k, mid) >= until) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
 
 static int has_factored(const param_t *t) {
     for (int i = 0; i < MAX_STATES; i++)
@@ -95,24 +138,59 @@ static int has_factored(const param_t *t) {
     return 0;
 }
 
+/* Scratch kept from one step to the next: the factored states' per-step fields (their scaled
+ * columns and each task's column sums, about 20 MB for GPT-2-small with every second moment
+ * factored). Fresh from the OS at every step, its pages were first touched by the worker threads,
+ * whose page faults serialized them: two threads stepped that set in 83-85 ms, against 53 ms with
+ * the memory reused (AMD EPYC of family 26). A step takes the kept block (or a larger one) and
+ * hands it back; concurrent steps each get their own, and the larger one is kept. */
+typedef struct {
+    size_t bytes;
+    double data[];  /* aligned for doubles */
+} scratch_t;
+static scratch_t *kept_scratch;
+
+static scratch_t *take_scratch(size_t bytes) {
+    scratch_t *s = __atomic_exchange_n(&kept_scratch, NULL, __ATOMIC_ACQ_REL);
+    if (s && s->bytes >= bytes) return s;
+    free(s);
+    s = malloc(sizeof(scratch_t) + (bytes ? bytes : 1));
+    if (s) s->bytes = bytes;
+    return s;
+}
+
+static void keep_scratch(scratch_t *s) {
+    scratch_t *old = __atomic_exchange_n(&kept_scratch, s, __ATOMIC_ACQ_REL);
+    if (old && s && old->bytes > s->bytes) old = __atomic_exchange_n(&kept_scratch, old, __ATOMIC_ACQ_REL);  /* keep the larger */
+    free(old);
+}
+
 /* Steps every parameter once with optimizer o; returns 0 (1: out of memory, nothing stepped). */
 static int step_params(const optimizer_t *o, param_t *params, int64_t count, const void *hyper, int threads) {
+    threads = threads > 1 ? threads : 1;  /* end_of_grab divides by it */
     size_t stride = (o->scalars_size + 15) / 16 * 16;  /* each parameter's scalars, aligned for any member */
     int64_t *first_task = malloc((count + 1) * sizeof(int64_t));
     chunking_t *chunking = malloc((count ? count : 1) * sizeof(chunking_t));  /* each parameter's, taken once */
     char *scalars = malloc(count ? count * stride : 1);
     int failed = !first_task || !chunking || !scalars;
-    int64_t prepared = 0;  /* parameters whose factored states got their fields (or tried to) */
+    int64_t total_elements = 0;
+    size_t scratch_bytes = 0;
     if (first_task) first_task[0] = 0;
-    while (!failed && prepared < count) {
-        param_t *t = &params[prepared];
+    for (int64_t j = 0; !failed && j < count; j++) {
+        const param_t *t = &params[j];
         int64_t size = chunk_size(t), chunks = (t->numel + size - 1) / size;
-        chunking[prepared] = (chunking_t){size, chunks};
+        chunking[j] = (chunking_t){size, chunks, total_elements};
+        total_elements += t->numel;
         int64_t tasks = has_factored(t) && chunks > MAX_TASKS ? MAX_TASKS : chunks;
-        first_task[prepared + 1] = first_task[prepared] + tasks;
-        for (int i = 0; i < MAX_STATES; i++) failed |= begin_factored(&t->state[i], tasks);
-        prepared++;
+        first_task[j + 1] = first_task[j] + tasks;
+        for (int i = 0; i < MAX_STATES; i++) scratch_bytes += factored_scratch_bytes(&t->state[i], tasks);
     }
+    scratch_t *scratch = failed ? NULL : take_scratch(scratch_bytes);
+    failed |= !scratch;
+    int64_t prepared = failed ? 0 : count;  /* parameters whose factored states got their fields */
+    char *next_scratch = failed ? NULL : (char *)scratch->data;
+    for (int64_t j = 0; j < prepared; j++)
+        for (int i = 0; i < MAX_STATES; i++) begin_factored(&params[j].state[i], first_task[j + 1] - first_task[j], &next_scratch);
     if (!failed) {
         for (int64_t j = 0; j < count; j++) {
             const param_t *t = &params[j];
@@ -125,20 +203,27 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
                 if (t->state[i].kind == KIND_BF16_SR || t->state[i].kind == KIND_BLOCK_FLOAT) *t->state[i].writes += 1;  /* as quantize_ counts its write */
             o->prepare(hyper, step, scalars + j * stride);
         }
-        int64_t total = first_task[count];
-        #pragma omp parallel for schedule(guided) num_threads(threads)
-        for (int64_t c = 0; c < total; c++) {
-            int64_t lo = 0, hi = count - 1;  /* the parameter this task belongs to */
-            while (lo < hi) {
-                int64_t mid = (lo + hi + 1) / 2;
-                if (first_task[mid] <= c) lo = mid; else hi = mid - 1;
+        tasks_t k = {params, first_task, chunking, count};
+        int64_t total = first_task[count], next = 0;
+        #pragma omp parallel num_threads(threads)
+        for (;;) {
+            int64_t begin, end = 0;
+            #pragma omp critical(lowbit_step_grab)
+            {
+                begin = next;
+                if (begin < total) next = end = end_of_grab(&k, begin, total_elements, threads);
             }
-            const param_t *t = &params[lo];
-            int64_t size = chunking[lo].size, chunks = chunking[lo].chunks;
-            int64_t task = c - first_task[lo], tasks = first_task[lo + 1] - first_task[lo];
-            for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
-                int64_t start = chunk * size;
-                step_chunk(o, t, hyper, scalars + lo * stride, start, t->numel - start < size ? t->numel - start : size, task);
+            if (begin >= total) break;
+            for (int64_t c = begin; c < end; c++) {
+                int64_t j = param_of_task(&k, c);
+                const param_t *t = &params[j];
+                int64_t size = chunking[j].size, chunks = chunking[j].chunks;
+                int64_t task = c - first_task[j], tasks = first_task[j + 1] - first_task[j];
+                for (int i = 0; i < MAX_STATES; i++) start_factored_task(&t->state[i], task);
+                for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
+                    int64_t start = chunk * size;
+                    step_chunk(o, t, hyper, scalars + j * stride, start, t->numel - start < size ? t->numel - start : size, task);
+                }
             }
         }
     }
@@ -147,6 +232,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
         int64_t tasks = first_task[j + 1] - first_task[j];
         for (int i = 0; i < MAX_STATES; i++) end_factored(&t->state[i], tasks, !failed);
     }
+    if (scratch) keep_scratch(scratch);
     free(first_task);
     free(chunking);
     free(scalars);
