@@ -138,6 +138,8 @@ OTHER_OPTIMIZER_CASES = {
     "SGD 4bit, nesterov, maximize": dict(cls=SGD, momentum=0.9, nesterov=True, maximize=True, state_format="4bit"),
     "SGD fp8, dampening, bf16 params": dict(cls=SGD, momentum=0.9, dampening=0.3, state_format="fp8", dtype=BF16),
     "SGD bf16 states, no decay": dict(cls=SGD, momentum=0.5, state_format="bf16", weight_decay=0.0),
+    "SGD bf16 states, nesterov, maximize, bf16 params": dict(cls=SGD, momentum=0.9, nesterov=True, maximize=True, state_format="bf16", dtype=BF16),
+    "SGD bf16 states, dampening": dict(cls=SGD, momentum=0.9, dampening=0.3, state_format="bf16"),
     "SGD without momentum (no state), bf16 params": dict(cls=SGD, dtype=[BF16, torch.float32, BF16, torch.float32]),
     "Lion 8bit": dict(cls=LION, state_format="8bit"),
     "Lion 4bit, maximize, bf16 params": dict(cls=LION, state_format="4bit", maximize=True, dtype=BF16),
@@ -262,6 +264,7 @@ OTHER_BUILD_CASES = [
     dict(state_format="4bit", amsgrad=True),  # stochastic rounding: each build's own vector loop
     dict(state_format="8bit", dtype=torch.bfloat16),
     dict(cls=lowbit_optim.SGD, momentum=0.9, nesterov=True, state_format={"momentum_buffer": "4bit"}),
+    dict(cls=lowbit_optim.SGD, momentum=0.9, nesterov=True, state_format="bf16"),  # each build's bf16 vector loop
     dict(cls=lowbit_optim.Lion, state_format="8bit", dtype=torch.bfloat16),
     dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "fp8", "exp_avg_slow": "bf16", "exp_avg_sq": "8bit"}, t_alpha=5, t_beta3=7),
     dict(cls=lowbit_optim.AdEMAMix, state_format="bf16", maximize=True),
