@@ -49,12 +49,15 @@ static void store_factored(const state_t *s, int64_t start, int64_t n, const flo
     }
 }
 
+/* The floats kept for col / total in a factored state's scratch: cols, rounded up so that the
+ * column sums (doubles) after them align */
+static int64_t scaled_floats(const state_t *s) { return (s->cols + 1) / 2 * 2; }
+
 /* The scratch a factored state needs for one step of `tasks` tasks: col / total, then each task's
  * column sums (none for another kind of state) */
 static size_t factored_scratch_bytes(const state_t *s, int64_t tasks) {
     if (s->kind != KIND_FACTORED) return 0;
-    int64_t scaled = (s->cols + 1) / 2 * 2;  /* floats, rounded so that the doubles after them align */
-    return (size_t)scaled * sizeof(float) + (size_t)(tasks * s->cols) * sizeof(double);
+    return (size_t)scaled_floats(s) * sizeof(float) + (size_t)(tasks * s->cols) * sizeof(double);
 }
 
 /* A factored state's fields for one step, in the scratch at *next (factored_scratch_bytes of it):
@@ -65,7 +68,7 @@ static void begin_factored(state_t *s, int64_t tasks, char **next) {
     s->col_sums = NULL;
     if (s->kind != KIND_FACTORED) return;
     s->col_scaled = (float *)*next;
-    s->col_sums = (double *)(*next + (s->cols + 1) / 2 * 2 * sizeof(float));
+    s->col_sums = (double *)(s->col_scaled + scaled_floats(s));
     *next += factored_scratch_bytes(s, tasks);
     float total = (float)sum_of(s->col, s->cols);
     if (total < FLT_MIN) total = FLT_MIN;  /* clamp(min=tiny); NaN stays NaN */
