@@ -281,6 +281,8 @@ OTHER_BUILD_CASES = [
     dict(cls=lowbit_optim.AdEMAMix, state_format="bf16", maximize=True),
     dict(state_format="bf16-sr"),  # the hash and carry, as each build compiles them
     dict(cls=lowbit_optim.AdEMAMix, state_format={"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}),
+    dict(cls=MUON, state_format="8bit", dtype=BF16, param_update="int8-correction", shapes=MATRICES),  # Muon's momentum, 24-bit weights
+    dict(cls=SGD, momentum=0.9, state_format="8bit-lowrank", shapes=MATRICES),  # a part outside the codes, its products (products.h)
 ]
 
 
