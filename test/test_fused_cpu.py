@@ -263,7 +263,8 @@ def quantize_with_kernel(state, x: torch.Tensor, size: int | None = None) -> Non
 
 
 # what each build must step like the native one: both code widths in both moments, fp8, calibrated
-# scales, factored sums (their order does not depend on the vector width), and the update's flags
+# scales, factored sums (their order does not depend on the vector width), the update's flags, each
+# optimizer's update, and a state with a part outside its codes
 OTHER_BUILD_CASES = [
     dict(state_format={"exp_avg": "4bit", "exp_avg_sq": "8bit"}),
     dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"}),
@@ -302,8 +303,9 @@ OTHER_BUILDS = {
 def test_builds_for_other_cpus_match(flag):
     """Built without AVX-512 the kernel runs AVX2 lookups (gathers, or scalar loads where gathers
     are slow) and compiler-vectorized loops, without VBMI it decodes 8-bit codes with gathers, for
-    x86-64 it runs its portable loops alone, and either vector build may divide the update's square
-    root (and bf16 states' first moment) by a real division or a corrected product: the same bits again."""
+    x86-64 it runs its portable loops alone, for aarch64 the same loops as clang vectorizes them with
+    NEON (emulated), and either x86 vector build may divide the update's square root (and bf16
+    states' first moment) by a real division or a corrected product: the same bits again."""
     expected = [run(True, **kwargs) for kwargs in OTHER_BUILD_CASES]
     with kernel_built_with(flag):
         for kwargs, reference in zip(OTHER_BUILD_CASES, expected):
