@@ -32,15 +32,16 @@ void *memset(void *to, int c, size_t n) {
  * same sizes from step to step, so freed blocks are found again. 256 MiB of .bss, which the
  * emulator maps (its pages are only allocated where touched). */
 typedef struct block {
-    size_t size;        /* bytes after the header */
-    struct block *next; /* the next free block (free blocks only) */
-    unsigned char pad[48];
+    size_t size;           /* bytes after the header */
+    struct block *next;    /* the next free block (free blocks only) */
+    unsigned char pad[48]; /* 64 bytes in all: blocks stay as aligned as the arena */
 } block_t;
 static unsigned char arena[256u << 20] __attribute__((aligned(64)));
 static size_t used;
 static block_t *free_blocks;
 
 void *malloc(size_t n) {
+    if (n > sizeof arena) return NULL;
     n = (n + 63) & ~(size_t)63;
     for (block_t **b = &free_blocks; *b; b = &(*b)->next)
         if ((*b)->size >= n) {
@@ -48,7 +49,7 @@ void *malloc(size_t n) {
             *b = found->next;
             return found + 1;
         }
-    if (n > sizeof arena - used - sizeof(block_t)) return NULL;
+    if (sizeof arena - used < sizeof(block_t) + n) return NULL; /* (used never exceeds the arena) */
     block_t *fresh = (block_t *)(arena + used);
     fresh->size = n;
     used += sizeof(block_t) + n;
