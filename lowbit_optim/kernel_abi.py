@@ -57,14 +57,14 @@ class Kernel:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        fields = list(_rows(lib.lowbit_abi_field, [ctypes.c_char_p] * 3 + [ctypes.c_int64] * 3, Field))
+        fields = list(_rows(lib.lowbit_abi_field, row_types("lowbit_abi_field"), Field))
         self.structs = _build_structs(fields)
-        constants = list(_rows(lib.lowbit_abi_constant, [ctypes.c_char_p] * 2 + [ctypes.c_int64], lambda *row: row))
+        constants = list(_rows(lib.lowbit_abi_constant, row_types("lowbit_abi_constant"), lambda *row: row))
         self.kinds = {name: value for group, name, value in constants if group == "kind"}
         self.limits = {name: value for group, name, value in constants if group == "limit"}
         self.optimizers = {
             name: Optimizer(i, self.structs[hyper], tuple(states.split(",")), required)
-            for i, (name, hyper, states, required) in enumerate(_rows(lib.lowbit_abi_optimizer, [ctypes.c_char_p] * 3 + [ctypes.c_int64], lambda *row: row))
+            for i, (name, hyper, states, required) in enumerate(_rows(lib.lowbit_abi_optimizer, row_types("lowbit_abi_optimizer"), lambda *row: row))
         }
         too_many = [name for name, o in self.optimizers.items() if len(o.states) > self.limits["max_states"]]
         if too_many:
@@ -131,6 +131,16 @@ def _number(name: str, value, integral: bool):
     if integral and not (isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer())):
         raise ValueError(f"hyper-parameter {name} of the kernel is an integer flag, got {value!r}")
     return int(value) if integral else float(value)
+
+
+# The library's tables (fused_step.c): each row's strings, then its integers
+TABLES = {"lowbit_abi_field": (3, 3), "lowbit_abi_constant": (2, 1), "lowbit_abi_optimizer": (3, 1)}
+
+
+def row_types(table: str) -> list:
+    """The ctypes types of a row of ``table``, in order."""
+    strings, integers = TABLES[table]
+    return [ctypes.c_char_p] * strings + [ctypes.c_int64] * integers
 
 
 def _rows(function, types, make):
