@@ -12,11 +12,12 @@ from lowbit_optim import formats, kernel_abi, kernel_build, kernel_op
 pytestmark = pytest.mark.skipif(emulated_aarch64.unavailable() is not None, reason=f"the aarch64 kernel is emulated here, but {emulated_aarch64.unavailable()}")
 
 
-def test_a_build_whose_layout_differs_is_refused(monkeypatch):
+def test_a_build_whose_layout_differs_is_refused(monkeypatch, tmp_path):
     """The guest's structures are checked against the native kernel's before it runs: a build that
     lays them out otherwise (here packed to 4 bytes) raises a LayoutMismatch naming the field."""
     kernel_op.kernel()  # the native kernel, built and loaded (cached) before the flag goes in
     monkeypatch.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, "-fpack-struct=4"])
+    monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)  # not beside the builds that pass
     with pytest.raises(kernel_abi.LayoutMismatch, match=r"state_t', 'data', 'ptr'"):
         emulated_aarch64.kernel.__wrapped__("generic")
 
@@ -28,4 +29,4 @@ def test_an_unmapped_address_is_an_error_not_a_crash():
     state = formats.get_format("8bit").zeros(256, signed=True)
     codes = torch.empty(256, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="has not mapped"):
-        emulated.lib.lowbit_encode(ctypes.byref(kernel_op.describe(emulated, state)), 0x10000, 256, codes.data_ptr())
+        emulated.lib.lowbit_encode(ctypes.byref(kernel_op.describe(emulated, state)), 0x1000, 256, codes.data_ptr())
