@@ -104,12 +104,19 @@ def _machine_key() -> str:
     return cpuinfo_field("flags") or os.uname().machine
 
 
+def sources_digest(*extra: pathlib.Path):
+    """A sha256 of every file the build reads (and ``extra`` files), names and contents, to which a
+    cache key adds how it is built."""
+    digest = hashlib.sha256()
+    for source in [*sources(), *extra]:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest
+
+
 def library_path(cc: str) -> pathlib.Path:
     """Where the library built by ``cc`` with FLAGS lies in the cache: its name is a hash of every
     source file, the compiler, the flags and this CPU's features."""
-    digest = hashlib.sha256()
-    for source in sources():
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    digest = sources_digest()
     digest.update(" ".join([cc, *flags(), _machine_key()]).encode())
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 

@@ -21,7 +21,6 @@ import copy
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import importlib.metadata
 import itertools
 import os
@@ -82,9 +81,7 @@ def _commands(cpu: str, kernel: str, runtime: str, output: str) -> list[list[str
 def build(cpu: str) -> str:
     """The kernel as a static aarch64 executable for ``-mcpu=cpu``, cached beside the native one
     under a key of every source, the commands and zig's version."""
-    digest = hashlib.sha256()
-    for source in [*kernel_build.sources(), RUNTIME]:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    digest = kernel_build.sources_digest(RUNTIME)
     digest.update(repr([_commands(cpu, "k", "r", "o"), importlib.metadata.version("ziglang")]).encode())
     path = kernel_build.cache_dir() / f"fused_step_aarch64_{cpu}_{digest.hexdigest()[:16]}"
     if not path.exists():
