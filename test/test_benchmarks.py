@@ -295,18 +295,21 @@ def test_step_time_optimizer_smoke(eager_lowbit_step):
     assert ("compiled step" in results["lowbit-fp32"].note) == (lowbit_optim_sgd_fused_step() is None)
 
 
-def test_step_time_sets_inductor_config(monkeypatch):
+def test_step_time_sets_inductor_config():
     """--inductor KEY=VALUE sets torch._inductor.config (sub-configs by dotted keys); an unknown key,
     a method or sub-config of the config module, a value that is not a literal or not of the
     option's type stops the run with a message naming it."""
     import torch._inductor.config as inductor_config
 
     step_time = import_script("benchmarks/step_time")
-    monkeypatch.setattr(inductor_config, "combo_kernels", False)  # restored after the test
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", False)
-    args = step_time.parse_args(["--inductor", "combo_kernels=True", "--inductor", "triton.cudagraphs=True"])
-    assert step_time.set_inductor_config(args.inductor) == {"combo_kernels": True, "triton.cudagraphs": True}
-    assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
+    # restored after the test by the config's own patch: pytest 9.2's monkeypatch.undo deletes a
+    # sub-config's option (delattr), and every later compile in the process then fails
+    before = (inductor_config.combo_kernels, inductor_config.triton.cudagraphs)
+    with inductor_config.patch({"combo_kernels": False, "triton.cudagraphs": False}):
+        args = step_time.parse_args(["--inductor", "combo_kernels=True", "--inductor", "triton.cudagraphs=True"])
+        assert step_time.set_inductor_config(args.inductor) == {"combo_kernels": True, "triton.cudagraphs": True}
+        assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
+    assert (inductor_config.combo_kernels, inductor_config.triton.cudagraphs) == before
     for bad in ("no_such_option=1", "triton.no_such=1", "combo_kernels", "combo_kernels=yes please", "save_config=1", "triton=1", "combo_kernels='yes'", "combo_kernels=1"):
         with pytest.raises(SystemExit, match="--inductor"):
             step_time.set_inductor_config([bad])
