@@ -43,7 +43,9 @@ static float *load_param(const param_t *t, int64_t start, int64_t n, float *buff
 static void store_bf16_and_correction(uint16_t *restrict h, int8_t *restrict c, int64_t n, const float *restrict x) {
     const uint32_t scale = bits_of(CORRECTION_UNITS_PER_ULP) + (134u << 23);
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u = bits_of(x[i]), kept = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;  /* f32_to_bf16's rounding */
+        /* f32_to_bf16's rounding, its NaN select left to the store: calling it here made the whole
+         * AVX2 step 10 % slower (0.90 -> 0.99 ns per element, bf16 states) */
+        uint32_t u = bits_of(x[i]), kept = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
         uint32_t exponent = kept & 0x7F800000u;
         float units = rintf((x[i] - float_of(kept)) * float_of(scale - exponent));
         uint32_t finite_nonzero = 0u - (exponent - (1u << 23) < (254u << 23));  /* a mask: GCC keeps a ?: here scalar */
