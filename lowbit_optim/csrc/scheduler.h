@@ -99,6 +99,10 @@ typedef struct {
     int64_t count;
 } tasks_t;
 
+/* The first of a parameter's chunks that its task `task` of `tasks` steps (the next task's first
+ * ends it): the tasks split the chunks evenly, and end_of_grab weighs them so */
+static int64_t first_chunk(int64_t task, int64_t tasks, int64_t chunks) { return task * chunks / tasks; }
+
 static int64_t param_of_task(const tasks_t *k, int64_t c) {
     int64_t lo = 0, hi = k->count - 1;
     while (lo < hi) {
@@ -111,7 +115,7 @@ static int64_t param_of_task(const tasks_t *k, int64_t c) {
 /* where task c (< the number of tasks) starts among the step's elements */
 static int64_t task_start(const tasks_t *k, int64_t c) {
     int64_t j = param_of_task(k, c), tasks = k->first_task[j + 1] - k->first_task[j];
-    int64_t offset = (c - k->first_task[j]) * k->chunking[j].chunks / tasks * k->chunking[j].size;
+    int64_t offset = first_chunk(c - k->first_task[j], tasks, k->chunking[j].chunks) * k->chunking[j].size;
     return k->chunking[j].first_element + (offset < k->params[j].numel ? offset : k->params[j].numel);
 }
 
@@ -220,7 +224,7 @@ static int step_params(const optimizer_t *o, param_t *params, int64_t count, con
                 int64_t size = chunking[j].size, chunks = chunking[j].chunks;
                 int64_t task = c - first_task[j], tasks = first_task[j + 1] - first_task[j];
                 for (int i = 0; i < MAX_STATES; i++) start_factored_task(&t->state[i], task);
-                for (int64_t chunk = task * chunks / tasks; chunk < (task + 1) * chunks / tasks; chunk++) {
+                for (int64_t chunk = first_chunk(task, tasks, chunks); chunk < first_chunk(task + 1, tasks, chunks); chunk++) {
                     int64_t start = chunk * size;
                     step_chunk(o, t, hyper, scalars + j * stride, start, t->numel - start < size ? t->numel - start : size, task);
                 }
