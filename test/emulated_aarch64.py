@@ -346,7 +346,8 @@ class Library:
 
 def _rows(call, read, strings: int, width: int) -> list[tuple]:
     """Every row of a layout table: ``call(i, *addresses of the outputs)`` returns 0 past the end; the
-    first ``strings`` outputs are char pointers, read by ``read``."""
+    first ``strings`` outputs are char pointers, read by ``read`` (kernel_abi's own reader takes them
+    as c_char_p, which would dereference the guest's addresses in this process)."""
     rows, outs = [], [ctypes.c_uint64() for _ in range(width)]
     while ctypes.c_int32(call(len(rows), *(ctypes.addressof(o) for o in outs)) & 0xFFFFFFFF).value:
         rows.append(tuple(read(o.value) if i < strings else o.value for i, o in enumerate(outs)))
