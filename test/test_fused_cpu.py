@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 import emulated_aarch64
 import lowbit_optim
 from conftest import FORMATS, all_formats
-from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
+from lowbit_optim import BlockFloatState, FactoredState, LowRankState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
@@ -1325,16 +1325,54 @@ def test_factored_sums_are_float64_sums():
         assert torch.equal(state.col, v.sum(0).float())
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_factored_sums_do_not_depend_on_threads():
     """A parameter's tasks, and so the order of its column sums, follow from its size alone: one
     thread and two give the same bits (here 75 chunks in 32 tasks, 9 in 9, and a column's 79 in 32)."""
-    threads = torch.get_num_threads()
     shapes = [(600, 64), (71, 64), (40000,)]
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = run(True, shapes=shapes, state_format=FACTORED)
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = run(True, shapes=shapes, state_format=FACTORED)
-    finally:
-        torch.set_num_threads(threads)
     assert_identical(one, two, exact_sums=True)
+
+
+# a parameter of many tasks beside SHAPES' small ones: the threads grab them in turns (scheduler.h)
+THREADED_SHAPES = [(600, 64), *SHAPES]
+# every kernel update beside Adam's (OTHER_OPTIMIZER_CASES'), on the threads test's shapes
+THREADED_OPTIMIZERS = {
+    "SGD 8bit": dict(cls=SGD, momentum=0.9, state_format="8bit"),
+    "Lion 4bit, int8-correction": dict(cls=LION, state_format="4bit", dtype=BF16, param_update="int8-correction"),
+    "AdEMAMix fp8": dict(cls=ADEMAMIX, state_format="fp8"),
+}
+THREADED_CASES = [pytest.param(f, dict(state_format=f.spec), id=f.name) for f in FORMATS] + [
+    pytest.param(None, kwargs, id=name) for name, kwargs in THREADED_OPTIMIZERS.items()
+]
+
+
+@pytest.mark.parametrize("info, kwargs", THREADED_CASES)
+def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
+    """The kernel's steps on 2 and 3 threads give one thread's bits, for every registered format the
+    kernel takes and the updates of SGD, Lion and AdEMAMix (Muon's momentum is elementwise as they
+    are; its iterations are torch's matmuls) with factored sums too: a task's order follows from
+    sizes alone. The suite's workers run a thread each (conftest.py), so this is where the threads
+    meet."""
+    if info is not None and not kernel_takes(info):
+        pytest.skip("the kernel does not take this format (test_fused_matches_compiled_bitwise checks the refusal)")
+    if info is not None and info.quantized and issubclass(info.fmt, LowRankState):
+        pytest.skip("a low-rank state's QRs are torch's, whose bits depend on the threads (README); its products are checked in test_lowrank_products.py")
+    kwargs = dict(shapes=THREADED_SHAPES) | kwargs
+    with torch_threads(1):
+        one = run(True, **kwargs)
+    for count in (2, 3):
+        with torch_threads(count):
+            assert_identical(one, run(True, **kwargs), exact_sums=True)
