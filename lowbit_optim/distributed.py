@@ -53,7 +53,13 @@ def _dtensor_class():
     return getattr(module, "DTensor", None)
 
 
+# never DTensors: the common case, answered without looking the module up (the step asks per tensor)
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def is_dtensor(t) -> bool:
+    if type(t) in _PLAIN_TYPES:
+        return False
     cls = _dtensor_class()
     return cls is not None and isinstance(t, cls)
 
