@@ -7,7 +7,7 @@ The build: the kernel's own source and flags (kernel_build: its -D constants, -O
 functions, an allocator, and powf / exp / log by a call back into this process's libm, which the
 native kernel calls too. zig has no OpenMP, so the kernel runs its scheduler on one thread.
 
-The run (``unicorn``, QEMU's CPU emulator; SVE with 256-bit vectors, as Neoverse V1's): the guest
+The run (``unicorn``, QEMU's CPU emulator; SVE with the CPU's ``sve_bits``, 256 as Neoverse V1's): the guest
 sees this process's memory at the same addresses. Its first touch of a page maps a copy of the
 host's, with the host mapping's permissions (in a call that touches many, a CHUNK at once); after a
 call, the bytes the guest changed are written back and its copies dropped. So the param_t entries, tensors and
@@ -39,7 +39,6 @@ IMAGE_BASE = 0x1000_0000_0000  # the guest's code and data: far from where x86-6
 STACK, STACK_BYTES = 0x1001_0000_0000, 1 << 20
 GUEST_END = STACK + STACK_BYTES  # [IMAGE_BASE, GUEST_END) is the guest's, reserved in this process
 RETURN = "lowbit_emulation_return"
-SVE_VECTOR_BITS = 256
 TIMEOUT_S = 300  # one call; a test's take well under a second
 # -march=native: the host's CPU (and kernel_build.tuning(), x86 only, is left out too); -fopenmp:
 # zig ships no OpenMP runtime; -fPIC -shared: the guest is a static executable
@@ -48,9 +47,12 @@ _NATIVE_ONLY = {"-march=native", "-fopenmp", "-fPIC", "-shared"}
 
 @dataclasses.dataclass(frozen=True)
 class CPU:
-    """An aarch64 CPU to build the kernel for (``-mcpu=name``) and emulate."""
+    """An aarch64 CPU to build the kernel for (``-mcpu=name``) and emulate, with SVE's vectors of
+    ``sve_bits`` (a build with SVE compiles vector-length-agnostic loops: Graviton3's cores have
+    256-bit vectors, Graviton4's 128)."""
 
     name: str
+    sve_bits: int = 256
 
 
 @functools.cache
@@ -168,7 +170,7 @@ def _reserve_guest_addresses() -> None:
 class Guest:
     """The executable in an emulated aarch64 CPU that borrows this process's memory (module doc)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, sve_bits: int):
         from unicorn import UC_ARCH_ARM64, UC_HOOK_INTR, UC_HOOK_MEM_UNMAPPED, UC_MODE_ARM, Uc, arm64_const
 
         self.regs = r = arm64_const
@@ -185,7 +187,7 @@ class Guest:
         self.uc.reg_write(r.UC_ARM64_REG_CPACR_EL1, 3 << 20 | 3 << 16)
         self.uc.reg_write(r.UC_ARM64_REG_CP_REG, (1, 1, 3, 6, 2, 1 << 8))  # (crn, crm, op0, op1, op2, value)
         for op1 in (0, 4, 6):  # EL1, EL2, EL3
-            self.uc.reg_write(r.UC_ARM64_REG_CP_REG, (1, 2, 3, op1, 0, SVE_VECTOR_BITS // 128 - 1))
+            self.uc.reg_write(r.UC_ARM64_REG_CP_REG, (1, 2, 3, op1, 0, sve_bits // 128 - 1))
         self.uc.hook_add(UC_HOOK_MEM_UNMAPPED, self._borrow)
         self.uc.hook_add(UC_HOOK_INTR, self._host_call)
         self.borrowed: dict[int, tuple[bytes, bool]] = {}  # start -> the host's bytes when borrowed, writable
@@ -355,14 +357,14 @@ def _rows(call, read, strings: int, width: int) -> list[tuple]:
 
 
 @functools.cache
-def kernel(cpu: str) -> kernel_abi.Kernel:
+def kernel(cpu: CPU) -> kernel_abi.Kernel:
     """The native kernel's Kernel (structures, kinds, optimizers) with the emulated library, once
     the guest's layout tables (every field's offset and size, the kinds, limits and optimizers) are
     found to be the native ones: a LayoutMismatch names the first row that differs."""
     native, why = kernel_abi.load()
     if native is None:
         raise RuntimeError(f"no native kernel to compare with: {why}")
-    guest = Guest(build(cpu))
+    guest = Guest(build(cpu.name), cpu.sve_bits)
     for name, (strings, integers) in kernel_abi.TABLES.items():
         width = strings + integers
         prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * width)  # the outputs by address
@@ -370,7 +372,7 @@ def kernel(cpu: str) -> kernel_abi.Kernel:
         theirs = _rows(lambda *a, name=name: guest.run(guest.executable.symbols[name], a), guest.string, strings, width)
         for i, (a, b) in enumerate(itertools.zip_longest(ours, theirs)):
             if a != b:
-                raise kernel_abi.LayoutMismatch(f"{name}'s row {i} is {a} in the native kernel, {b} in the aarch64 build for {cpu}")
+                raise kernel_abi.LayoutMismatch(f"{name}'s row {i} is {a} in the native kernel, {b} in the aarch64 build for {cpu.name}")
     emulated = copy.copy(native)
     emulated.lib = Library(guest, native.lib)
     return emulated

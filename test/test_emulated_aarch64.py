@@ -19,13 +19,13 @@ def test_a_build_whose_layout_differs_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, "-fpack-struct=4"])
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)  # not beside the builds that pass
     with pytest.raises(kernel_abi.LayoutMismatch, match=r"state_t', 'data', 'ptr'"):
-        emulated_aarch64.kernel.__wrapped__("generic")
+        emulated_aarch64.kernel.__wrapped__(emulated_aarch64.CPU("generic"))
 
 
 def test_an_unmapped_address_is_an_error_not_a_crash():
     """A pointer to memory this process has not mapped (a kernel bug) raises in the test instead of
     crashing the process that reads the page for the guest."""
-    emulated = emulated_aarch64.kernel("generic")
+    emulated = emulated_aarch64.kernel(emulated_aarch64.CPU("generic"))
     state = formats.get_format("8bit").zeros(256, signed=True)
     codes = torch.empty(256, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="has not mapped"):

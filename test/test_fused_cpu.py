@@ -229,7 +229,7 @@ def kernel_built_with(flag):
         why = emulated_aarch64.unavailable()
         if why:
             pytest.skip(f"the aarch64 kernel is emulated here, but {why}")
-        emulated = emulated_aarch64.kernel(flag.name)
+        emulated = emulated_aarch64.kernel(flag)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernel_abi, "load", lambda: (emulated, None))
             yield
@@ -297,6 +297,7 @@ OTHER_BUILDS = {
     "aarch64": emulated_aarch64.CPU("generic"),
     "aarch64 Neoverse N1": emulated_aarch64.CPU("neoverse_n1"),
     "aarch64 Neoverse V1 (SVE)": emulated_aarch64.CPU("neoverse_v1"),
+    "aarch64 Neoverse V1, 128-bit SVE": emulated_aarch64.CPU("neoverse_v1", sve_bits=128),
 }
 
 
