@@ -22,7 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Under pytest-xdist the workers share the CPUs: with as many torch threads each as there are CPUs,
 # their OpenMP regions wait on one another (2 workers on 2 CPUs: test_lowrank.py and the bf16 training
 # tests took 57-62 s, against 18 s with a thread each). So each worker gets its share; the tests of
-# the kernel's threads set them themselves (test_fused_cpu.py: test_kernel_bits_do_not_depend_on_threads).
+# several threads set them themselves (test_fused_cpu.py: the kernel on 1, 2 and 3 threads, the
+# compiled step on 2).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

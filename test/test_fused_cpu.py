@@ -1377,3 +1377,15 @@ def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
     for count in (2, 3):
         with torch_threads(count):
             assert_identical(one, run(True, **kwargs), exact_sums=True)
+
+
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", "8bit-sr", "10bit-sr", "bf16-sr", FACTORED], ids=str)
+def test_compiled_step_on_two_threads_gives_the_kernels_bits(state_format):
+    """The compiled step's graphs on 2 threads (inductor's parallel loops; a new thread count
+    recompiles) against the kernel on one: the same bits for codebooks, stochastic rounding and
+    block floats, factored sums within their few ulp."""
+    kwargs = dict(shapes=THREADED_SHAPES, state_format=state_format)
+    with torch_threads(1):
+        kernel = run(True, **kwargs)
+    with torch_threads(2):
+        assert_identical(run(False, **kwargs), kernel)
