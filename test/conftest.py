@@ -4,6 +4,7 @@ The example format of ``examples/custom_format.py`` is imported here, which regi
 suite runs over it too, proving that a format written outside the package is a first-class citizen.
 """
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -28,6 +29,22 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, _CPUS // _WORKERS))
+
+
+@contextlib.contextmanager
+def torch_setting(get, set_, value):
+    """A torch-wide setting (the thread count, the default dtype) at ``value`` for a with block, then
+    back at what ``get()`` gave."""
+    previous = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(previous)
+
+
+def torch_threads(count: int):
+    return torch_setting(torch.get_num_threads, torch.set_num_threads, count)
 
 
 def import_script(path: str):
@@ -219,6 +236,8 @@ __all__ = [
     "signedness_id",
     "format_info",
     "import_script",
+    "torch_setting",
+    "torch_threads",
     "lowbit_optim",
     "quantized_formats",
 ]

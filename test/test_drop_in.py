@@ -6,7 +6,6 @@ Structure tests run the step eagerly or in the fused kernel (cheap); the compile
 shares the default AdamW graphs of the rest of the suite.
 """
 
-import contextlib
 import copy
 import io
 import pickle
@@ -21,7 +20,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import lowbit_optim
-from conftest import all_formats
+from conftest import all_formats, torch_setting
 from test_optim import LR, assert_same_bits, make_mlp, moments, regression_data, save_and_load, train
 
 
@@ -78,14 +77,8 @@ def test_copies_step_like_the_original(how, kwargs):
 # ------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def default_dtype_set(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    return torch_setting(torch.get_default_dtype, torch.set_default_dtype, dtype)
 
 
 @pytest.mark.parametrize("default_dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import emulated_aarch64
 import lowbit_optim
-from conftest import FORMATS, all_formats
+from conftest import FORMATS, all_formats, torch_threads
 from lowbit_optim import BlockFloatState, FactoredState, LowRankState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
@@ -1324,16 +1324,6 @@ def test_factored_sums_are_float64_sums():
         state = opt.state[p]["exp_avg_sq"]
         assert torch.equal(state.row, v.sum(1).float())
         assert torch.equal(state.col, v.sum(0).float())
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_factored_sums_do_not_depend_on_threads():

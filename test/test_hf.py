@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, torch_threads
 
 import lowbit_optim
 
@@ -29,10 +29,8 @@ example = import_script("examples/hf_trainer")
 def one_thread():
     """The tiny model's ops gain nothing from a second thread, and under ``-n 2`` that thread waits for
     the core the other worker holds: a Trainer test took 55-63 s with 2 threads, 5 s with 1."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 def _trainer(output_dir, *flags, optimizer=None):

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from conftest import torch_threads
 from test_fused_cpu import BUILDS, kernel_built_with
 
 from lowbit_optim import fused_cpu, kernel_abi, lowrank_products
@@ -95,12 +96,9 @@ def test_every_build_and_thread_count_gives_the_same_bits(flag):
     threads = torch.get_num_threads()
     with kernel_built_with(flag):
         for count in {1, threads, 3}:
-            torch.set_num_threads(count)
-            try:
+            with torch_threads(count):
                 for (kind, (a, b)), reference in zip(cases, expected):
                     assert torch.equal(product(kind, a, b), reference), (kind, a.shape, b.shape, count)
-            finally:
-                torch.set_num_threads(threads)
 
 
 def test_compiled_products_are_the_eager_ones():
