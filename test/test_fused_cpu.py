@@ -1352,11 +1352,10 @@ THREADED_CASES = [pytest.param(f, dict(state_format=f.spec), id=f.name) for f in
 
 @pytest.mark.parametrize("info, kwargs", THREADED_CASES)
 def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
-    """The kernel's steps on 2 and 3 threads give one thread's bits, for every registered format the
-    kernel takes and the updates of SGD, Lion and AdEMAMix (Muon's momentum is elementwise as they
-    are; its iterations are torch's matmuls) with factored sums too: a task's order follows from
-    sizes alone. The suite's workers run a thread each (conftest.py), so this is where the threads
-    meet."""
+    """The kernel's steps on 2 and 3 threads give one thread's bits, factored sums included (a
+    task's order follows from sizes alone), for every registered format the kernel takes and the
+    updates of SGD, Lion and AdEMAMix (Muon's momentum is elementwise as theirs; its iterations are
+    torch's matmuls). The suite's workers run a thread each (conftest.py): here the threads meet."""
     if info is not None and not kernel_takes(info):
         pytest.skip("the kernel does not take this format (test_fused_matches_compiled_bitwise checks the refusal)")
     if info is not None and info.quantized and issubclass(info.fmt, LowRankState):
@@ -1369,7 +1368,7 @@ def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
             assert_identical(one, run(True, **kwargs), exact_sums=True)
 
 
-@pytest.mark.parametrize("state_format", ["8bit", "4bit", "8bit-sr", "10bit-sr", "bf16-sr", FACTORED], ids=str)
+@pytest.mark.parametrize("state_format", [*("8bit", "4bit", "8bit-sr", "10bit-sr", "bf16-sr"), pytest.param(FACTORED, id="4bit + factored")])
 def test_compiled_step_on_two_threads_gives_the_kernels_bits(state_format):
     """The compiled step's graphs on 2 threads (inductor's parallel loops; a new thread count
     recompiles) against the kernel on one: the same bits for codebooks, stochastic rounding and
