@@ -27,8 +27,9 @@ example = import_script("examples/hf_trainer")
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The tiny model's ops gain nothing from a second thread, and under ``-n 2`` that thread waits for
-    the core the other worker holds: a Trainer test took 55-63 s with 2 threads, 5 s with 1."""
+    """The tiny model's ops gain nothing from a second thread, which under ``-n 2`` would wait for the
+    core the other worker holds (a Trainer test took 55-63 s with 2 threads, 5 s with 1; conftest.py
+    gives xdist's workers their share anyway)."""
     with torch_threads(1):
         yield
 

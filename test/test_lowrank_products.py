@@ -93,9 +93,8 @@ def test_an_output_over_an_input_is_refused():
 def test_every_build_and_thread_count_gives_the_same_bits(flag):
     cases = [(kind, factors(kind, *shape, seed=1)) for kind in (*KINDS, "residual") for shape in SHAPES]
     expected = [product(kind, a, b) for kind, (a, b) in cases]
-    threads = torch.get_num_threads()
     with kernel_built_with(flag):
-        for count in {1, threads, 3}:
+        for count in (1, 2, 3):
             with torch_threads(count):
                 for (kind, (a, b)), reference in zip(cases, expected):
                     assert torch.equal(product(kind, a, b), reference), (kind, a.shape, b.shape, count)
