@@ -220,6 +220,25 @@ def muon_step(
     apart on FSDP2-sharded matrices (muon_fsdp.py): the elementwise ones on each rank's rows.
     """
     update = muon_momentum(grad, step, momentum_buffer, momentum, one_minus_momentum, nesterov=nesterov)
+    muon_finish(param, param_extra, update, lr, decay, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
+
+
+def muon_finish(
+    param: Tensor,
+    param_extra: Tensor | None,
+    update: Tensor,
+    lr: Tensor,
+    decay: Tensor,
+    *,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    param_update: str,
+) -> None:
+    """Muon's step after the momentum, for a whole matrix: the iterations, then the apply. The fused
+    CPU kernel computes the momentum and leaves this to one graph per matrix (two graphs, one call
+    each, had cost a 64 x 64 matrix's step more than the compiled step's one)."""
     orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps)
     muon_apply(param, param_extra, orthogonal, lr, decay, shape=param.shape, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
 
@@ -266,7 +285,7 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
 
 
 # the parts compiled alone (muon_parts.py) compile with muon_step's options
-newton_schulz.inductor_options = muon_momentum.inductor_options = muon_apply.inductor_options = muon_step.inductor_options
+newton_schulz.inductor_options = muon_momentum.inductor_options = muon_apply.inductor_options = muon_finish.inductor_options = muon_step.inductor_options
 
 
 def muon_lr_ratio(shape, adjust_lr_fn: str | None) -> float:

@@ -238,15 +238,14 @@ class Muon(LowBitOptimizer):
     def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
         """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
         in bf16 (the rounding the iterations start with: the same numbers), then each matrix's
-        iterations and apply, compiled (muon_parts.py)."""
+        iterations and apply, in one compiled call (muon_parts.py)."""
         starts = [torch.empty(param.shape, dtype=torch.bfloat16) for param, *_ in items]
         fused_cpu.muon_momentum([(start, *item[1:]) for start, item in zip(starts, items)], group)
         (lr, decay, _, _), flags = self._tensor_arguments(group, torch.device("cpu"))
         parts = MuonParts(self._compile)
         for (param, *_), start, correction in zip(items, starts, corrections):
-            orthogonal = parts.newton_schulz(start, flags["ns_coefficients"], flags["ns_steps"], flags["eps"])
             mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
-            parts.apply(param, correction, orthogonal, lr, decay, shape=tuple(param.shape), adjust_lr_fn=flags["adjust_lr_fn"], param_update=mode)
+            parts.finish(param, correction, start, lr, decay, **{k: flags[k] for k in ("ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}, param_update=mode)
 
 
 class AdEMAMix(LowBitOptimizer):

@@ -173,6 +173,24 @@ def test_other_optimizers_match_compiled(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
+def test_fused_muon_makes_one_compiled_call_per_matrix(monkeypatch):
+    """After the kernel's momentum, each matrix's iterations and apply are one compiled call
+    (functional.muon_finish): two calls had made a small matrix's default step slower than its
+    compiled step (benchmarks/default_vs_compiled.py)."""
+    calls = []
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", counted)
+    run(True, cls=MUON, state_format="8bit", shapes=MATRICES)
+    assert calls == ["muon_finish"] * len(MATRICES) * STEPS
+
+
 @pytest.mark.parametrize(
     "cls, kwargs", [(SGD, dict(momentum=0.9, nesterov=True)), (LION, {}), (ADEMAMIX, dict(t_alpha=3, t_beta3=3)), (MUON, {})], ids=["SGD", "Lion", "AdEMAMix", "Muon"]
 )
