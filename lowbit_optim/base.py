@@ -250,7 +250,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     - ``compile=False`` runs the same step function eagerly (slow; for debugging).
     - ``fused`` (as in torch.optim): for optimizers with an update in the fused CPU kernel (Adam,
       AdamW, SGD, Lion, AdEMAMix; Muon's momentum), None steps every CPU parameter it can take in the kernel, True
-      requires it, False never uses it;
+      requires it, False never uses it (a class with ``fused_default_needs_codes``, Muon, leaves
+      parameters whose states are all plain fp32 or bf16 tensors to the compiled step under None);
       the others always take the compiled step (None or False; True is an error).
     - ``foreach`` (as in torch.optim, a choice of implementation, never of numbers): True runs the
       compiled step as one graph per chunk of up to FOREACH_CHUNK parameters (and FOREACH_ELEMENTS
@@ -275,6 +276,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # each element's new values depend on the same element of every input only (no sum over the
     # parameter): a large parameter is then stepped in slices (COMPILED_CHUNK), bounding the scratch
     elementwise_step = False
+    # True: fused=None takes the kernel only for parameters with a state in codes (a StateTensor);
+    # for plain fp32 / bf16 states the compiled step is as fast (Muon: the kernel's part is one
+    # elementwise pass, which the compiled step fuses into the graph of its iterations)
+    fused_default_needs_codes = False
     family: str | None = None  # how messages name the optimizer (default: the class name)
     torch_name: str | None = None  # the torch.optim class computing the same step, if any (named in errors)
 
@@ -711,6 +716,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Whether the fused CPU kernel steps ``p`` (``values``: its states in ``self.states``' order,
         None where absent)."""
         if fused is False or (fused is None and not param.is_cpu) or _no_kernel_reason(type(self)) is not None:
+            return False
+        if fused is None and self.fused_default_needs_codes and not any(isinstance(v, StateTensor) for v in values):
             return False
         reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, values, mode)
         if reason is not None and fused:

@@ -181,6 +181,8 @@ class Muon(LowBitOptimizer):
     states = (State("momentum_buffer", signed=True, decay=lambda group: group["momentum"]),)
     torch_name = "Muon"
     flat_step = False  # Newton-Schulz needs each matrix's shape
+    # plain fp32 / bf16 momentum: the compiled step is as fast by default (benchmarks/default_vs_compiled.py)
+    fused_default_needs_codes = True
 
     def __init__(
         self,

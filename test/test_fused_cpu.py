@@ -173,6 +173,21 @@ def test_other_optimizers_match_compiled(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
+@pytest.mark.parametrize("state_format, by_default", [("fp32", False), ("bf16", False), ("8bit", True), ("bf16-sr", True)])
+def test_muon_takes_the_kernel_by_default_for_states_in_codes(monkeypatch, state_format, by_default):
+    """Muon.fused_default_needs_codes: with plain fp32 or bf16 momentum the compiled step is as fast
+    (its graph fuses the momentum into the iterations'), so fused=None leaves those matrices to it;
+    a momentum in codes takes the kernel, and fused=True takes it for any."""
+    calls = []
+    momentum = fused_cpu.muon_momentum
+    monkeypatch.setattr(fused_cpu, "muon_momentum", lambda items, group: (calls.append(len(items)), momentum(items, group)))
+    run(None, cls=MUON, state_format=state_format, shapes=MATRICES)
+    assert bool(calls) == by_default, calls
+    calls.clear()
+    run(True, cls=MUON, state_format=state_format, shapes=MATRICES)
+    assert sum(calls) == len(MATRICES) * STEPS
+
+
 def test_fused_muon_makes_one_compiled_call_per_matrix(monkeypatch):
     """After the kernel's momentum, each matrix's iterations and apply are one compiled call
     (functional.muon_finish): two calls had made a small matrix's default step slower than its
