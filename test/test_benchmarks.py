@@ -1,6 +1,7 @@
 """Smoke tests of the accuracy benchmarks (benchmarks/convergence.py, benchmarks/state_error.py), of
-benchmarks/compute_bound.py, benchmarks/memory.py, benchmarks/lowrank_products.py and benchmarks/slow_averages.py: each main function runs on a tiny configuration,
-writes its files, and reports finite numbers."""
+benchmarks/compute_bound.py, benchmarks/memory.py, benchmarks/lowrank_products.py,
+benchmarks/slow_averages.py and benchmarks/default_vs_compiled.py: each main function runs on a tiny
+configuration, writes its files, and reports finite numbers."""
 
 import json
 import math
@@ -143,6 +144,19 @@ def test_slow_averages_smoke(tmp_path):
     assert all(len(r["ratios"]) == 4 and all(math.isfinite(x) for x in r["ratios"]) for r in rows)
     assert all(r["ratios"] == [1.0] * 4 for r in rows if r["format"] == "fp32")
     assert out.read_text().count("| 8bit-lowrank | 40 |") == 2
+
+
+def test_default_vs_compiled_smoke(tmp_path):
+    """benchmarks/default_vs_compiled.py on two small shapes: SGD and Muon in 8bit timed both ways
+    (Muon on the matrix only), factored refused for SGD's signed momentum, and the table written."""
+    default_vs_compiled = import_script("benchmarks/default_vs_compiled")
+    out = tmp_path / "dvc.md"
+    rows = default_vs_compiled.main(["--optimizers", "SGD,Muon", "--formats", "8bit,factored", "--shapes", "64x64,100", "--warmup", "1", "--steps", "1", "--out-md", str(out)])
+    assert [(r["optimizer"], r["format"]) for r in rows] == [("SGD", "8bit"), ("SGD", "factored"), ("Muon", "8bit"), ("Muon", "factored")]
+    timed = [r for r in rows if r["format"] == "8bit"]
+    assert all(r["default_ms"] > 0 and r["compiled_ms"] > 0 and math.isfinite(r["ratio"]) for r in timed)
+    assert all("momentum_buffer" in r["refused"] for r in rows if r["format"] == "factored")
+    assert out.read_text().count("| SGD | 8bit |") == 1 and "Smallest compiled / default" in out.read_text()
 
 
 def test_memory_smoke(tmp_path):
