@@ -224,18 +224,9 @@ def muon_step(
 
 
 def muon_finish(
-    param: Tensor,
-    param_extra: Tensor | None,
-    update: Tensor,
-    lr: Tensor,
-    decay: Tensor,
-    *,
-    ns_coefficients: tuple[float, float, float],
-    ns_steps: int,
-    eps: float,
-    adjust_lr_fn: str | None,
-    param_update: str,
-) -> None:
+    param: Tensor, param_extra: Tensor | None, update: Tensor, lr: Tensor, decay: Tensor, *,
+    ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, adjust_lr_fn: str | None, param_update: str,
+) -> None:  # fmt: skip
     """Muon's step after the momentum, for a whole matrix: the iterations, then the apply. The fused
     CPU kernel computes the momentum and leaves this to one graph per matrix (two graphs, one call
     each, had cost a 64 x 64 matrix's step more than the compiled step's one)."""
