@@ -245,9 +245,10 @@ class Muon(LowBitOptimizer):
         fused_cpu.muon_momentum([(start, *item[1:]) for start, item in zip(starts, items)], group)
         (lr, decay, _, _), flags = self._tensor_arguments(group, torch.device("cpu"))
         parts = MuonParts(self._compile)
+        finish_flags = {k: flags[k] for k in ("ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}  # nesterov was the momentum's
         for (param, *_), start, correction in zip(items, starts, corrections):
             mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
-            parts.finish(param, correction, start, lr, decay, **{k: flags[k] for k in ("ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}, param_update=mode)
+            parts.finish(param, correction, start, lr, decay, **finish_flags, param_update=mode)
 
 
 class AdEMAMix(LowBitOptimizer):

@@ -1372,14 +1372,10 @@ def test_factored_sums_do_not_depend_on_threads():
 
 # a parameter of many tasks beside SHAPES' small ones: the threads grab them in turns (scheduler.h)
 THREADED_SHAPES = [(600, 64), *SHAPES]
-# every kernel update beside Adam's (OTHER_OPTIMIZER_CASES'), on the threads test's shapes
-THREADED_OPTIMIZERS = {
-    "SGD 8bit": dict(cls=SGD, momentum=0.9, state_format="8bit"),
-    "Lion 4bit, int8-correction": dict(cls=LION, state_format="4bit", dtype=BF16, param_update="int8-correction"),
-    "AdEMAMix fp8": dict(cls=ADEMAMIX, state_format="fp8"),
-}
+# every kernel update beside Adam's (cases of OTHER_OPTIMIZER_CASES), on the threads test's shapes
+THREADED_OPTIMIZERS = ("SGD 8bit", "Lion 8bit, int8-correction", "AdEMAMix fp8, bf16 params, betas <= 0.5")
 THREADED_CASES = [pytest.param(f, dict(state_format=f.spec), id=f.name) for f in FORMATS] + [
-    pytest.param(None, kwargs, id=name) for name, kwargs in THREADED_OPTIMIZERS.items()
+    pytest.param(None, OTHER_OPTIMIZER_CASES[name], id=name) for name in THREADED_OPTIMIZERS
 ]
 
 
