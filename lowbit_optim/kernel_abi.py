@@ -193,7 +193,7 @@ def _build_structs(fields: list[Field]) -> dict[str, type]:
 
 
 def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
-    """The entry points' prototypes (csrc/fused_step.c, csrc/products.h, csrc/test_hooks.h)."""
+    """The entry points' prototypes (csrc/fused_step.c, csrc/products.h, csrc/orthonormal.h, csrc/test_hooks.h)."""
     state, param = ctypes.POINTER(structs["state_t"]), ctypes.POINTER(structs["param_t"])
     prototypes = {
         "lowbit_step": ([ctypes.c_int64, param, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
@@ -205,6 +205,7 @@ def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
     factors = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # a, b, rows, cols, rank
     prototypes |= {name: ([*factors, ctypes.c_void_p, ctypes.c_int], ctypes.c_int) for name in ("lowbit_times", "lowbit_transposed_times")}
     prototypes["lowbit_outer"] = ([*factors, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)  # and a minuend (or NULL)
+    prototypes["lowbit_orthonormal"] = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)  # a, rows, rank, q
     for name, (argtypes, restype) in prototypes.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype

@@ -48,8 +48,9 @@ nonnegative state's grid has no zero (as ``int8-linear``'s), so that a small v n
 Under FSDP2 the rank applies to each rank's rows, so the factors' share grows with the world size
 (4096 x 11008 at rank 32: 1.06 B/param on one rank, 2.03 on 32). The state's matrix is
 (shape[0], numel // shape[0]); a view keeps its owner's factors. The fused CPU kernel steps it in
-three moves (README, Design: the addend); the same products (lowrank_products: on the CPU in one
-summation order, which inductor cannot change) and QRs as the compiled step, so the same bits. It
+three moves (README, Design: the addend); the same products and QRs as the compiled step
+(lowrank_products: on the CPU in one order for every build and thread count, which inductor cannot
+change), so the same bits. It
 cannot be cut into row slices (the low-rank part spans every row), so
 torch.distributed.checkpoint loads it whole (distributed.py: bit-exact on the same world size,
 rewritten from the saved values when resharded). Under FSDP2 each rank's state is its own rows, with
@@ -160,7 +161,7 @@ class LowRankState(CodebookState):
         left, right = self._factors()
         matrix = values.reshape(left.shape[0], right.shape[0])
         start = self._subspace_start(right)
-        fitted = torch.linalg.qr(lowrank_products.times(matrix, torch.linalg.qr(start).Q)).Q
+        fitted = lowrank_products.orthonormal(lowrank_products.times(matrix, lowrank_products.orthonormal(start)))
         left.copy_(fitted)
         right.copy_(lowrank_products.transposed_times(matrix, fitted))
         # the residual of the product exactly as dequantize computes it, its rounding included

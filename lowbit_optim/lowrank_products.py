@@ -67,6 +67,37 @@ def residual(values: Tensor, left: Tensor, right: Tensor, out: Tensor | None = N
     return _into("outer", left, right, out, values)
 
 
+def orthonormal(a: Tensor) -> Tensor:
+    """The Q (rows x rank, contiguous) of a QR of ``a`` (rows x rank, rows >= rank): on the CPU the
+    library's (csrc/orthonormal.h), the same bits on every build and thread count, its columns'
+    signs perhaps not LAPACK's; elsewhere, or without the library, torch.linalg.qr's."""
+    if a.device.type != "cpu":
+        return torch.linalg.qr(a).Q
+    return torch.ops.lowbit_optim.lowrank_orthonormal(a)
+
+
+def _orthonormal(a: Tensor) -> Tensor:
+    _check_tall(a)
+    from . import kernel_abi  # imported here, as in _into
+
+    kernel = kernel_abi.load()[0]
+    if kernel is None:
+        return torch.linalg.qr(a).Q.contiguous()
+    a = a.contiguous()
+    q = torch.empty_like(a)
+    if kernel.lib.lowbit_orthonormal(a.data_ptr(), a.shape[0], a.shape[1], q.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"lowrank_orthonormal: out of memory for the QR of a {a.shape[0]} x {a.shape[1]} matrix")
+    return q
+
+
+def _check_tall(a: Tensor, device: bool = True) -> None:
+    """What lowbit_orthonormal reads: a float32 matrix (on the CPU) with no more columns than rows."""
+    if a.dtype != torch.float32 or a.dim() != 2 or (device and a.device.type != "cpu"):
+        raise ValueError(f"lowrank_orthonormal: a is a {a.dim()}-D {a.dtype} tensor on {a.device}, not a float32 matrix on the CPU")
+    if a.shape[0] < a.shape[1]:
+        raise ValueError(f"lowrank_orthonormal: a {tuple(a.shape)} matrix has more columns than rows (a QR's Q would not be {tuple(a.shape)})")
+
+
 def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     if a.device.type != "cpu":
         return _KINDS[kind].torch_product(a, b, out)
@@ -76,9 +107,9 @@ def _product(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tens
 
 
 def fingerprint() -> str:
-    """The text that defines these products' numbers, this module's and the C's (for a format's
-    numerics fingerprint)."""
-    return inspect.getsource(sys.modules[__name__]) + (pathlib.Path(__file__).parent / "csrc" / "products.h").read_text()
+    """The text that defines these products' and QR's numbers, this module's and the C's (for a
+    format's numerics fingerprint)."""
+    return inspect.getsource(sys.modules[__name__]) + "".join((pathlib.Path(__file__).parent / "csrc" / name).read_text() for name in ("products.h", "orthonormal.h"))
 
 
 def _check(kind: str, a: Tensor, b: Tensor, device: bool = True, minuend: bool = False) -> None:
@@ -143,6 +174,16 @@ _LIBRARY.define("lowrank_product(str kind, Tensor a, Tensor b) -> Tensor")
 _LIBRARY.impl("lowrank_product", lambda kind, a, b: _into(kind, a, b), "CPU")
 _LIBRARY.define("lowrank_residual(Tensor values, Tensor left, Tensor right) -> Tensor")
 _LIBRARY.impl("lowrank_residual", lambda values, left, right: _into("outer", left, right, minuend=values.contiguous()), "CPU")
+
+
+_LIBRARY.define("lowrank_orthonormal(Tensor a) -> Tensor")
+_LIBRARY.impl("lowrank_orthonormal", _orthonormal, "CPU")
+
+
+@torch.library.register_fake("lowbit_optim::lowrank_orthonormal", lib=_LIBRARY)
+def _lowrank_orthonormal_fake(a: Tensor) -> Tensor:
+    _check_tall(a, device=False)
+    return a.new_empty(a.shape)
 
 
 @torch.library.register_fake("lowbit_optim::lowrank_product", lib=_LIBRARY)

@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 import emulated_aarch64
 import lowbit_optim
 from conftest import FORMATS, all_formats, torch_threads
-from lowbit_optim import BlockFloatState, FactoredState, LowRankState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
+from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
@@ -1381,14 +1381,12 @@ THREADED_CASES = [pytest.param(f, dict(state_format=f.spec), id=f.name) for f in
 
 @pytest.mark.parametrize("info, kwargs", THREADED_CASES)
 def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
-    """The kernel's steps on 2 and 3 threads give one thread's bits, factored sums included (a
-    task's order follows from sizes alone), for every registered format the kernel takes and the
-    updates of SGD, Lion and AdEMAMix (Muon's momentum is elementwise as theirs; its iterations are
-    torch's matmuls). The suite's workers run a thread each (conftest.py): here the threads meet."""
+    """The kernel's steps on 2 and 3 threads give one thread's bits, factored sums and low-rank
+    parts included (a task's order, and a QR's, follow from sizes alone), for every registered
+    format the kernel takes and the updates of SGD, Lion and AdEMAMix (Muon's momentum is
+    elementwise as theirs; its iterations are torch's matmuls). The suite's workers run a thread each (conftest.py): here the threads meet."""
     if info is not None and not kernel_takes(info):
         pytest.skip("the kernel does not take this format (test_fused_matches_compiled_bitwise checks the refusal)")
-    if info is not None and info.quantized and issubclass(info.fmt, LowRankState):
-        pytest.skip("a low-rank state's QRs are torch's, whose bits depend on the threads (README); its products are checked in test_lowrank_products.py")
     kwargs = dict(shapes=THREADED_SHAPES) | kwargs
     with torch_threads(1):
         one = run(True, **kwargs)
@@ -1397,11 +1395,11 @@ def test_kernel_bits_do_not_depend_on_threads(info, kwargs):
             assert_identical(one, run(True, **kwargs), exact_sums=True)
 
 
-@pytest.mark.parametrize("state_format", [*("8bit", "4bit", "8bit-sr", "10bit-sr", "bf16-sr"), pytest.param(FACTORED, id="4bit + factored")])
+@pytest.mark.parametrize("state_format", [*("8bit", "4bit", "8bit-sr", "10bit-sr", "bf16-sr", "8bit-lowrank"), pytest.param(FACTORED, id="4bit + factored")])
 def test_compiled_step_on_two_threads_gives_the_kernels_bits(state_format):
     """The compiled step's graphs on 2 threads (inductor's parallel loops; a new thread count
-    recompiles) against the kernel on one: the same bits for codebooks, stochastic rounding and
-    block floats, factored sums within their few ulp."""
+    recompiles) against the kernel on one: the same bits for codebooks, stochastic rounding, block
+    floats and low-rank parts, factored sums within their few ulp."""
     kwargs = dict(shapes=THREADED_SHAPES, state_format=state_format)
     with torch_threads(1):
         kernel = run(True, **kwargs)

@@ -1,4 +1,5 @@
-"""lowrank_products: the low-rank states' products, each output a chain of FMAs in order (csrc/products.h)."""
+"""lowrank_products: the low-rank states' products, each output a chain of FMAs in order (csrc/products.h),
+and their QR, in one order too (csrc/orthonormal.h)."""
 
 import re
 
@@ -14,6 +15,11 @@ KINDS = ("outer", "times", "transposed_times")
 # vectors, ranks of one vector), transposed_times' blocks of 256 rows, and vectors of one element
 SHAPES = [(1, 1, 1), (5, 3, 2), (9, 33, 17), (37, 70, 32), (130, 47, 64), (300, 1, 1), (1, 300, 1), (513, 20, 31)]
 
+# (rows, rank) of QRs: one leaf of 256 rows or fewer than 512 (square, rank 1, ranks past a chunk of
+# 16 columns), leaves whose R's make one leaf, and 4200 x 32, whose stacked R's (512 rows) are
+# leaves again
+QR_SHAPES = [(1, 1), (5, 3), (32, 32), (33, 17), (300, 7), (511, 64), (600, 32), (1100, 64), (4200, 32)]
+
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="the fused kernel's library cannot be built here")
 
 
@@ -24,7 +30,15 @@ def factors(kind, rows, cols, rank, seed=0):
     return torch.randn(rows, cols, generator=g), torch.randn(cols if kind == "times" else rows, rank, generator=g)
 
 
+def tall(rows, rank, seed=0):
+    """A matrix whose columns' sizes differ by 1e4, as a momentum's strong and weak directions."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, rank, generator=g) * torch.logspace(0, -4, rank)
+
+
 def product(kind, a, b):
+    if kind == "orthonormal":
+        return lowrank_products.orthonormal(a)
     if kind == "residual":  # of values made from the factors' sizes
         values = torch.linspace(-1, 1, a.shape[0] * b.shape[0]).view(a.shape[0], b.shape[0])
         return lowrank_products.residual(values, a, b)
@@ -89,9 +103,33 @@ def test_an_output_over_an_input_is_refused():
     assert torch.equal(lowrank_products.residual(values, left, right, out=values), expected)
 
 
+@pytest.mark.parametrize("shape", QR_SHAPES, ids=str)
+def test_orthonormal_is_the_q_of_a_qr(shape):
+    """Orthonormal columns that span the matrix's: float64 LAPACK's Q but for the columns' signs."""
+    a = tall(*shape)
+    q = lowrank_products.orthonormal(a).double()
+    reference = torch.linalg.qr(a.double()).Q
+    signs = (q * reference).sum(0).sign()
+    assert torch.allclose(q, reference * signs, rtol=0, atol=2e-5)
+    assert torch.allclose(q.T @ q, torch.eye(shape[1], dtype=torch.float64), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(40, 8), (600, 32)], ids=str)
+def test_orthonormal_columns_of_a_rank_deficient_matrix(shape):
+    """Zeros, or columns that repeat: still orthonormal columns (a low-rank state's first write, or a
+    momentum of fewer directions than the rank), whose span holds the matrix's."""
+    rows, rank = shape
+    repeated = tall(rows, 2).repeat(1, rank // 2)
+    for a in (torch.zeros(shape), repeated):
+        q = lowrank_products.orthonormal(a).double()
+        assert torch.allclose(q.T @ q, torch.eye(rank, dtype=torch.float64), rtol=0, atol=2e-6)
+        assert torch.allclose(q @ (q.T @ a.double()), a.double(), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("flag", BUILDS.values(), ids=BUILDS.keys())
 def test_every_build_and_thread_count_gives_the_same_bits(flag):
     cases = [(kind, factors(kind, *shape, seed=1)) for kind in (*KINDS, "residual") for shape in SHAPES]
+    cases += [("orthonormal", (tall(*shape, seed=1), None)) for shape in QR_SHAPES]
     expected = [product(kind, a, b) for kind, (a, b) in cases]
     with kernel_built_with(flag):
         for count in (1, 2, 3):
@@ -101,12 +139,13 @@ def test_every_build_and_thread_count_gives_the_same_bits(flag):
 
 
 def test_compiled_products_are_the_eager_ones():
-    """Opaque to inductor (the op lowbit_optim::lowrank_product), so a compiled step cannot sum
-    them in an order of its own; the factors may be views (a QR's column-major Q)."""
+    """Opaque to inductor (the ops lowbit_optim::lowrank_product, lowrank_residual and
+    lowrank_orthonormal), so a compiled step cannot sum them in an order of its own; the factors may
+    be views (a QR's column-major Q)."""
     def products(m, q, left):
         return (
             lowrank_products.times(m, q), lowrank_products.transposed_times(m, left), lowrank_products.outer(left, q) * 2,
-            lowrank_products.residual(m, left, q).view(-1) + 1,
+            lowrank_products.residual(m, left, q).view(-1) + 1, lowrank_products.orthonormal(left * 2),
         )  # fmt: skip
 
     step = torch.compile(products, dynamic=True, fullgraph=True)
@@ -141,6 +180,9 @@ def test_into_a_buffer(kind):
         (lambda: lowrank_products.residual(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2)), "lowrank_residual: the minuend is a torch.float32 (4, 5) tensor"),
         (lambda: lowrank_products.residual(torch.randn(6, 4).T, torch.randn(4, 2), torch.randn(6, 2), out=torch.empty(4, 6)), "lowrank_residual: the minuend is a torch.float32 (4, 6) tensor on cpu, not a contiguous"),
         (lambda: lowrank_products.residual(torch.randn(4, 6), torch.randn(4, 2), torch.randn(6, 3)), "lowrank_residual: shapes (4, 2) and (6, 3) do not agree"),
+        (lambda: lowrank_products.orthonormal(torch.randn(3, 4)), "lowrank_orthonormal: a (3, 4) matrix has more columns than rows"),
+        (lambda: lowrank_products.orthonormal(torch.randn(4, 3, dtype=torch.float64)), "lowrank_orthonormal: a is a 2-D torch.float64 tensor"),
+        (lambda: lowrank_products.orthonormal(torch.randn(12)), "lowrank_orthonormal: a is a 1-D torch.float32 tensor"),
     ],
 )
 def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
@@ -154,7 +196,7 @@ def test_compiling_a_residual_of_mismatched_values_fails_as_the_op_would():
         torch.compile(lowrank_products.residual, fullgraph=True)(torch.randn(4, 5), torch.randn(4, 2), torch.randn(6, 2))
 
 
-def test_without_the_library_the_products_are_torchs(monkeypatch):
+def test_without_the_library_the_products_and_qrs_are_torchs(monkeypatch):
     monkeypatch.setattr(kernel_abi, "load", lambda: (None, "no compiler"))
     for kind in KINDS:
         a, b = factors(kind, 37, 70, 32)
@@ -165,3 +207,5 @@ def test_without_the_library_the_products_are_torchs(monkeypatch):
     expected = values - left @ right.T
     assert torch.equal(lowrank_products.residual(values, left, right), expected)
     assert torch.equal(lowrank_products.residual(values, left, right, out=values), expected)
+    a = tall(600, 32)
+    assert torch.equal(lowrank_products.orthonormal(a), torch.linalg.qr(a).Q)

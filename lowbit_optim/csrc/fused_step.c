@@ -30,6 +30,7 @@
  *   update_*.h   one optimizer's update each (update_assign.h: the encoders as an update)
  *   scheduler.h  chunks, tasks and the OpenMP loop
  *   products.h   the low-rank states' matrix products, in one summation order
+ *   orthonormal.h the low-rank states' QR, in one order
  *   test_hooks.h entry points for the tests
  * This file lists the optimizers and exports the entry points.
  */
@@ -64,6 +65,7 @@
 #include "update_assign.h"
 #include "scheduler.h"
 #include "products.h"
+#include "orthonormal.h"
 #include "test_hooks.h"
 
 /* The optimizers: name (fused_cpu's), hyper-parameter struct and its fields, state names (in
