@@ -34,7 +34,6 @@ class Adam(LowBitOptimizer):
     )
     family = "Adam/AdamW"
     torch_name = "Adam"
-    _structural_keys = ("decoupled_weight_decay",)
     default_weight_decay = 0.0
     default_decoupled_weight_decay = False
 
@@ -82,6 +81,7 @@ class AdamW(Adam):
     torch_name = "AdamW"
     default_weight_decay = 1e-2
     default_decoupled_weight_decay = True
+    _structural_keys = ("decoupled_weight_decay",)  # an Adam checkpoint does not make it L2 (Adam takes the saved flag, as torch's)
 
 
 class SGD(LowBitOptimizer):

@@ -153,6 +153,37 @@ def test_adam_decoupled_weight_decay_is_adamw():
     assert steps[1][1].state_dict()["param_groups"][0]["decoupled_weight_decay"] is True
 
 
+@pytest.mark.parametrize("source", ["lowbit_optim.Adam", "torch.optim.AdamW"])
+def test_adam_resumes_the_checkpoints_decoupled_weight_decay(source):
+    """Adam takes decoupled_weight_decay from a checkpoint, as torch.optim.Adam does (with its
+    weight_decay: either alone would be a decay neither run used); AdamW stays decoupled."""
+    def make(cls, params, **kwargs):
+        return cls(params, lr=LR, **kwargs) if cls.__module__.startswith("torch") else cls(params, lr=LR, state_format="fp32", **kwargs)
+
+    saved_cls = lowbit_optim.Adam if source == "lowbit_optim.Adam" else torch.optim.AdamW
+    saved_kwargs = dict(weight_decay=0.5) | (dict(decoupled_weight_decay=True) if saved_cls is lowbit_optim.Adam else {})
+    model = make_mlp()
+    opt = make(saved_cls, model.parameters(), **saved_kwargs)
+    train(model, opt, 2)
+    checkpoint = save_and_load(opt.state_dict())
+    runs = []
+    for cls in (torch.optim.Adam, lowbit_optim.Adam):
+        resumed_model = copy.deepcopy(model)
+        resumed = make(cls, resumed_model.parameters())
+        resumed.load_state_dict(copy.deepcopy(checkpoint))
+        assert resumed.param_groups[0]["decoupled_weight_decay"] is True and resumed.param_groups[0]["weight_decay"] == 0.5
+        train(resumed_model, resumed, 2)
+        runs.append(resumed_model)
+    train(model, opt, 2)
+    for ours, theirs, uninterrupted in zip(runs[1].parameters(), runs[0].parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(ours, uninterrupted)
+    adam = lowbit_optim.Adam(make_mlp().parameters(), lr=LR, weight_decay=0.5, state_format="fp32")
+    adamw = lowbit_optim.AdamW(make_mlp().parameters(), lr=LR)
+    adamw.load_state_dict(adam.state_dict())
+    assert adamw.param_groups[0]["decoupled_weight_decay"] is True
+
+
 # ------------------------------------------------------------------------------------------------
 # opt.step() inside the user's torch.compile
 # ------------------------------------------------------------------------------------------------
