@@ -14,6 +14,7 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 """
 
 import contextlib
+import copy
 import functools
 import math
 import numbers
@@ -40,6 +41,10 @@ _STRUCTURAL_KEYS = (
     "state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format",
     "foreach", "capturable", "differentiable", "fused",
 )  # fmt: skip
+
+# the structural keys that make the states (their formats, blocks, extra buffers): edited after a
+# group is built, its states would no longer be what it says (the step checks, _check_state_keys)
+_STATE_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
 
 # the per-parameter states lowbit_optim keeps beside an optimizer's declared ones
 _OWN_STATE_NAMES = ("step", "compensation", "param_correction")
@@ -457,6 +462,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
                 "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
             )
+        self._remember_state_keys(group)
 
     def _check_hyper_parameters(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
@@ -641,6 +647,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
+        self._check_state_keys(group)
         arguments = None
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
@@ -648,7 +655,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
             if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+                raise RuntimeError(_sparse_gradients_refused(type(self).__name__, self.torch_name))
             mode = param_update_of(p, group)
             extra = precision.extra_state_name(mode)
             has_states = bool(declared or extra)  # as _state_names: a parameter without any keeps none (SGD)
@@ -680,6 +687,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._step_compiled(group, compiled, *arguments)
         if fused:
             self._fused_step(fused, group, corrections)
+
+    def _remember_state_keys(self, group: dict) -> tuple:
+        """The group's state keys (_STATE_KEYS) as built or loaded, for _check_state_keys."""
+        keys = copy.deepcopy(tuple(group.get(key) for key in _STATE_KEYS))  # a copy: a format dict edited in place shows
+        self.__dict__.setdefault("_state_keys", {})[id(group)] = (group, keys)  # not pickled: a copy remembers at its first step
+        return keys
+
+    def _check_state_keys(self, group: dict) -> None:
+        """Refuse a group whose state keys changed since it was built or loaded: its states keep the
+        formats they were made in, which the group, and state_dict(), would then misname."""
+        remembered = self.__dict__.get("_state_keys", {}).get(id(group))
+        then = remembered[1] if remembered is not None and remembered[0] is group else self._remember_state_keys(group)
+        changed = [f"{key} from {old!r} to {new!r}" for key, old, new in zip(_STATE_KEYS, then, (group.get(key) for key in _STATE_KEYS)) if old != new]
+        if changed:
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            raise ValueError(
+                f"param group {index}'s {'; '.join(changed)}: a group's state settings are fixed when it is built. To "
+                f"convert its states, build a new optimizer with the new setting and load this one's state_dict() into it "
+                f"(a load converts every state)"
+            )
 
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
@@ -788,10 +815,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             saved.update({p: loaded["state"][i] for i, p in zip(ids, params) if i in loaded["state"]})
 
         def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
+            self.__dict__.pop("_state_keys", None)  # the groups are new dicts
             for group, keep in zip(self.param_groups, structural):
                 group.update(keep)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
+                self._remember_state_keys(group)
                 for i, p in enumerate(group["params"]):
                     if p in self.state:
                         self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
@@ -961,6 +990,16 @@ def check_nonnegative(group: dict, *keys: str) -> None:
             valid = False
         if not valid:
             raise ValueError(f"invalid {key} {group[key]!r}: {key} must be >= 0")
+
+
+# the torch.optim classes that take sparse gradients in place of ours (whose states are dense blocks)
+_SPARSE_ALTERNATIVES = {"Adam": "torch.optim.SparseAdam", "AdamW": "torch.optim.SparseAdam", "SGD": "torch.optim.SGD"}
+
+
+def _sparse_gradients_refused(name: str, torch_name: str | None) -> str:
+    alternative = _SPARSE_ALTERNATIVES.get(torch_name)
+    use = f"use {alternative} for those parameters, or " if alternative else ""
+    return f"{name} does not support sparse gradients (its states are dense): {use}make the gradients dense (e.g. nn.Embedding(..., sparse=False))"
 
 
 def _check_param(p: Tensor, torch_name: str | None) -> None:

@@ -49,7 +49,7 @@ def get_format(spec):
     if isinstance(spec, str):
         if spec in _REGISTRY:
             return _REGISTRY[spec]
-    elif _same_format(_REGISTRY.get(getattr(spec, "name", None)), spec):
+    elif spec is not None and _same_format(_REGISTRY.get(getattr(spec, "name", None)), spec):  # None: no name, not no format
         return spec
     raise ValueError(
         f"unknown state format {spec!r}; use one of {sorted(_REGISTRY)} or an OptimState subclass that sets a `name`"

@@ -920,11 +920,28 @@ def test_torchao_aliases(alias, eager_step):
 # ------------------------------------------------------------------------------------------------
 
 
-def sparse_gradient_step():
+def sparse_gradient_step(cls=lowbit_optim.AdamW):
     p = nn.Parameter(torch.randn(10))
-    opt = lowbit_optim.AdamW([p], compile=False)
+    opt = cls([p], lr=1e-3, compile=False)
     p.grad = torch.randn(10).to_sparse()
     opt.step()
+
+
+def edited_between_steps(key, value, **kwargs):
+    """A group's state setting changed after a step: its states would keep their old format."""
+    def run():
+        p = nn.Parameter(torch.randn(64, 64))
+        opt = lowbit_optim.AdamW([p], compile=False, **kwargs)
+        p.grad = torch.randn(64, 64)
+        opt.step()
+        group = opt.param_groups[0]
+        if isinstance(group[key], dict):
+            group[key].update(value)  # in place
+        else:
+            group[key] = value
+        opt.step()
+
+    return run
 
 
 def with_one_param(**kwargs):
@@ -933,6 +950,8 @@ def with_one_param(**kwargs):
 
 BAD_INPUT = {
     "sparse gradient": sparse_gradient_step,
+    "sparse gradient, SGD": lambda: sparse_gradient_step(lowbit_optim.SGD),
+    "sparse gradient, Lion": lambda: sparse_gradient_step(lowbit_optim.Lion),
     "complex parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.complex64))]),
     "integer parameter": lambda: lowbit_optim.AdamW([torch.zeros(4, dtype=torch.int64)]),
     "lr=-1": with_one_param(lr=-1),
@@ -940,6 +959,10 @@ BAD_INPUT = {
     "eps=-1": with_one_param(eps=-1),
     "weight_decay=-1": with_one_param(weight_decay=-1),
     'state_format="9bit"': with_one_param(state_format="9bit"),
+    "state_format=None": with_one_param(state_format=None),
+    "state_format edited between steps": edited_between_steps("state_format", "4bit", state_format="8bit"),
+    "a state's format edited in place": edited_between_steps("state_format", {"exp_avg": "fp8"}, state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"}),
+    "min_quantize_numel edited between steps": edited_between_steps("min_quantize_numel", 10**6),
     "block_size=100": with_one_param(state_format="8bit", block_size=100),
     "block_size=0": with_one_param(state_format="8bit", block_size=0),
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
@@ -968,7 +991,9 @@ class TestBadInput(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(rows),
             """\
-sparse gradient: RuntimeError: AdamW does not support sparse gradients; use torch.optim.SparseAdam
+sparse gradient: RuntimeError: AdamW does not support sparse gradients (its states are dense): use torch.optim.SparseAdam for those parameters, or make the gradients dense (e.g. nn.Embedding(..., sparse=False))
+sparse gradient, SGD: RuntimeError: SGD does not support sparse gradients (its states are dense): use torch.optim.SGD for those parameters, or make the gradients dense (e.g. nn.Embedding(..., sparse=False))
+sparse gradient, Lion: RuntimeError: Lion does not support sparse gradients (its states are dense): make the gradients dense (e.g. nn.Embedding(..., sparse=False))
 complex parameter: TypeError: lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead, or use torch.optim.AdamW
 integer parameter: TypeError: parameters must be floating point, got torch.int64
 lr=-1: ValueError: invalid learning rate -1: lr must be a number >= 0
@@ -976,6 +1001,10 @@ betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0,
 eps=-1: ValueError: invalid eps -1: eps must be >= 0
 weight_decay=-1: ValueError: invalid weight_decay -1: weight_decay must be >= 0
 state_format="9bit": ValueError: unknown state format '9bit'; use one of [<registered formats>] or an OptimState subclass that sets a `name`
+state_format=None: ValueError: unknown state format None; use one of [<registered formats>] or an OptimState subclass that sets a `name`
+state_format edited between steps: ValueError: param group 0's state_format from '8bit' to '4bit': a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
+a state's format edited in place: ValueError: param group 0's state_format from {'exp_avg': '8bit', 'exp_avg_sq': '4bit'} to {'exp_avg': 'fp8', 'exp_avg_sq': '4bit'}: a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
+min_quantize_numel edited between steps: ValueError: param group 0's min_quantize_numel from 4096 to 1000000: a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
 block_size=100: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 100
 block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
