@@ -15,10 +15,10 @@ KINDS = ("outer", "times", "transposed_times")
 # vectors, ranks of one vector), transposed_times' blocks of 256 rows, and vectors of one element
 SHAPES = [(1, 1, 1), (5, 3, 2), (9, 33, 17), (37, 70, 32), (130, 47, 64), (300, 1, 1), (1, 300, 1), (513, 20, 31)]
 
-# (rows, rank) of QRs: one leaf of 256 rows or fewer than 512 (square, rank 1, ranks past a chunk of
-# 16 columns), leaves whose R's make one leaf, and 4200 x 32, whose stacked R's (512 rows) are
-# leaves again
-QR_SHAPES = [(1, 1), (5, 3), (32, 32), (33, 17), (300, 7), (511, 64), (600, 32), (1100, 64), (4200, 32)]
+# (rows, rank) of QRs: empty ones, one leaf of 256 rows or fewer than 512 (square, rank 1, ranks past
+# a chunk of 16 columns), leaves whose R's make one leaf, and 4200 x 32, whose stacked R's (512 rows)
+# are leaves again
+QR_SHAPES = [(0, 0), (600, 0), (1, 1), (5, 3), (32, 32), (33, 17), (300, 7), (511, 64), (600, 32), (1100, 64), (4200, 32)]
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="the fused kernel's library cannot be built here")
 

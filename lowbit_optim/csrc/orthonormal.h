@@ -111,6 +111,7 @@ static void apply_leaf(const float *restrict a, int64_t m, int64_t r, const floa
 
 int lowbit_orthonormal(const float *a, int64_t rows, int64_t rank, float *q, int threads) {
     if (rows < rank || rank < 0) return -1;
+    if (rank == 0) return 0;
     int64_t leaf_rows = LEAF_ROWS > 2 * rank ? LEAF_ROWS : 2 * rank;  /* the R's stacked: at most half the rows */
     int64_t leaves = rows / leaf_rows > 1 ? rows / leaf_rows : 1;
     float *work = malloc((size_t)(rows * rank > 0 ? rows * rank : 1) * sizeof(float));
