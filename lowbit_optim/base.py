@@ -16,6 +16,7 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 import contextlib
 import copy
 import functools
+import itertools
 import math
 import numbers
 import operator
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import OptimState, StateTensor, check_block_size, describe_tensor
+from .state import OptimState, StateTensor, check_block_size, describe_tensor, not_plain
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -654,6 +655,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
+            if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
+                grad = grad.resolve_neg()
             if grad.is_sparse:
                 raise RuntimeError(_sparse_gradients_refused(type(self).__name__, self.torch_name))
             mode = param_update_of(p, group)
@@ -813,15 +816,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
             ids = (i for g in loaded["param_groups"] for i in g["params"])
             params = (p for g in self.param_groups for p in g["params"])
             saved.update({p: loaded["state"][i] for i, p in zip(ids, params) if i in loaded["state"]})
+            for index, (p, state) in enumerate((p, saved.get(p, {})) for g in self.param_groups for p in g["params"]):
+                for name, value in state.items():  # torch.optim's load copies them before convert could say which
+                    if isinstance(value, Tensor) and value.device.type == "meta":
+                        raise ValueError(f"checkpoint state {name!r} of parameter {index} (shape {tuple(p.shape)}) is on the meta device, where it holds no values")
 
         def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
             self.__dict__.pop("_state_keys", None)  # the groups are new dicts
+            index = itertools.count()  # a parameter's position in the checkpoint, across groups (errors name it)
             for group, keep in zip(self.param_groups, structural):
                 group.update(keep)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
                 self._remember_state_keys(group)
-                for i, p in enumerate(group["params"]):
+                for p, i in zip(group["params"], index):
                     if p in self.state:
                         self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
                         self._convert_loaded_state(p, group, self.state[p], i)
@@ -887,6 +895,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 block_size = self._block_size(fmt, group)
                 signed = self._signed(name)
                 value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
+                if isinstance(local(value), StateTensor):  # made from another library's state (foreign.py): checked as ours
+                    _check_state_tensor(f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})", local(value))
             else:  # the fused kernel reads it element by element beside the parameter
                 value = map_local(lambda v: v.contiguous(), value)
             state[name] = value.to(param.device)
@@ -1011,6 +1021,8 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
         )
     if not p.is_floating_point():
         raise TypeError(f"parameters must be floating point, got {p.dtype}")
+    if p.is_neg():  # the step writes its memory, which holds the values negated
+        raise TypeError("a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())")
     if p.dtype == torch.float64:
         raise TypeError(
             "float64 parameters are not supported: lowbit_optim computes the step in float32 and would "
@@ -1049,16 +1061,44 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
     if not floating and value.dtype != torch.int8:
         raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
     if isinstance(local(value), StateTensor):
-        try:
-            local(value).check_layout()
-        except ValueError as error:
-            raise ValueError(f"{where} is corrupt: {error}") from None
-    scale = local(value).scale if isinstance(local(value), OptimState) else None
+        _check_state_tensor(where, local(value))
+        return
+    if foreign.is_torchao_state(local(value)):  # read by foreign.from_foreign, the state it makes checked as ours
+        return
+    problem = not_plain(local(value)) if value.device.type != "meta" else "on the meta device, where it holds no values"
+    if problem is None and _overlaps(local(value)):
+        problem = f"a view whose elements share memory (strides {local(value).stride()}), which a state written in place cannot be"
+    if problem:
+        raise ValueError(f"{where} is {problem}")
+
+
+def _check_state_tensor(where: str, state: StateTensor) -> None:
+    """A state's inner tensors fit its shape (check_layout) and its block scales are block maxima:
+    what the fused kernel and the compiled step trust (a loaded state, and one converted from it)."""
+    try:
+        state.check_layout()
+    except ValueError as error:
+        raise ValueError(f"{where} is corrupt: {error}") from None
+    scale = state.scale if isinstance(state, OptimState) else None
     if scale is not None and bool((scale < 0).any()):  # NaN: a poisoned block, as it was saved
         raise ValueError(f"{where} is corrupt: a block scale is negative ({float(scale.min())}), where scales are block maxima")
 
 
-# each state's 1-D wrapper, kept while the state lives: its inner tensors are written in place
+def _overlaps(t: Tensor) -> bool:
+    """Whether two of ``t``'s elements may share memory (an expanded view): unless each dimension,
+    by increasing stride, steps past the reach of the smaller ones."""
+    if t.numel() == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+# each state's 1-D wrapper, kept while the state lives (its inner tensors are written in place) and
+# its inner tensors are the state's: one assigned anew (state.codes = ...) makes a new wrapper
 _FLAT_STATES = torch.utils.weak.WeakIdKeyDictionary()
 
 
@@ -1067,7 +1107,7 @@ def _flat(t: Tensor) -> Tensor:
     if isinstance(t, StateTensor):
         # a new wrapper over the same inner tensors, not an aten.view: dynamo cannot trace a subclass view
         flat = _FLAT_STATES.get(t)
-        if flat is None:
+        if flat is None or any(a is not b for a, b in zip(flat._inner().values(), t._inner().values())):
             flat = _FLAT_STATES[t] = t._like(shape=(t.numel(),))
         return flat
     # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)

@@ -20,13 +20,18 @@ from .state import check_block_size
 _TORCHAO = {"OptimState8bit": ("8bit", 8), "OptimState4bit": ("4bit-torchao", 4), "OptimStateFp8": ("fp8", 8)}
 
 
+def is_torchao_state(t) -> bool:
+    """Whether ``t`` is one of torchao's state classes from_foreign reads."""
+    return type(t).__module__.startswith("torchao.") and type(t).__name__ in _TORCHAO
+
+
 def from_foreign(state: Tensor, signed: bool) -> Tensor:
     """``state`` unchanged unless another library wrote it. A torchao state becomes the state of our
     equivalent format over the same codes and scales where the layouts coincide (training resumes
     bit-exactly), else a plain fp32 tensor of the values it stands for. ``signed`` is what the
     optimizer expects; a state recording its own signedness keeps it."""
     cls = type(state)
-    if not cls.__module__.startswith("torchao.") or cls.__name__ not in _TORCHAO:
+    if not is_torchao_state(state):
         return state
     name, bits = _TORCHAO[cls.__name__]
     fmt, fp8 = get_format(name), name == "fp8"

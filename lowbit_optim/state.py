@@ -241,6 +241,8 @@ class StateTensor(Tensor):
                 t = getattr(self, name, None)
                 if not isinstance(t, Tensor) or t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or t.device != device:
                     raise ValueError(f"{name} must be a 1-D contiguous {dtype} tensor on {device}, not {describe_tensor(t)}")
+                if not_plain(t):
+                    raise ValueError(f"{name} is {not_plain(t)}")
             self._check_sizes()
         except ValueError as error:
             raise ValueError(
@@ -590,6 +592,19 @@ def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
 
 def _format_name(state: StateTensor) -> str:
     return f"{type(state).__name__} ({state.name!r} state format)"
+
+
+def not_plain(t: Tensor) -> str | None:
+    """Why ``t``'s memory does not hold its values as its elements read them (None: it does), which
+    the fused kernel and inductor's code read directly: a tensor subclass (a state inside a state),
+    a lazily negated or conjugated view, or a sparse layout."""
+    if type(t) not in (Tensor, torch.nn.Parameter):
+        return f"a {type(t).__name__}, not a plain tensor"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor, not a dense one"
+    if t.is_neg() or t.is_conj():
+        return "a lazily negated or conjugated view (torch's neg or conj bit): pass t.resolve_neg() or t.resolve_conj()"
+    return None
 
 
 def describe_tensor(t) -> str:

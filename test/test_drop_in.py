@@ -153,6 +153,40 @@ def test_adam_decoupled_weight_decay_is_adamw():
     assert steps[1][1].state_dict()["param_groups"][0]["decoupled_weight_decay"] is True
 
 
+@pytest.mark.parametrize("options", [{}, {"fused": False}, {"compile": False}], ids=["fused", "compiled", "eager"])
+def test_a_lazily_negated_gradient_steps_as_its_values(options):
+    """A gradient with torch's neg bit (z.conj().imag) is -memory: the kernel and inductor's code,
+    which read memory, step with its values as torch.optim does."""
+    steps = []
+    for negated in (False, True):
+        p = nn.Parameter(torch.linspace(-1, 1, 4096))
+        opt = lowbit_optim.AdamW([p], lr=0.1, state_format="8bit", **options)
+        g = torch.linspace(1, 2, 4096)
+        p.grad = torch.complex(torch.zeros(4096), -g).conj().imag if negated else g
+        assert p.grad.is_neg() == negated and torch.equal(p.grad, g)
+        opt.step()
+        steps.append(p.detach().clone())
+    assert torch.equal(*steps)
+
+
+@pytest.mark.parametrize("options", [{}, {"fused": False}], ids=["fused", "compiled"])
+def test_a_state_whose_tensors_are_assigned_anew_steps_them(options):
+    """state.codes = ... (a user's reset or repair) is what the next step reads and writes."""
+    runs = []
+    for reassign in (False, True):
+        p = nn.Parameter(torch.linspace(-1, 1, 4096))
+        opt = lowbit_optim.AdamW([p], lr=0.1, state_format="8bit", **options)
+        for i in range(3):
+            p.grad = torch.linspace(1, 2, 4096) * (i + 1)
+            opt.step()
+            state = opt.state[p]["exp_avg"]
+            if reassign:
+                state.codes, state.scale = state.codes.clone(), state.scale.clone()
+        runs.append((p.detach().clone(), opt.state[p]["exp_avg"]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert_same_bits(runs[1][1], runs[0][1], "exp_avg")
+
+
 @pytest.mark.parametrize("source", ["lowbit_optim.Adam", "torch.optim.AdamW"])
 def test_adam_resumes_the_checkpoints_decoupled_weight_decay(source):
     """Adam takes decoupled_weight_decay from a checkpoint, as torch.optim.Adam does (with its

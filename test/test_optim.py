@@ -968,6 +968,7 @@ BAD_INPUT = {
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
+    "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
     "capturable=True": with_one_param(capturable=True),
     "differentiable=True": with_one_param(differentiable=True),
     "foreach='yes'": with_one_param(foreach="yes"),
@@ -1010,6 +1011,7 @@ block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 o
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
 capturable=True: ValueError: capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step counter on the CPU. Pass capturable=False
 differentiable=True: ValueError: differentiable=True is not supported: quantized states cannot carry gradients through the step. Pass differentiable=False, or use torch.optim for a differentiable optimizer
 foreach='yes': ValueError: foreach must be None, True or False, got 'yes'

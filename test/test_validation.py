@@ -25,7 +25,7 @@ import torch
 
 import lowbit_optim
 from conftest import QUANTIZED_FORMATS, ROOT, quantized_formats
-from lowbit_optim import FactoredState, OptimState, StateTensor, fused_cpu
+from lowbit_optim import FactoredState, OptimState, OptimState8bit, StateTensor, fused_cpu
 from test_optim import assert_same_bits
 
 # a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
@@ -106,7 +106,16 @@ CORRUPTIONS = {
     "2-D codes": (lambda s: setattr(s, _inner(s, 0), getattr(s, _inner(s, 0)).view(1, -1)), "must be a 1-D"),
     "wrong block_size": (_bad_metadata, "elements|part is 'yes'"),
     "signed not a bool": (lambda s: setattr(s, "signed", 1), "signed is 1, not a bool"),
+    # memory that does not hold the values as read: inductor's code and the kernel read it directly
+    "a state as codes": (lambda s: setattr(s, _inner(s, 0), state_dressed_as(getattr(s, _inner(s, 0)))), "is a OptimState8bit, not a plain tensor"),
+    "a negated view as scale": (lambda s: setattr(s, _inner(s, 1), (-getattr(s, _inner(s, 1)))._neg_view()), "lazily negated"),
 }
+
+
+def state_dressed_as(t: torch.Tensor) -> StateTensor:
+    """An 8-bit state that looks like ``t`` (a 1-D tensor of its dtype and size), not its memory."""
+    inner = OptimState8bit.zeros(t.numel(), signed=False)
+    return OptimState8bit(inner.codes, inner.scale, t.shape, 256, False, dtype=t.dtype)
 
 
 @quantized_formats
@@ -126,8 +135,12 @@ def test_corrupt_checkpoint_state_is_refused(info, corruption):
         (torch.zeros(70, 64, dtype=torch.int32), "has dtype torch.int32, not a floating-point dtype"),
         (torch.zeros(69, 64), "has shape \\(69, 64\\) but the parameter has shape \\(70, 64\\)"),
         ([0.0] * 4544, "is a list, not a tensor"),
+        (torch.zeros(1).expand(70, 64), "is a view whose elements share memory \\(strides \\(0, 0\\)\\)"),
+        (torch.zeros(70, 64).to_sparse(), "is a torch.sparse_coo tensor, not a dense one"),
+        (torch.zeros(70, 64, device="meta"), "is on the meta device"),
+        (torch.zeros(70, 64)._neg_view(), "lazily negated"),
     ],
-    ids=["integer", "another shape", "not a tensor"],
+    ids=["integer", "another shape", "not a tensor", "expanded", "sparse", "meta", "negated view"],
 )
 def test_plain_checkpoint_state_is_checked(value, message):
     state_dict = load(checkpoint("fp32"))
@@ -135,6 +148,21 @@ def test_plain_checkpoint_state_is_checked(value, message):
     _, opt = fresh_optimizer("fp32")
     with pytest.raises(ValueError, match=rf"checkpoint state 'exp_avg' of parameter 0 .*{message}"):
         opt.load_state_dict(load(save(state_dict)))
+
+
+def test_errors_name_a_parameter_by_its_place_in_the_checkpoint():
+    """Across groups: the second group's second parameter is parameter 4 of the checkpoint."""
+    def make():
+        params = [torch.nn.Parameter(torch.randn(300)) for _ in range(5)]
+        return params, lowbit_optim.AdamW([{"params": params[:3]}, {"params": params[3:]}], state_format="8bit", min_quantize_numel=0)
+
+    params, opt = make()
+    set_grads(params)
+    opt.step()
+    state_dict = load(save(opt.state_dict()))
+    state_dict["state"][4]["exp_avg"].scale = state_dict["state"][4]["exp_avg"].scale[:-1]
+    with pytest.raises(ValueError, match=r"checkpoint state 'exp_avg' of parameter 4 \(shape \(300,\)\) is corrupt"):
+        make()[1].load_state_dict(state_dict)
 
 
 @pytest.mark.parametrize("step", [torch.zeros(0), torch.zeros(2), "1", None, True], ids=["empty", "two", "str", "None", "bool"])
