@@ -456,6 +456,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"block_size={group['block_size']} applies to blockwise state formats (8bit, 4bit, fp8, ...), but "
                 f"state_format {group['state_format']!r} has no blocks: drop block_size or pick a blockwise format"
             )
+        if len({id(p) for p in group["params"]}) != len(group["params"]):  # torch.optim only warns, and steps such a parameter twice
+            raise ValueError("a param group lists a parameter more than once: list each once (model.parameters() does)")
         for p in group["params"]:
             _check_param(p, self.torch_name)
         if group["param_update"] != "nearest" and any(p.dtype == torch.float16 for p in group["params"]):
