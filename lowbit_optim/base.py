@@ -1067,7 +1067,7 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
         return
     if foreign.is_torchao_state(local(value)):  # read by foreign.from_foreign, the state it makes checked as ours
         return
-    problem = not_plain(local(value)) if value.device.type != "meta" else "on the meta device, where it holds no values"
+    problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
     if problem is None and _overlaps(local(value)):
         problem = f"a view whose elements share memory (strides {local(value).stride()}), which a state written in place cannot be"
     if problem:
