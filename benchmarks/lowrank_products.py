@@ -1,11 +1,12 @@
-"""The low-rank states' products (lowbit_optim.lowrank_products) beside torch's, on GPT-2-small's shapes.
+"""The low-rank states' products and QRs (lowbit_optim.lowrank_products) beside torch's, on GPT-2-small's shapes.
 
 A LowRankState takes four (rows x cols x rank) products per step: ``outer`` = left @ right.T twice
 (its read, and its write's residual), ``times`` = matrix @ basis and ``transposed_times`` =
-matrix.T @ left once each. This times each, as lowbit_optim computes them on the CPU (csrc/products.h:
-one summation order on every build) and as torch's BLAS does, in the same process, into preallocated
-outputs as the fused kernel's buffers are (fresh memory would add a page fault per 4 KiB to both), the
-fastest of ``--repeats``. Matrices: the token embedding (50257 x 768) and a block's four (768 x 2304,
+matrix.T @ left once each; and two QRs, of its (cols x rank) start and its (rows x rank) product.
+This times each, as lowbit_optim computes them on the CPU (csrc/products.h, csrc/orthonormal.h: one
+order on every build and thread count) and as torch does (its BLAS, LAPACK's QR), in the same
+process, the products into preallocated outputs as the fused kernel's buffers are (fresh memory
+would add a page fault per 4 KiB to both), the fastest of ``--repeats``. Matrices: the token embedding (50257 x 768) and a block's four (768 x 2304,
 768 x 768, 768 x 3072, 3072 x 768).
 
     python benchmarks/lowrank_products.py                  # rank 32 (8bit-lowrank), this CPU
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     if fused_cpu.library() is None:
         raise SystemExit("the fused kernel's library cannot be built here: lowrank_products would be torch's own")
     print(f"rank {args.rank}, {torch.get_num_threads()} threads, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()} kernels), library flags {' '.join(kernel_build.flags()[:4])}")
-    print("| matrix | product | lowbit_optim ms | torch ms | lowbit / torch |\n|---|---|---:|---:|---:|")
+    print("| matrix | product or QR | lowbit_optim ms | torch ms | lowbit / torch |\n|---|---|---:|---:|---:|")
     totals = [0.0, 0.0]
     for rows, cols in SHAPES:
         g = torch.Generator().manual_seed(0)
@@ -63,6 +64,8 @@ def main(argv=None) -> None:
             "outer": (lambda: lowrank_products.outer(left, basis, out=full), lambda: torch.mm(left, basis.T, out=full)),
             "times": (lambda: lowrank_products.times(matrix, basis, out=narrow), lambda: torch.mm(matrix, basis, out=narrow)),
             "transposed_times": (lambda: lowrank_products.transposed_times(matrix, left, out=wide), lambda: torch.mm(matrix.T, left, out=wide)),
+            "QR of rows x rank": (lambda: lowrank_products.orthonormal(left), lambda: torch.linalg.qr(left)),
+            "QR of cols x rank": (lambda: lowrank_products.orthonormal(basis), lambda: torch.linalg.qr(basis)),
         }
         for name, (ours, theirs) in cases.items():
             a, b = fastest(ours, args.repeats), fastest(theirs, args.repeats)
@@ -70,7 +73,7 @@ def main(argv=None) -> None:
             totals[0] += weight * a
             totals[1] += weight * b
             print(f"| {rows} x {cols} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f} |")
-    print(f"| a step's four products, these matrices | | {totals[0] * 1e3:.1f} | {totals[1] * 1e3:.1f} | {totals[0] / totals[1]:.2f} |")
+    print(f"| a step's four products and two QRs, these matrices | | {totals[0] * 1e3:.1f} | {totals[1] * 1e3:.1f} | {totals[0] / totals[1]:.2f} |")
 
 
 if __name__ == "__main__":

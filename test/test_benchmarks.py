@@ -121,7 +121,7 @@ def test_lowrank_refit_smoke(tmp_path):
 
 
 def test_lowrank_products_smoke(monkeypatch, capsys):
-    """benchmarks/lowrank_products.py on small matrices: a row per matrix and product, and the total."""
+    """benchmarks/lowrank_products.py on small matrices: a row per matrix and product or QR, and the total."""
     from lowbit_optim import fused_cpu
 
     if fused_cpu.library() is None:
@@ -130,8 +130,8 @@ def test_lowrank_products_smoke(monkeypatch, capsys):
     monkeypatch.setattr(lowrank_products, "SHAPES", [(40, 24), (24, 40)])
     lowrank_products.main(["--rank", "8", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert out.count("| 40 x 24 |") == 3 and out.count("| 24 x 40 |") == 3
-    assert "a step's four products" in out
+    assert out.count("| 40 x 24 |") == 5 and out.count("| 24 x 40 |") == 5
+    assert "a step's four products and two QRs" in out
 
 
 def test_slow_averages_smoke(tmp_path):
