@@ -22,32 +22,45 @@
  * reflection leaves alone (its w then 0: x + -v * 0, itself but for a zero's sign). */
 #define SPLIT 4
 
+#ifdef VECTOR_LANES
+/* reflect's sums and update for n vectors of columns from c (a constant where it is inlined) */
+static inline __attribute__((always_inline)) void reflect_vectors(int n, const float *restrict v, float tau, int64_t j, int64_t c,
+                                                                 const float *restrict mask, float *restrict x, int64_t m, int64_t r) {
+    vec_t sums[SPLIT][2 * QR_CHUNK / VECTOR_LANES], w[2 * QR_CHUNK / VECTOR_LANES];
+    for (int p = 0; p < SPLIT; p++)
+        for (int l = 0; l < n; l++) sums[p][l] = vec_set1(0.0f);
+    int64_t i = j + 1;
+    for (; i + SPLIT <= m; i += SPLIT)
+        for (int p = 0; p < SPLIT; p++)
+            for (int l = 0; l < n; l++) sums[p][l] = vec_fmadd(vec_set1(v[i + p]), vec_load(x + (i + p) * r + c + l * VECTOR_LANES), sums[p][l]);
+    for (int p = 0; i < m; i++, p++)
+        for (int l = 0; l < n; l++) sums[p][l] = vec_fmadd(vec_set1(v[i]), vec_load(x + i * r + c + l * VECTOR_LANES), sums[p][l]);
+    for (int l = 0; l < n; l++) {
+        vec_t below = vec_add(vec_add(sums[0][l], sums[1][l]), vec_add(sums[2][l], sums[3][l]));
+        vec_t top = vec_load(x + j * r + c + l * VECTOR_LANES);
+        w[l] = vec_mul(vec_mul(vec_add(top, below), vec_set1(tau)), vec_load(mask + c + l * VECTOR_LANES));
+        vec_store(x + j * r + c + l * VECTOR_LANES, vec_sub(top, w[l]));
+    }
+    for (i = j + 1; i < m; i++) {
+        vec_t vi = vec_set1(v[i]);
+        for (int l = 0; l < n; l++) vec_store(x + i * r + c + l * VECTOR_LANES, vec_fnmadd(vi, w[l], vec_load(x + i * r + c + l * VECTOR_LANES)));
+    }
+}
+#endif
+
 static void reflect(const float *restrict v, float tau, int64_t j, int64_t k0, const float *restrict mask, float *restrict x, int64_t m, int64_t r) {
     for (int64_t c = k0; c < r; c += QR_CHUNK) {
         int64_t width = r - c < QR_CHUNK ? r - c : QR_CHUNK;
 #ifdef VECTOR_LANES
-        if (width == QR_CHUNK) {  /* the same operations by vectors (compilers leave these loops scalar) */
-            enum { VECTORS = QR_CHUNK / VECTOR_LANES };
-            vec_t sums[SPLIT][VECTORS], w[VECTORS];
-            for (int p = 0; p < SPLIT; p++)
-                for (int l = 0; l < VECTORS; l++) sums[p][l] = vec_set1(0.0f);
-            int64_t i = j + 1;
-            for (; i + SPLIT <= m; i += SPLIT)
-                for (int p = 0; p < SPLIT; p++)
-                    for (int l = 0; l < VECTORS; l++) sums[p][l] = vec_fmadd(vec_set1(v[i + p]), vec_load(x + (i + p) * r + c + l * VECTOR_LANES), sums[p][l]);
-            for (int p = 0; i < m; i++, p++)
-                for (int l = 0; l < VECTORS; l++) sums[p][l] = vec_fmadd(vec_set1(v[i]), vec_load(x + i * r + c + l * VECTOR_LANES), sums[p][l]);
-            for (int l = 0; l < VECTORS; l++) {
-                vec_t below = vec_add(vec_add(sums[0][l], sums[1][l]), vec_add(sums[2][l], sums[3][l]));
-                vec_t top = vec_load(x + j * r + c + l * VECTOR_LANES);
-                w[l] = vec_mul(vec_mul(vec_add(top, below), vec_set1(tau)), vec_load(mask + c + l * VECTOR_LANES));
-                vec_store(x + j * r + c + l * VECTOR_LANES, vec_sub(top, w[l]));
-            }
-            for (i = j + 1; i < m; i++) {
-                vec_t vi = vec_set1(v[i]);
-                for (int l = 0; l < VECTORS; l++)
-                    vec_store(x + i * r + c + l * VECTOR_LANES, vec_fnmadd(vi, w[l], vec_load(x + i * r + c + l * VECTOR_LANES)));
-            }
+        /* the same operations by vectors (compilers leave these loops scalar); with AVX-512, two
+         * chunks a pass where they are whole (8 sums in registers: AVX2's 16 would not fit) */
+        if (VECTOR_LANES == QR_CHUNK && r - c >= 2 * QR_CHUNK) {
+            reflect_vectors(2, v, tau, j, c, mask, x, m, r);
+            c += QR_CHUNK;
+            continue;
+        }
+        if (width == QR_CHUNK) {
+            reflect_vectors(QR_CHUNK / VECTOR_LANES, v, tau, j, c, mask, x, m, r);
             continue;
         }
 #endif
