@@ -47,6 +47,11 @@ _STRUCTURAL_KEYS = (
 # group is built, its states would no longer be what it says (the step checks, _check_state_keys)
 _STATE_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
 
+GRAD_SCALER_IN_BACKWARD = (
+    "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after backward, and the "
+    "step in backward has already used them (scaled). Train in bf16 (autocast needs no scaler), or pass step_in_backward=False"
+)
+
 # the per-parameter states lowbit_optim keeps beside an optimizer's declared ones
 _OWN_STATE_NAMES = ("step", "compensation", "param_correction")
 
@@ -590,11 +595,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if self._step_in_backward and "grad_scale" in self.__dict__:
-            raise RuntimeError(
-                "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after "
-                "backward, and the step in backward has already used them (scaled). Train in bf16 (autocast "
-                "needs no scaler), or pass step_in_backward=False"
-            )
+            raise RuntimeError(GRAD_SCALER_IN_BACKWARD)
         if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
             # the groups' lists read through another name: dynamo guards on every value of
             # self.param_groups (a new graph for each lr), not on what is read through an alias
@@ -667,6 +668,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state = self.state[p] if has_states or p in self.state else {}
             if has_states and not state:
                 self._init_state(p, group, state)
+            elif extra and extra not in state:  # a parameter cast to bf16 after its first step: from zero error, as a load
+                state[extra] = self._new_state(p, group, extra)
             # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
             step = state.get("step") if has_states else None
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2

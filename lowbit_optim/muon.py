@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .base import StateFormatError
+from .base import GRAD_SCALER_IN_BACKWARD, StateFormatError
 from .optim import AdamW, Muon
 
 
@@ -96,8 +96,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.muon] + ([self.adamw] if self.adamw else [])
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # GradScaler then hands this optimizer its scale, which step() refuses where a part steps in backward
+        return any(o._step_supports_amp_scaling for o in self.optimizers)
+
     @torch.no_grad()
     def step(self, closure=None):
+        if "grad_scale" in self.__dict__:
+            raise RuntimeError(GRAD_SCALER_IN_BACKWARD)
         loss = None
         if closure is not None:
             with torch.enable_grad():

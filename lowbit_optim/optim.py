@@ -180,6 +180,7 @@ class Muon(LowBitOptimizer):
     step_function = staticmethod(functional.muon_step)
     states = (State("momentum_buffer", signed=True, decay=lambda group: group["momentum"]),)
     torch_name = "Muon"
+    _step_when_missing = 1.0  # torch.optim.Muon checkpoints count no steps (Muon's step uses none)
     flat_step = False  # Newton-Schulz needs each matrix's shape
     # plain fp32 / bf16 momentum: the compiled step is as fast by default (benchmarks/default_vs_compiled.py)
     fused_default_needs_codes = True

@@ -2,6 +2,7 @@
 cover. The eager step against torch.optim.Muon at fp32 round-off, the errors for what Muon cannot step,
 and ``muon_split``, the usual recipe's split of a model between Muon and AdamW."""
 
+import copy
 import pickle
 import re
 
@@ -28,6 +29,24 @@ def test_eager_step_is_torch_muon(option):
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=0, atol=5e-7)
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"], rtol=0, atol=1e-7)
+
+
+def test_a_torch_muon_checkpoint_resumes():
+    """torch.optim.Muon keeps only momentum buffers (no step counter): they load, and the steps go
+    on as torch's."""
+    kwargs = dict(lr=MUON.lr)
+    grads = gradients(MUON)
+    theirs, reference = run(lambda ps: torch.optim.Muon(ps, **kwargs), grads[:2], MUON)
+    ours = [nn.Parameter(p.detach().clone()) for p in theirs]
+    opt = lowbit_optim.Muon(ours, compile=False, **kwargs)
+    opt.load_state_dict(copy.deepcopy(reference.state_dict()))  # its own buffers, as from a file
+    for step_grads in grads[2:4]:
+        for p, q, g in zip(ours, theirs, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-7)
 
 
 @pytest.mark.parametrize(

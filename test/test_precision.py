@@ -211,6 +211,22 @@ def test_loading_without_precision_buffer_starts_from_zero_error():
     _train(model, kahan, 1)
 
 
+@pytest.mark.parametrize("mode", ["kahan", "int8-correction"])
+def test_a_model_cast_to_bf16_after_a_step_starts_its_buffer_from_zero_error(mode):
+    """model.bfloat16() keeps the Parameter objects: their next step makes the buffer their mode
+    needs, from zero error, as a load without it does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 2))
+    opt = lowbit_optim.AdamW(model.parameters(), param_update=mode)
+    model(torch.randn(8, 80)).square().mean().backward()
+    opt.step()
+    name = precision.extra_state_name(mode)
+    assert name not in opt.state[model[0].weight]
+    model.bfloat16()
+    _train(model, opt, 2)
+    assert opt.state[model[0].weight][name].shape == (64, 80) and bool(model[0].weight.isfinite().all())
+
+
 @pytest.mark.parametrize("mode", ["stochastic", "kahan", "int8-correction"])
 def test_fp16_parameters_refuse_a_bf16_param_update(mode):
     """The param_update modes keep bf16 weights precise; fp16 weights would be rounded to nearest

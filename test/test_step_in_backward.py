@@ -267,11 +267,16 @@ def test_what_cannot_combine_is_an_error():
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
 
 
-def test_grad_scaler_is_refused():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])
+def test_grad_scaler_is_refused(wrapped):
     """GradScaler unscales gradients after backward, but the step in backward has used them: the
-    scaler's step() refuses clearly instead of an assertion about inf checks."""
+    scaler's step() refuses clearly instead of an assertion about inf checks (MuonWithAdamW's too,
+    whose parts are the ones stepping in backward)."""
     model = OPTIMIZERS[0].mlp()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, compile=False)
+    if wrapped:
+        opt = lowbit_optim.MuonWithAdamW(model, head="2", step_in_backward=True, compile=False)
+    else:
+        opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, compile=False)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(_loss(model, 0)).backward()
     with pytest.raises(RuntimeError, match="GradScaler .* step_in_backward=True"):
