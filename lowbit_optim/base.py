@@ -610,7 +610,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
+        params, grads, positions = step_op.with_grads([p for group in self.param_groups for p in group["params"]])
+        if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
+            in_backward.clip_left_over(self, params, grads)
+        self._step_params(params, grads, positions)
         return loss
 
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: bool = False) -> None:

@@ -19,6 +19,7 @@ summed over the ranks once, when backward ends.
 
 import functools
 import math
+import warnings
 import weakref
 
 import torch
@@ -46,6 +47,14 @@ def hook_params(optimizer, group: dict, index: int) -> None:
                 "from a hook on its gradient, made with the optimizer. Pass the trainable ones "
                 "([p for p in model.parameters() if p.requires_grad]) and add others with add_param_group once unfrozen"
             )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not all(is_dtensor(p) for p in group["params"]):
+        warnings.warn(
+            "step_in_backward=True steps each parameter as soon as backward has accumulated its gradient: under "
+            "DistributedDataParallel that is before DDP averages it over the ranks, and the replicas part. Shard the "
+            "model with FSDP2 (fully_shard), whose shards' hooks run after their reduce-scatter, or pass "
+            "step_in_backward=False with DDP (this warning does not apply to a pipeline stage or a per-rank model)",
+            stacklevel=4,
+        )
     for p in group["params"]:
         p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
 
@@ -91,20 +100,45 @@ def _end_of_backward(owner: weakref.ref) -> None:
         return
     norms = optimizer.__dict__.pop("_backward_norms", {})
     optimizer.__dict__.pop("_backward_square_sum", None)
+    norm = _global_norm(optimizer, norms)
+    if norm is not None:
+        set_last_grad_norm(optimizer, norm)
+        optimizer._norm_is_this_steps = True  # for clip_left_over, until the step
+
+
+def clip_left_over(optimizer, params: list[Tensor], grads: list[Tensor]) -> None:
+    """Gradients that step() finds under max_grad_norm: accumulated (``accumulating()``) for
+    parameters the last backward did not reach, whose hooks therefore did not step them (a branch
+    that micro-batch did not take). Their norm joins the step's (``last_grad_norm``), and they are
+    clipped by its coefficient, exact by now, as clip_grads_with_norm_ would."""
+    this_steps = optimizer.__dict__.pop("_norm_is_this_steps", False)  # else last_grad_norm is an earlier step's
+    if optimizer._max_grad_norm is None or not grads:
+        return
+    left_over = _global_norm(optimizer, {p: torch.linalg.vector_norm(local(g), 2, dtype=torch.float32) for p, g in zip(params, grads)})
+    seen = optimizer.last_grad_norm if this_steps else torch.zeros(())
+    total = torch.hypot(seen.double(), left_over.double().cpu())
+    set_last_grad_norm(optimizer, total)
+    coefficient = torch.clamp(optimizer._max_grad_norm / (total.float() + _CLIP_EPS), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.device))
+
+
+def _global_norm(optimizer, norms: dict) -> Tensor | None:
+    """The norm of the parameters' gradient norms ``norms`` (param -> its local shard's), in
+    param-group order, over the ranks where they are FSDP2 shards; None where there are none."""
     ordered = [(p, norms[p]) for group in optimizer.param_groups for p in group["params"] if p in norms]
     if not ordered:
-        return
+        return None
     sharded = [n for p, n in ordered if is_dtensor(p)]
     if not sharded:
-        set_last_grad_norm(optimizer, torch.linalg.vector_norm(torch.stack([n.cpu() for _, n in ordered]), 2))
-        return
+        return torch.linalg.vector_norm(torch.stack([n.cpu() for _, n in ordered]), 2)
     # float64 sums (fp32 squares are exact in it): the norm's bits do not depend on the order in which
     # a reduction kernel or the ranks add them (an fp32 sum of the same six squares differed by an ulp
     # between a backward callback and the main thread, on an AMD EPYC family 26)
     square_sum = torch.stack(sharded).double().square().sum()  # this rank's shards: summed over the ranks
     dist.all_reduce(square_sum, group=next(p for p, _ in ordered if is_dtensor(p)).device_mesh.get_group())
     whole = [n.to(square_sum.device) for p, n in ordered if not is_dtensor(p)]  # the same on every rank: once
-    set_last_grad_norm(optimizer, (square_sum + torch.stack(whole).double().square().sum() if whole else square_sum).sqrt())
+    return (square_sum + torch.stack(whole).double().square().sum() if whole else square_sum).sqrt()
 
 
 def set_last_grad_norm(optimizer, norm) -> None:

@@ -8,6 +8,7 @@ autocast, param groups, checkpoints and copies; and what cannot combine is a cle
 test_fsdp.py (its 2-rank job).
 """
 
+import contextlib
 import copy
 import io
 import pickle
@@ -265,6 +266,43 @@ def test_what_cannot_combine_is_an_error():
     opt = lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
+
+
+def test_left_over_gradients_are_clipped_with_the_steps_norm():
+    """A layer that only an accumulated micro-batch reached keeps its gradient after the last
+    backward (its hook did not fire): step() steps it clipped by the step's global norm, which now
+    counts it, as clip_grad_norm_ after backward would (that layer: the same parameters)."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Linear(64, 64), nn.Linear(64, 64)
+
+    batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    runs = []
+    for in_backward in (False, True):
+        a, b = make()
+        params = [*a.parameters(), *b.parameters()]
+        kwargs = dict(step_in_backward=True, max_grad_norm=0.01) if in_backward else {}
+        opt = lowbit_optim.AdamW(params, lr=1e-2, state_format="fp32", **kwargs)
+        with opt.accumulating() if in_backward else contextlib.nullcontext():
+            (a(batches[0]).square().mean() + b(batches[0]).square().mean()).backward()  # b in this micro-batch only
+        a(batches[1]).square().mean().backward()
+        norm = opt.last_grad_norm if in_backward else torch.nn.utils.clip_grad_norm_(params, 0.01)
+        assert (b.weight.grad is not None) and (a.weight.grad is None) == in_backward
+        opt.step()
+        runs.append((b, norm if not in_backward else opt.last_grad_norm))
+    (exact, exact_norm), (ours, total) = runs
+    torch.testing.assert_close(total, exact_norm, rtol=1e-6, atol=0)
+    for p, q in zip(ours.parameters(), exact.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+
+
+def test_ddp_replicas_are_warned_of(monkeypatch):
+    """Under DDP the hooks would step with each rank's gradient before its all-reduce: a process
+    group of several ranks and parameters that are not FSDP2 shards warn, at construction."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.warns(UserWarning, match="DistributedDataParallel .* replicas part"):
+        lowbit_optim.AdamW(nn.Linear(4, 4).parameters(), step_in_backward=True)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])
