@@ -34,6 +34,7 @@ class RMSprop(lowbit_optim.LowBitOptimizer):
     step_function = staticmethod(rmsprop_step)
     states = (lowbit_optim.State("square_avg", signed=False, decay=lambda group: group["alpha"]),)  # its beta (checked for signed states)
     torch_name = "RMSprop"
+    elementwise_step = True  # each element's update reads that element alone: large parameters step in slices
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, **options):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay), **options)

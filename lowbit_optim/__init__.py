@@ -101,6 +101,7 @@ __all__ = [
     "dequantize_state_dict",
     "get_format",
     "lion_step",
+    "muon_step",
     "param_groups_by_module",
     "register_format",
     "registered_formats",

@@ -31,7 +31,7 @@ class AnyPrecisionAdamW(AdamW):
         weight_decay: float = 0.0,
         use_kahan_summation: bool = False,
         momentum_dtype=torch.float32,
-        variance_dtype=torch.float32,
+        variance_dtype=torch.bfloat16,  # torchdistx's defaults: momentum in fp32, variance in bf16
         compensation_buffer_dtype=torch.bfloat16,
         **kwargs,
     ):

@@ -448,8 +448,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_decays(group)
         if group["param_update"] == "kahan":
             compensation = formats.get_format(group["compensation_format"])
-            if formats.is_quantized(compensation):
-                compensation.check_signed(True)
+            if formats.is_quantized(compensation) and not compensation.holds_signed:
+                raise ValueError(
+                    f"compensation_format {compensation.name!r} holds nonnegative values only, and Kahan's compensation "
+                    "(the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'"
+                )
         else:
             del used["compensation"]
         for name in used.values():

@@ -4,6 +4,8 @@ Imports nothing from transformers: for ``Trainer(optimizer_cls_and_kwargs=(cls, 
 calls ``cls(params, **kwargs)`` with its own param groups, or with ``kwargs.pop("params")`` if given.
 """
 
+import inspect
+
 from torch import nn
 
 from .optim import Adam, AdamW, param_groups_by_module
@@ -23,15 +25,17 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
     - ``overrides`` (default: embeddings keep fp32 state, as bitsandbytes does under Trainer) are
       per-module group options, see ``param_groups_by_module``.
     - Biases and norm weights (parameters of fewer than 2 dims) get no weight decay, as in
-      Trainer's default groups for transformer models. Frozen parameters are left out.
+      Trainer's default groups for transformer models (an optimizer that takes no ``weight_decay``,
+      such as your own, gets none of it). Frozen parameters are left out.
     - ``step_in_backward=True`` is refused where Trainer would act on gradients after backward:
       gradient accumulation (Trainer runs several backward passes per step without telling the
       optimizer) and its clipping (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
     """
     if args is not None and kwargs.get("step_in_backward"):
         _check_step_in_backward(args)
+    takes_decay = "weight_decay" in inspect.signature(optimizer_cls).parameters
     if args is not None:
-        from_args = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+        from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
         if issubclass(optimizer_cls, Adam):
             from_args.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         kwargs = {**from_args, **kwargs}
@@ -42,7 +46,7 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         for decay in (True, False):
             chosen = [p for p in trainable if (p.dim() >= 2) == decay]
             if chosen:
-                params.append({**group, "params": chosen, **({} if decay else {"weight_decay": 0.0})})
+                params.append({**group, "params": chosen, **({} if decay or not takes_decay else {"weight_decay": 0.0})})
     return optimizer_cls, {**kwargs, "params": params}
 
 

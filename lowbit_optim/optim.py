@@ -319,7 +319,9 @@ def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) 
         opt = AdamW(groups, state_format="8bit")
 
     ``overrides`` maps a module type or a glob over qualified module names (``"lm_head"``,
-    ``"blocks.*.attn"``) to group options. The first matching key wins; a parameter shared by several
+    ``"blocks.*.attn.*"``) to group options. A key matches the module that holds a parameter itself
+    (``blocks.0.attn.q_proj`` for its weight, not ``blocks.0.attn``: hence the trailing ``.*``). The
+    first matching key wins; a parameter shared by several
     modules (tied weights) goes to the group of the first module that holds it. Parameters matched by
     no key form the first group, with ``group_defaults``. Values may also be a bare format name.
     """

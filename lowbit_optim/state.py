@@ -501,7 +501,12 @@ class CodebookState(OptimState):
     """A format given by a table of code values: ``codebook(signed)`` returns up to 2**bits sorted
     floats in [-1, 1] that end at ``scale_max`` (1.0, where each block's absmax lands); encoding picks
     the exact nearest one (ties to the larger), via lookup tables, nearest in value or in the
-    format's ``rounding_space``."""
+    format's ``rounding_space``. Codes are bytes or nibbles: bits 8 or 4."""
+
+    def __init_subclass__(cls, **kwargs):
+        if cls.bits not in (4, 8):  # a code is a byte or a nibble (quant.py: at most 256 codebook values)
+            raise TypeError(f"{cls.__name__}.bits must be 8 or 4 for a codebook (at most 256 values), got {cls.bits}; 10-bit states are block floats (block_float.py)")
+        super().__init_subclass__(**kwargs)
 
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:

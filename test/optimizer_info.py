@@ -237,8 +237,10 @@ def _declared_optimizers(cls=LowBitOptimizer) -> list[type]:
 
 
 def _discovered(cls: type) -> OptimizerInfo:
-    """Defaults for an optimizer the tests know nothing about: its own default lr."""
-    return OptimizerInfo(cls, lr=inspect.signature(cls).parameters["lr"].default)
+    """Defaults for an optimizer the tests know nothing about: its own default lr (1e-3 where it has
+    none: a required lr, or one taken through **kwargs)."""
+    lr = inspect.signature(cls).parameters.get("lr")
+    return OptimizerInfo(cls, lr=1e-3 if lr is None or lr.default is inspect.Parameter.empty else lr.default)
 
 
 _KNOWN = {info.cls for info in BUILTIN_OPTIMIZERS} | {lowbit_optim.Adam}  # Adam: AdamW's info covers its step

@@ -1263,6 +1263,13 @@ def test_stochastic_rounding_after_the_codebook_format_is_refused():
     assert "wrong-order" not in lowbit_optim.registered_formats()
 
 
+def test_a_codebook_of_more_than_a_byte_is_refused_where_it_is_defined():
+    """A code is a byte or a nibble: a 10-bit codebook would fail at its first use, so its class is
+    refused (10-bit states are block floats)."""
+    with pytest.raises(TypeError, match=r"TenBits.bits must be 8 or 4 for a codebook .* got 10"):
+        type("TenBits", (CodebookState,), {"bits": 10, "default_block_size": 128})
+
+
 def test_a_codebook_out_of_order_is_named():
     """A user's codebook that is not strictly increasing (unsorted, repeated, NaN), does not end at
     scale_max (where a block's absmax lands) or is missing is refused naming the class and

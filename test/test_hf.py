@@ -128,6 +128,21 @@ def test_helper_builds_other_optimizers(tmp_path, cls):
         assert g.get("momentum") == extra.get("momentum", defaults.get("momentum"))
 
 
+class SGDWithoutDecay(lowbit_optim.SGD):
+    """An optimizer of one's own whose constructor takes no weight_decay."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, **options):
+        super().__init__(params, lr=lr, momentum=momentum, **options)
+
+
+def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
+    """TrainingArguments' weight decay is not passed to an optimizer that takes none (its lr is)."""
+    trainer = _trainer(tmp_path)
+    cls, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
+    opt = cls(kwargs.pop("params"), **kwargs)
+    assert all(g["lr"] == trainer.args.learning_rate and g["momentum"] == 0.9 and g["weight_decay"] == 0.0 for g in opt.param_groups)
+
+
 def _steps(model, opt, accelerator, n: int) -> None:
     for _ in range(n):
         accelerator.backward(model(torch.randn(8, 64)).square().mean())

@@ -969,6 +969,7 @@ BAD_INPUT = {
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
+    "compensation_format='factored'": with_one_param(param_update="kahan", compensation_format="factored"),
     "a parameter listed twice": lambda: lowbit_optim.AdamW([weight := nn.Parameter(torch.randn(4)), weight]),
     "capturable=True": with_one_param(capturable=True),
     "differentiable=True": with_one_param(differentiable=True),
@@ -1013,6 +1014,7 @@ block_size with fp32 states: ValueError: block_size=64 applies to blockwise stat
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
+compensation_format='factored': ValueError: compensation_format 'factored' holds nonnegative values only, and Kahan's compensation (the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'
 a parameter listed twice: ValueError: a param group lists a parameter more than once: list each once (model.parameters() does)
 capturable=True: ValueError: capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step counter on the CPU. Pass capturable=False
 differentiable=True: ValueError: differentiable=True is not supported: quantized states cannot carry gradients through the step. Pass differentiable=False, or use torch.optim for a differentiable optimizer

@@ -151,6 +151,8 @@ def test_any_precision_adamw_maps_torchdistx_arguments():
     assert type(state["exp_avg_sq"]) is lowbit_optim.OptimState8bit
     assert type(state["compensation"]) is lowbit_optim.OptimState4bit
     assert opt.param_groups[0]["weight_decay"] == 0.0
+    # torchdistx's defaults (src/python/torchdistx/optimizers/anyprecision_optimizer.py): momentum in fp32, variance in bf16
+    assert lowbit_optim.AnyPrecisionAdamW(model.parameters()).param_groups[0]["state_format"] == {"exp_avg": "fp32", "exp_avg_sq": "bf16"}
     with pytest.raises(ValueError, match="unsupported state dtype"):
         lowbit_optim.AnyPrecisionAdamW(model.parameters(), momentum_dtype=torch.float16)
 
