@@ -366,7 +366,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         """The step function's numbers (after the states and ``param_extra``: floats become fp32
         0-d tensors, tensors keep their dtype) and its flags (keywords that pick a graph)."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no _step_arguments(group): return (numbers, flags), the numbers its step_function "
+            "takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does"
+        )
 
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
     # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its FP8 aliases

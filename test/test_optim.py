@@ -944,6 +944,20 @@ def edited_between_steps(key, value, **kwargs):
     return run
 
 
+def step_without_step_arguments():
+    class NoArguments(lowbit_optim.LowBitOptimizer):
+        step_function = staticmethod(lowbit_optim.sgd_step)
+        states = ()
+
+        def __init__(self, params, lr=1e-3, **options):
+            super().__init__(params, dict(lr=lr), **options)
+
+    p = nn.Parameter(torch.randn(4))
+    opt = NoArguments([p])
+    p.grad = torch.randn(4)
+    opt.step()
+
+
 def with_one_param(**kwargs):
     return lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(8))], **kwargs)
 
@@ -970,6 +984,7 @@ BAD_INPUT = {
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
     "compensation_format='factored'": with_one_param(param_update="kahan", compensation_format="factored"),
+    "an optimizer without _step_arguments": step_without_step_arguments,
     "a parameter listed twice": lambda: lowbit_optim.AdamW([weight := nn.Parameter(torch.randn(4)), weight]),
     "capturable=True": with_one_param(capturable=True),
     "differentiable=True": with_one_param(differentiable=True),
@@ -1015,6 +1030,7 @@ betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), 
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
 compensation_format='factored': ValueError: compensation_format 'factored' holds nonnegative values only, and Kahan's compensation (the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'
+an optimizer without _step_arguments: NotImplementedError: NoArguments defines no _step_arguments(group): return (numbers, flags), the numbers its step_function takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does
 a parameter listed twice: ValueError: a param group lists a parameter more than once: list each once (model.parameters() does)
 capturable=True: ValueError: capturable=True (CUDA-graph capture of the step) is not supported: lowbit_optim keeps the step counter on the CPU. Pass capturable=False
 differentiable=True: ValueError: differentiable=True is not supported: quantized states cannot carry gradients through the step. Pass differentiable=False, or use torch.optim for a differentiable optimizer
