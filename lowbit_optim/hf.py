@@ -33,7 +33,8 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
     """
     if args is not None and kwargs.get("step_in_backward"):
         _check_step_in_backward(args)
-    takes_decay = "weight_decay" in inspect.signature(optimizer_cls).parameters
+    parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
+    takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     if args is not None:
         from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
         if issubclass(optimizer_cls, Adam):

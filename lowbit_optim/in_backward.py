@@ -80,6 +80,7 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     if norms is not None and param in norms:  # an earlier backward raised before its end: drop what it left
         norms = None
     if norms is None:  # the first gradient of this backward: queue the bookkeeping that ends it
+        optimizer.__dict__.pop("_norm_is_this_steps", None)  # an earlier backward's, whose step() was skipped
         norms = optimizer._backward_norms = {}
         optimizer._backward_square_sum = torch.zeros((), device=grad.device)
         owner = weakref.ref(optimizer)

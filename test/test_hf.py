@@ -131,8 +131,13 @@ def test_helper_builds_other_optimizers(tmp_path, cls):
 class SGDWithoutDecay(lowbit_optim.SGD):
     """An optimizer of one's own whose constructor takes no weight_decay."""
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, **options):
-        super().__init__(params, lr=lr, momentum=momentum, **options)
+    def __init__(self, params, lr=1e-3, momentum=0.0):
+        super().__init__(params, lr=lr, momentum=momentum, state_format="8bit")
+
+
+class AdamWPassingKeywords(lowbit_optim.AdamW):
+    def __init__(self, params, **kwargs):
+        super().__init__(params, state_format="8bit", **kwargs)
 
 
 def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
@@ -141,6 +146,10 @@ def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
     cls, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
     opt = cls(kwargs.pop("params"), **kwargs)
     assert all(g["lr"] == trainer.args.learning_rate and g["momentum"] == 0.9 and g["weight_decay"] == 0.0 for g in opt.param_groups)
+    # one that passes **kwargs on takes weight_decay: args' for matrices, none for biases and norms
+    cls, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=AdamWPassingKeywords)
+    opt = cls(kwargs.pop("params"), **kwargs)
+    assert {g["weight_decay"] for g in opt.param_groups} == {trainer.args.weight_decay, 0.0} != {lowbit_optim.AdamW([torch.zeros(1)]).defaults["weight_decay"]}
 
 
 def _steps(model, opt, accelerator, n: int) -> None:

@@ -296,6 +296,23 @@ def test_left_over_gradients_are_clipped_with_the_steps_norm():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("skip_step", [False, True], ids=["with step()", "without step()"])
+def test_left_over_clipping_counts_this_steps_gradients_only(skip_step):
+    """The norm step() adds left-over gradients to is the last backward's only where that backward
+    belongs to this step: skipping the no-op step() after a stepping backward changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format="fp32", step_in_backward=True, max_grad_norm=0.01, compile=False)
+    model(torch.randn(4, 16)).square().mean().backward()  # stepped in backward
+    if not skip_step:
+        opt.step()
+    with opt.accumulating():  # every micro-batch of the next step accumulated: step() steps them
+        model(torch.randn(4, 16)).square().mean().backward()
+    exact = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    opt.step()
+    torch.testing.assert_close(opt.last_grad_norm, exact, rtol=1e-6, atol=0)
+
+
 def test_ddp_replicas_are_warned_of(monkeypatch):
     """Under DDP the hooks would step with each rank's gradient before its all-reduce: a process
     group of several ranks and parameters that are not FSDP2 shards warn, at construction."""
