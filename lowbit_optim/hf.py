@@ -25,8 +25,8 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
     - ``overrides`` (default: embeddings keep fp32 state, as bitsandbytes does under Trainer) are
       per-module group options, see ``param_groups_by_module``.
     - Biases and norm weights (parameters of fewer than 2 dims) get no weight decay, as in
-      Trainer's default groups for transformer models (an optimizer that takes no ``weight_decay``,
-      such as your own, gets none of it). Frozen parameters are left out.
+      Trainer's default groups for transformer models (an optimizer whose constructor takes no
+      ``weight_decay``, by name or through ``**kwargs``, gets none of it). Frozen parameters are left out.
     - ``step_in_backward=True`` is refused where Trainer would act on gradients after backward:
       gradient accumulation (Trainer runs several backward passes per step without telling the
       optimizer) and its clipping (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).

@@ -12,7 +12,9 @@ last gradients exist. ``max_grad_norm`` gives each gradient clip_grad_norm_'s co
 previous step's and the norm of this step's gradients seen so far (a lower bound of this step's, so
 a first step, or a spike, is clipped as soon as it shows). ``last_grad_norm`` reports each step's
 norm, as clip_grad_norm_ returns it, when backward ends (not with reentrant activation checkpointing,
-``use_reentrant=True``, whose inner backward passes end the count early). Under FSDP2 a hook sees its rank's shard:
+``use_reentrant=True``, whose inner backward passes end the count early). Gradients the last backward
+did not reach (accumulated for a branch its micro-batch did not take) are stepped by step(), clipped
+by the step's norm with theirs added (``clip_left_over``). Under FSDP2 a hook sees its rank's shard:
 the norm so far is this rank's (still a lower bound of the step's), and the step's global norm is
 summed over the ranks once, when backward ends.
 """
