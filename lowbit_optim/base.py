@@ -834,7 +834,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for index, (p, state) in enumerate((p, saved.get(p, {})) for g in self.param_groups for p in g["params"]):
                 for name, value in state.items():  # torch.optim's load copies them before convert could say which
                     if isinstance(value, Tensor) and value.device.type == "meta":
-                        raise ValueError(f"checkpoint state {name!r} of parameter {index} (shape {tuple(p.shape)}) is on the meta device, where it holds no values")
+                        raise ValueError(f"{_loaded_state(name, p, index)} is on the meta device, where it holds no values")
 
         def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
             self.__dict__.pop("_state_keys", None)  # the groups are new dicts
@@ -911,7 +911,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 signed = self._signed(name)
                 value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
                 if isinstance(local(value), StateTensor):  # made from another library's state (foreign.py): checked as ours
-                    _check_state_tensor(f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})", local(value))
+                    _check_state_tensor(_loaded_state(name, param, index), local(value))
             else:  # the fused kernel reads it element by element beside the parameter
                 value = map_local(lambda v: v.contiguous(), value)
             state[name] = value.to(param.device)
@@ -921,14 +921,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         step = state.setdefault("step", self._step_when_missing)
         if isinstance(step, bool) or not (isinstance(step, (int, float)) or isinstance(step, Tensor) and step.numel() == 1):
             raise ValueError(
-                f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {describe_tensor(step)}: "
+                f"{_loaded_state('step', param, index)} is {describe_tensor(step)}: "
                 "it must be a number or a one-element tensor"
             )
         # 0-dim, as the counters it makes: a (1, 1) one would broadcast the compiled step's parameter
         state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu().reshape(())
         count = float(state["step"])
         if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
-            raise ValueError(f"checkpoint state 'step' of parameter {index} (shape {tuple(param.shape)}) is {count}: it must count steps, a finite number >= 0")
+            raise ValueError(f"{_loaded_state('step', param, index)} is {count}: it must count steps, a finite number >= 0")
 
 
 @functools.cache
@@ -1059,10 +1059,15 @@ def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
         )
 
 
+def _loaded_state(name: str, param: Tensor, index: int) -> str:
+    """How load errors name a checkpoint state: by its parameter's place in the checkpoint."""
+    return f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
+
+
 def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
     """Raise a ValueError naming the parameter if checkpoint state ``name`` cannot be ``param``'s: a
     corrupt quantized state would make the fused kernel read and write past its buffers."""
-    where = f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
+    where = _loaded_state(name, param, index)
     if not isinstance(value, Tensor):
         raise ValueError(f"{where} is {describe_tensor(value)}, not a tensor")
     if value.shape != param.shape:

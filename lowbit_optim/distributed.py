@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import OptimState, StateTensor, slice_bounds
+from .state import PLAIN_TENSOR_TYPES, OptimState, StateTensor, slice_bounds
 
 aten = torch.ops.aten
 
@@ -53,12 +53,8 @@ def _dtensor_class():
     return getattr(module, "DTensor", None)
 
 
-# never DTensors: the common case, answered without looking the module up (the step asks per tensor)
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-
-
 def is_dtensor(t) -> bool:
-    if type(t) in _PLAIN_TYPES:
+    if type(t) in PLAIN_TENSOR_TYPES:  # the common case, answered without looking the module up (the step asks per tensor)
         return False
     cls = _dtensor_class()
     return cls is not None and isinstance(t, cls)

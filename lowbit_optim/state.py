@@ -599,11 +599,15 @@ def _format_name(state: StateTensor) -> str:
     return f"{type(state).__name__} ({state.name!r} state format)"
 
 
+# the tensor types that are no subclass: their memory is their values (and never a DTensor, distributed.py)
+PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def not_plain(t: Tensor) -> str | None:
     """Why ``t``'s memory does not hold its values as its elements read them (None: it does), which
     the fused kernel and inductor's code read directly: a tensor subclass (a state inside a state),
     a lazily negated or conjugated view, or a sparse layout."""
-    if type(t) not in (Tensor, torch.nn.Parameter):
+    if type(t) not in PLAIN_TENSOR_TYPES:
         return f"a {type(t).__name__}, not a plain tensor"
     if t.layout != torch.strided:
         return f"a {t.layout} tensor, not a dense one"
