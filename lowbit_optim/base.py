@@ -652,7 +652,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         the next backward outside steps each parameter with the sum. Without ``step_in_backward``
         nothing changes: step() is called by the loop then."""
         previous = self.__dict__.get("_accumulating", False)
-        self.__dict__.pop("_norm_is_this_steps", None)  # a new step's gradients begin (in_backward.clip_left_over)
+        in_backward.begin_step(self)  # a new step's gradients begin
         self._accumulating = True
         try:
             yield self

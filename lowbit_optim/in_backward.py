@@ -82,7 +82,7 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     if norms is not None and param in norms:  # an earlier backward raised before its end: drop what it left
         norms = None
     if norms is None:  # the first gradient of this backward: queue the bookkeeping that ends it
-        optimizer.__dict__.pop("_norm_is_this_steps", None)  # an earlier backward's, whose step() was skipped
+        begin_step(optimizer)  # an earlier backward's norm, whose step() was skipped, is not this step's
         norms = optimizer._backward_norms = {}
         optimizer._backward_square_sum = torch.zeros((), device=grad.device)
         owner = weakref.ref(optimizer)
@@ -107,6 +107,12 @@ def _end_of_backward(owner: weakref.ref) -> None:
     if norm is not None:
         set_last_grad_norm(optimizer, norm)
         optimizer._norm_is_this_steps = True  # for clip_left_over, until the step
+
+
+def begin_step(optimizer) -> None:
+    """A new step's gradients begin (its first backward, or accumulating()): the last backward's
+    norm no longer counts in clip_left_over."""
+    optimizer.__dict__.pop("_norm_is_this_steps", None)
 
 
 def clip_left_over(optimizer, params: list[Tensor], grads: list[Tensor]) -> None:
