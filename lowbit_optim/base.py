@@ -1127,7 +1127,7 @@ def _flat(t: Tensor) -> Tensor:
     if isinstance(t, StateTensor):
         # a new wrapper over the same inner tensors, not an aten.view: dynamo cannot trace a subclass view
         flat = _FLAT_STATES.get(t)
-        if flat is None or any(a is not b for a, b in zip(flat._inner().values(), t._inner().values())):
+        if flat is None or any(getattr(flat, name) is not getattr(t, name) for name in t.inner_names):
             flat = _FLAT_STATES[t] = t._like(shape=(t.numel(),))
         return flat
     # detached: a view keeps its base, whose shape dynamo would guard on (a new graph per rank or size-1 dim)
