@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import affine_codes, kernel_abi
 from .factored import FactoredState
-from .state import OptimState, StateTensor, describe_tensor
+from .state import OptimState, StateTensor, describe_tensor, storage_holds
 
 ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf16 tensor
 _PLAIN_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtype -> the C's kind name
@@ -203,7 +203,7 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
         if problem:
             return problem
     for what, t in _read_tensors(param, grad, step, states):
-        if not _storage_holds(t):
+        if not storage_holds(t):
             needed = (t.storage_offset() + t.numel()) * t.element_size()
             return f"the storage of its {what} holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)"
     return chunks_unsupported(given)
@@ -227,7 +227,7 @@ def check_correction(param: Tensor, correction: Tensor) -> None:
     the C reads and writes one int8 per element."""
     if (
         param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu
-        or correction.numel() != param.numel() or not _storage_holds(correction)
+        or correction.numel() != param.numel() or not storage_holds(correction)
     ):  # fmt: skip
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its int8-correction is "
@@ -242,12 +242,6 @@ def _plain_fits(t: Tensor, numel: int) -> bool:
 
 def _counter_fits(step: Tensor, counted: bool) -> bool:
     return step.dtype == torch.float32 and step.is_cpu and step.numel() == (1 if counted else 0)
-
-
-def _storage_holds(t: Tensor) -> bool:
-    """Whether a contiguous tensor's storage holds its elements: resizing the storage in place
-    (``t.untyped_storage().resize_(0)``, as FSDP does to free memory) keeps the tensor's shape."""
-    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 # ---- describing states as the C's state_t ----------------------------------------------------------
@@ -562,7 +556,7 @@ def _fits(param: Tensor, grad: Tensor, step: Tensor, numel: int, counted: bool) 
     every call: they are not remembered); ``counted``: whether it has states."""
     return (
         _plain_fits(param, numel) and _plain_fits(grad, numel) and _counter_fits(step, counted)
-        and _storage_holds(param) and _storage_holds(grad) and _storage_holds(step)
+        and storage_holds(param) and storage_holds(grad) and storage_holds(step)
     )  # fmt: skip
 
 
@@ -597,7 +591,7 @@ def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor)
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
             "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
-    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel or not _storage_holds(addend):
+    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel or not storage_holds(addend):
         raise ValueError(
             f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "
             f"{describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU"

@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from .state import storage_holds
+
 
 class _Kind(NamedTuple):
     function: str  # the library's
@@ -84,6 +86,7 @@ def _orthonormal(a: Tensor) -> Tensor:
     if kernel is None:
         return torch.linalg.qr(a).Q.contiguous()
     a = a.contiguous()
+    _check_storage("lowrank_orthonormal", a=a)
     q = torch.empty_like(a)
     if kernel.lib.lowbit_orthonormal(a.data_ptr(), a.shape[0], a.shape[1], q.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"lowrank_orthonormal: out of memory for the QR of a {a.shape[0]} x {a.shape[1]} matrix")
@@ -154,11 +157,20 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None, minuend: T
             return _KINDS[kind].torch_product(a, b, out)
         return torch.sub(minuend, _KINDS[kind].torch_product(a, b, torch.empty_like(out)), out=out)
     a, b = a.contiguous(), b.contiguous()
+    _check_storage(op, a=a, b=b, out=out, minuend=minuend)
     rows, cols, rank = _KINDS[kind].dims(a, b)
     minuend_at = [minuend.data_ptr() if minuend is not None else None] if kind == "outer" else []  # outer's argument alone
     if getattr(kernel.lib, _KINDS[kind].function)(a.data_ptr(), b.data_ptr(), rows, cols, rank, *minuend_at, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"{op}: out of memory for a {rows} x {cols} matrix's product")
     return out
+
+
+def _check_storage(op: str, **tensors: Tensor | None) -> None:
+    """The C reads each of ``tensors`` (contiguous) from its data pointer: its storage must hold it."""
+    for name, t in tensors.items():
+        if t is not None and not storage_holds(t):
+            needed = (t.storage_offset() + t.numel()) * t.element_size()
+            raise ValueError(f"{op}: the storage of {name} holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)")
 
 
 def _shares_memory(t: Tensor, u: Tensor) -> bool:

@@ -616,6 +616,13 @@ def not_plain(t: Tensor) -> str | None:
     return None
 
 
+def storage_holds(t: Tensor) -> bool:
+    """Whether a contiguous tensor's storage holds its elements (what C reading it from its data
+    pointer needs): resizing the storage in place (``t.untyped_storage().resize_(0)``, as FSDP does
+    to free memory) keeps the tensor's shape."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
 def describe_tensor(t) -> str:
     """What ``t`` is, for error messages about tensors of the wrong kind."""
     if not isinstance(t, Tensor):

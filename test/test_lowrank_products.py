@@ -166,6 +166,12 @@ def test_into_a_buffer(kind):
     assert torch.equal(out, product(kind, a, b))
 
 
+def freed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage resized to nothing in place (as FSDP frees memory): same shape, no bytes."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -183,6 +189,9 @@ def test_into_a_buffer(kind):
         (lambda: lowrank_products.orthonormal(torch.randn(3, 4)), "lowrank_orthonormal: a (3, 4) matrix has more columns than rows"),
         (lambda: lowrank_products.orthonormal(torch.randn(4, 3, dtype=torch.float64)), "lowrank_orthonormal: a is a 2-D torch.float64 tensor"),
         (lambda: lowrank_products.orthonormal(torch.randn(12)), "lowrank_orthonormal: a is a 1-D torch.float32 tensor"),
+        (lambda: lowrank_products.orthonormal(freed(torch.randn(600, 32))), "lowrank_orthonormal: the storage of a holds 0 bytes, not the 76800"),
+        (lambda: lowrank_products.times(torch.randn(4, 600), freed(torch.randn(600, 32))), "lowrank_product('times'): the storage of b holds 0 bytes"),
+        (lambda: lowrank_products.outer(torch.randn(4, 2), torch.randn(6, 2), out=freed(torch.empty(4, 6))), "lowrank_product('outer'): the storage of out holds 0 bytes"),
     ],
 )
 def test_bad_inputs_are_refused_before_the_c_reads_them(call, message):
