@@ -125,7 +125,10 @@ def lion_step(
         g = -g
     p = start - lr * weight_decay * start
     m = exp_avg.float()
-    p = p - lr * m.lerp(g, one_minus_beta1).sign()
+    direction = m.lerp(g, one_minus_beta1)
+    # NaN where the direction is not finite, as Adam's update is: sign() gives 0 for NaN, and a NaN
+    # gradient would silently freeze its parameter element (its momentum NaN for good)
+    p = p - lr * torch.where(direction.isfinite(), direction.sign(), torch.nan)
     exp_avg.copy_(m.lerp(g, one_minus_beta2))
     precision.write_param(param, param_extra, start, p, param_update)
 

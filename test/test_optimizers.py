@@ -395,6 +395,24 @@ def test_fused(opt_info, fmt):
         assert_same_training(*runs[0], *run)
 
 
+@pytest.mark.parametrize("opt_info", OPTIMIZERS, ids=str)
+def test_a_non_finite_gradient_shows_in_the_parameter(opt_info):
+    """A NaN or inf gradient element makes its parameter element non-finite at that step (README,
+    "Non-finite gradients"), the kernel and the compiled step alike: never a parameter that silently
+    stops moving (Lion's sign() is 0 for NaN, and its momentum stays NaN for good)."""
+    choices = (None, False) if opt_info.cls._fused_step is None else (True, False)
+    stepped = []
+    for fused in choices:
+        param = nn.Parameter(initial_params(opt_info)[0])
+        opt = opt_info.make([param], state_format="fp32", fused=fused)
+        param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(1))
+        param.grad[3, 5], param.grad[40, 1] = float("nan"), float("inf")
+        opt.step()
+        assert not param[3, 5].isfinite() and not param[40, 1].isfinite(), f"fused={fused}: a parameter element stayed finite"
+        stepped.append(param.detach())
+    torch.testing.assert_close(*stepped, rtol=0, atol=0, equal_nan=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. SGD specifics, torch checkpoints, bitsandbytes aliases, bad input
 # ------------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ static inline __attribute__((always_inline)) void lion_elements(const lion_hyper
         float P = p[j], G = float_of(bits_of(g[j]) ^ flip), M = read_value(m, j, bf16);
         P = P - lr_wd * P;
         float U = lerp(M, G, c1, high1);
-        float sign = (float)((0.0f < U) - (U < 0.0f));  /* torch.sign as inductor lowers it: 0 for NaN */
+        /* torch.sign as inductor lowers it, but NaN where U is not finite (lion_step) */
+        float sign = fabsf(U) <= FLT_MAX ? (float)((0.0f < U) - (U < 0.0f)) : NAN;
         p[j] = P - lr * sign;
         write_value(m, j, lerp(M, G, c2, high2), bf16);
     }
