@@ -1004,6 +1004,12 @@ def check_betas(betas, who: str, example: tuple) -> None:
         raise ValueError(f"invalid betas {betas!r}: each beta must be a number (or a one-element tensor)")
     if not all(0.0 <= b < 1.0 for b in values):
         raise ValueError(f"invalid betas {betas!r}: each beta must be in [0, 1)")
+    rounded = next((b for b in values if torch.tensor(b, dtype=torch.float32).item() == 1.0), None)
+    if rounded is not None:  # the step computes in fp32: an average that never moves, a bias correction of 0
+        raise ValueError(
+            f"invalid betas {betas!r}: {rounded!r} is 1.0 in float32, the precision the step computes in; "
+            f"each beta must be at most {1 - 2**-24!r} (1 - 2**-24)"
+        )
 
 
 def check_nonnegative(group: dict, *keys: str) -> None:

@@ -970,6 +970,7 @@ BAD_INPUT = {
     "integer parameter": lambda: lowbit_optim.AdamW([torch.zeros(4, dtype=torch.int64)]),
     "lr=-1": with_one_param(lr=-1),
     "betas=(1.0, 0.9)": with_one_param(betas=(1.0, 0.9)),
+    "betas=(0.9, 0.99999999)": with_one_param(betas=(0.9, 0.99999999)),
     "eps=-1": with_one_param(eps=-1),
     "weight_decay=-1": with_one_param(weight_decay=-1),
     'state_format="9bit"': with_one_param(state_format="9bit"),
@@ -1016,6 +1017,7 @@ complex parameter: TypeError: lowbit_optim does not support complex parameters; 
 integer parameter: TypeError: parameters must be floating point, got torch.int64
 lr=-1: ValueError: invalid learning rate -1: lr must be a number >= 0
 betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0, 1)
+betas=(0.9, 0.99999999): ValueError: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, the precision the step computes in; each beta must be at most 0.9999999403953552 (1 - 2**-24)
 eps=-1: ValueError: invalid eps -1: eps must be >= 0
 weight_decay=-1: ValueError: invalid weight_decay -1: weight_decay must be >= 0
 state_format="9bit": ValueError: unknown state format '9bit'; use one of [<registered formats>] or an OptimState subclass that sets a `name`
