@@ -488,8 +488,9 @@ def fused_step_cpu(
                 raise ValueError("state_tensors holds fewer tensors than state_formats describe")
             taken += given
             numel = param.numel()
-            # what check_inputs reads of the states, their addresses included: the same says the same
-            seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr()) for t in inner])
+            # what check_inputs reads of the states, their addresses and storages' sizes included (a
+            # storage resized to 0 and back smaller often keeps its address): the same says the same
+            seen = (optimizer, keys, param.shape, *[(t.dtype, t.shape, t.is_contiguous(), t.is_cpu, t.data_ptr(), t.storage_offset(), t.untyped_storage().nbytes()) for t in inner])
             checked = _checked.get(seen)
             at = i * w.param_size
             if checked is None or not _fits(param, grad, step, numel, checked.counted):

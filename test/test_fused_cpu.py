@@ -1210,9 +1210,10 @@ def checked_shapes(monkeypatch):
 
 def test_op_checks_each_states_once_and_again_when_their_tensors_change(checked_shapes):
     """The op remembers a parameter's states that passed its checks by their tensors' dtypes, shapes,
-    layouts and addresses: a second call over the same tensors checks only the parameter, gradient and
-    counter; a state changed in place behind the same tensor objects (``.data =``, a shrinking
-    ``resize_`` that keeps the address) is checked anew and refused."""
+    layouts, addresses and storage sizes: a second call over the same tensors checks only the
+    parameter, gradient and counter; a state changed in place behind the same tensor objects
+    (``.data =``, a shrinking ``resize_`` that keeps the address) is checked anew and refused, and so
+    is one at the same address over a storage of another size."""
     arguments = list(op_arguments("8bit"))
     checked = checked_shapes
     torch.ops.lowbit_optim.fused_step_cpu(*arguments)
@@ -1236,6 +1237,18 @@ def test_op_checks_each_states_once_and_again_when_their_tensors_change(checked_
     assert codes.data_ptr() == address
     with pytest.raises(ValueError, match=r"shape \(71, 64\): its exp_avg state: .* is inconsistent"):
         torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    # the same address and shape, another storage size (a storage resized to 0 and back smaller often
+    # gets its address back: a check remembered by address would pass it, and the C write past its end)
+    spare = bytearray(2 * before.nbytes)
+    exact = torch.frombuffer(spare, dtype=before.dtype, count=before.numel()).view(before.shape).copy_(before)
+    roomy = torch.frombuffer(spare, dtype=before.dtype)[: before.numel()].view(before.shape)
+    assert exact.data_ptr() == roomy.data_ptr() and exact.untyped_storage().nbytes() != roomy.untyped_storage().nbytes()
+    arguments[5][0] = exact
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    count = len(checked)
+    arguments[5][0] = roomy
+    torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    assert len(checked) == count + 1, "a state whose storage changed size at the same address was not checked again"
 
 
 def test_an_optimizers_steps_check_each_parameter_once(checked_shapes):
@@ -1263,8 +1276,10 @@ def test_an_optimizers_steps_check_each_parameter_once(checked_shapes):
 def test_a_storage_shrunk_under_its_tensor_is_refused(what):
     """Resizing a tensor's storage in place (as FSDP frees memory: ``untyped_storage().resize_(0)``)
     keeps its shape, so the C would read and write past the storage's end. After a step that left its
-    states' checks remembered, the op refuses it, naming the tensor, and steps nothing."""
-    p = torch.nn.Parameter(torch.randn(64, 64))
+    states' checks remembered, the op refuses it, naming the tensor, and steps nothing; also where the
+    storage, resized to 0 and back smaller, kept its address
+    (test_op_checks_each_states_once_and_again_when_their_tensors_change)."""
+    p = torch.nn.Parameter(torch.randn(256, 256))
     opt = lowbit_optim.AdamW([p], state_format="8bit", min_quantize_numel=0, fused=True)
     p.grad = torch.randn_like(p)
     opt.step()
@@ -1272,8 +1287,11 @@ def test_a_storage_shrunk_under_its_tensor_is_refused(what):
     state = opt.state[p]
     tensor = {"values": p.data, "gradient": p.grad, "exp_avg state's codes": state["exp_avg"].codes, "exp_avg_sq state's scale": state["exp_avg_sq"].scale}[what]
     before = p.detach().clone()
-    tensor.untyped_storage().resize_(4)
-    with pytest.raises(ValueError, match=rf"shape \(64, 64\): the storage of its {what} holds 4 bytes, not the \d+ its elements need"):
+    storage = tensor.untyped_storage()
+    half = storage.nbytes() // 2
+    storage.resize_(0)
+    storage.resize_(half)  # at the same address or not, as the allocator has it
+    with pytest.raises(ValueError, match=rf"shape \(256, 256\): the storage of its {what} holds {half} bytes, not the \d+ its elements need"):
         opt.step()
     if what != "values":
         assert torch.equal(p.detach(), before)
