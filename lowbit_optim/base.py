@@ -1099,15 +1099,17 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
 
 
 def _check_state_tensor(where: str, state: StateTensor) -> None:
-    """A state's inner tensors fit its shape (check_layout) and its block scales are block maxima:
-    what the fused kernel and the compiled step trust (a loaded state, and one converted from it)."""
+    """A state's inner tensors fit its shape (check_layout) and hold no negative value where the
+    format keeps maxima or sums of squares (its block scales, factored sums): what the fused kernel
+    and the compiled step trust (a loaded state, and one converted from it)."""
     try:
         state.check_layout()
     except ValueError as error:
         raise ValueError(f"{where} is corrupt: {error}") from None
-    scale = state.scale if isinstance(state, OptimState) else None
-    if scale is not None and bool((scale < 0).any()):  # NaN: a poisoned block, as it was saved
-        raise ValueError(f"{where} is corrupt: a block scale is negative ({float(scale.min())}), where scales are block maxima")
+    for name, held in state.nonnegative.items():
+        values = getattr(state, name)
+        if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
+            raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
 
 
 def _overlaps(t: Tensor) -> bool:

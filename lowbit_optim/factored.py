@@ -40,6 +40,7 @@ class FactoredState(StateTensor):
     inner_names = ("row", "col")
     inner_dtypes = (torch.float32, torch.float32)
     holds_signed = False
+    nonnegative = {"row": "sums of squares", "col": "sums of squares"}
     default_block_size = None  # no blocks: block_size is accepted and ignored
 
     row: Tensor

@@ -106,6 +106,9 @@ class StateTensor(Tensor):
     # them from later_slice (base._pieces), and a DCP checkpoint that reshards the state's codes
     # carries them over as saved (distributed.py)
     whole_state_names: ClassVar[tuple[str, ...]] = ()
+    # inner tensors that hold no negative value, and what they hold: a loaded state with one there is
+    # corrupt (base._check_state_tensor), where the step would make NaN of it
+    nonnegative: ClassVar[dict[str, str]] = {}
     # Raise it when a release changes what a format's codes mean: checkpoints carry the version they
     # were written with, and loading one of another version fails instead of decoding wrong numbers.
     format_version: ClassVar[int] = 1
@@ -349,6 +352,7 @@ class OptimState(StateTensor):
 
     inner_names = ("codes", "scale")
     inner_dtypes = (torch.uint8, torch.float32)
+    nonnegative = {"scale": "block maxima"}
     bits: ClassVar[int] = 8  # 8, 4 (two codes per byte) or 10 (quant.pack_codes)
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to

@@ -173,7 +173,7 @@ def test_foreign_code_table_is_decoded_with_it():
         pytest.param(lambda s: setattr(s, "codes", s.codes.float()), "not uint8", id="codes-dtype"),
         pytest.param(lambda s: setattr(s, "qmap", s.qmap[:16]), "not 256 float32 values", id="code-table"),
         # read into our state over the same codes and scales, then checked as ours
-        pytest.param(lambda s: setattr(s, "scale", -s.scale), "a block scale is negative", id="negative-scale"),
+        pytest.param(lambda s: setattr(s, "scale", -s.scale), "its scale holds a negative value", id="negative-scale"),
         pytest.param(lambda s: setattr(s, "scale", torch.stack([s.scale, s.scale], -1).select(-1, 0)), "scale must be a 1-D contiguous", id="scale-strided"),
     ],
 )

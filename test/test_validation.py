@@ -212,18 +212,20 @@ def test_checkpoint_step_must_count_steps(step):
 
 
 @quantized_formats
-def test_negative_block_scale_is_refused(info):
-    """Scales are block maxima: a negative one (an edited checkpoint) would turn a second moment
-    negative and the step NaN, and is refused; a NaN one is a block a non-finite gradient poisoned,
-    saved as it was."""
-    state_dict = load(checkpoint(info.spec))
-    state = state_dict["state"][0][CHECKED]
-    if not isinstance(state, lowbit_optim.OptimState):
-        pytest.skip(f"{type(state).__name__} keeps no block scales")
-    state.scale[3] = -state.scale[3].abs() - 1.0
-    _, opt = fresh_optimizer(info.spec)
-    with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(70, 64\)\) is corrupt: a block scale is negative"):
-        opt.load_state_dict(load(save(state_dict)))
+def test_negative_maxima_and_sums_of_squares_are_refused(info):
+    """Block scales are block maxima, factored rows and columns sums of squares (a format's
+    ``nonnegative``): a negative value (an edited checkpoint) would turn a second moment negative and
+    the step NaN, and is refused; a NaN one is a block a non-finite gradient poisoned, saved as it was."""
+    state = load(checkpoint(info.spec))["state"][0][CHECKED]
+    if not state.nonnegative:
+        pytest.skip(f"{type(state).__name__} keeps no maxima or sums")
+    for name, held in state.nonnegative.items():
+        state_dict = load(checkpoint(info.spec))
+        values = getattr(state_dict["state"][0][CHECKED], name)
+        values[3] = -values[3].abs() - 1.0
+        _, opt = fresh_optimizer(info.spec)
+        with pytest.raises(ValueError, match=rf"checkpoint state '{CHECKED}' of parameter 0 \(shape \(70, 64\)\) is corrupt: its {name} holds a negative value \(.*\), where it holds {held}"):
+            opt.load_state_dict(load(save(state_dict)))
 
 
 BAD_HYPER_PARAMETERS = {
