@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import PLAIN_TENSOR_TYPES, OptimState, StateTensor, slice_bounds
+from .state import COPY_SOURCES, PLAIN_TENSOR_TYPES, OptimState, StateTensor, slice_bounds
 
 aten = torch.ops.aten
 
@@ -161,6 +161,7 @@ def _shard_view(state: OptimState, index) -> ShardView:
 
 
 OptimState.__get_tensor_shard__ = _shard_view  # registered here: state.py knows nothing of DCP
+COPY_SOURCES[ShardView] = lambda view: view.values().view(view.shape)
 
 
 def _rows(state: Tensor) -> int:

@@ -731,10 +731,19 @@ def _to_copy(func, args, kwargs):
     return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
 
 
+# tensor subclasses of other modules that copy_ into a state reads as the values they stand for:
+# distributed.py registers its ShardView (a quantized checkpoint's rows, which DCP copies into a state
+# it does not view in rows, a bf16-sr or factored one)
+COPY_SOURCES: dict[type, Callable[[Tensor], Tensor]] = {}
+
+
 @implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     # the write path of every step function: quantize into a state, dequantize out of one
     dst, src = args[0], args[1]
+    as_values = COPY_SOURCES.get(type(src))
+    if as_values is not None:
+        src = as_values(src)
     if not isinstance(dst, StateTensor):
         return dst.copy_(src.dequantize())
     if dst.shape != src.shape:

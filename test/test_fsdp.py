@@ -834,7 +834,8 @@ def test_shard_view_plain_tensors():
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_between_formats(tmp_path):
     """dcp.save / dcp.load without a process group: an 8-bit checkpoint loads bit-exactly into 8-bit
-    state, converts into 4-bit and fp32 state; torch.optim.AdamW's checkpoint loads into 8-bit state."""
+    state, converts into 4-bit and fp32 state, and into the states DCP does not view in rows (bf16-sr,
+    factored); torch.optim.AdamW's checkpoint loads into 8-bit state."""
     import torch.distributed.checkpoint as dcp
 
     import lowbit_optim
@@ -866,6 +867,11 @@ def test_dcp_checkpoint_between_formats(tmp_path):
     assert torch.equal(
         load("4bit", tmp_path / "8bit")["exp_avg"].dequantize(), lowbit_optim.OptimState4bit.from_float(saved["exp_avg"].dequantize()).dequantize()
     )
+
+    # rounded stochastically: within one bf16 step
+    torch.testing.assert_close(load("bf16-sr", tmp_path / "8bit")["exp_avg"].dequantize(), saved["exp_avg"].dequantize(), rtol=2**-7, atol=0)
+    factored = load({"exp_avg": "8bit", "exp_avg_sq": "factored"}, tmp_path / "8bit")["exp_avg_sq"]
+    assert torch.equal(factored.dequantize(), lowbit_optim.FactoredState.from_float(saved["exp_avg_sq"].dequantize()).dequantize())
 
     _, torch_opt = trained(torch.optim.AdamW)
     dcp.save(torch_opt.state_dict(), checkpoint_id=tmp_path / "torch", no_dist=True)
