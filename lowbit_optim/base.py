@@ -668,6 +668,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
+            if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) through .data after the constructor checked it
+                _check_param(p, self.torch_name)
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
             if grad.is_sparse:
@@ -1031,6 +1033,9 @@ def _sparse_gradients_refused(name: str, torch_name: str | None) -> str:
     alternative = _SPARSE_ALTERNATIVES.get(torch_name)
     use = f"use {alternative} for those parameters, or " if alternative else ""
     return f"{name} does not support sparse gradients (its states are dense): {use}make the gradients dense (e.g. nn.Embedding(..., sparse=False))"
+
+
+_STEPPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _check_param passes
 
 
 def _check_param(p: Tensor, torch_name: str | None) -> None:

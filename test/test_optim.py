@@ -958,6 +958,14 @@ def step_without_step_arguments():
     opt.step()
 
 
+def made_float64_after_construction():
+    p = nn.Parameter(torch.randn(8))
+    opt = lowbit_optim.AdamW([p])
+    p.data = p.data.double()
+    p.grad = torch.randn_like(p)
+    opt.step()
+
+
 def with_one_param(**kwargs):
     return lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(8))], **kwargs)
 
@@ -983,6 +991,7 @@ BAD_INPUT = {
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
+    "a parameter made float64 through .data": made_float64_after_construction,
     "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
     "compensation_format='factored'": with_one_param(param_update="kahan", compensation_format="factored"),
     "an optimizer without _step_arguments": step_without_step_arguments,
@@ -1030,6 +1039,7 @@ block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 o
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+a parameter made float64 through .data: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
 compensation_format='factored': ValueError: compensation_format 'factored' holds nonnegative values only, and Kahan's compensation (the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'
 an optimizer without _step_arguments: NotImplementedError: NoArguments defines no _step_arguments(group): return (numbers, flags), the numbers its step_function takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does
