@@ -766,7 +766,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return False
         if fused is None and self.fused_default_needs_codes and not any(isinstance(v, StateTensor) for v in values):
             return False
-        reason = fused_cpu.grad_unsupported_reason(grad) or self._kernel_verdict(p, param, step, values, mode)
+        # the parameter's reason first: an fp16 parameter's fp16 gradient is not the cause
+        reason = self._kernel_verdict(p, param, step, values, mode) or fused_cpu.grad_unsupported_reason(grad)
         if reason is not None and fused:
             raise RuntimeError(
                 f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "

@@ -966,6 +966,12 @@ def made_float64_after_construction():
     opt.step()
 
 
+def fp16_parameter_fused():
+    p = nn.Parameter(torch.randn(8, dtype=torch.float16))
+    p.grad = torch.randn_like(p)
+    lowbit_optim.AdamW([p], fused=True).step()
+
+
 def with_one_param(**kwargs):
     return lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(8))], **kwargs)
 
@@ -992,6 +998,7 @@ BAD_INPUT = {
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "a parameter made float64 through .data": made_float64_after_construction,
+    "fused=True, an fp16 parameter": fp16_parameter_fused,
     "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
     "compensation_format='factored'": with_one_param(param_update="kahan", compensation_format="factored"),
     "an optimizer without _step_arguments": step_without_step_arguments,
@@ -1040,6 +1047,7 @@ block_size with fp32 states: ValueError: block_size=64 applies to blockwise stat
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 a parameter made float64 through .data: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+fused=True, an fp16 parameter: RuntimeError: fused=True, but the fused CPU kernel cannot step a parameter of shape (8,): parameter dtype torch.float16 (it takes float32 and bfloat16). Pass fused=None to step such parameters with the compiled step.
 negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
 compensation_format='factored': ValueError: compensation_format 'factored' holds nonnegative values only, and Kahan's compensation (the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'
 an optimizer without _step_arguments: NotImplementedError: NoArguments defines no _step_arguments(group): return (numbers, flags), the numbers its step_function takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does
