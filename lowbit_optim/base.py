@@ -628,7 +628,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         order (step_op.with_grads). ``traced``: the step op's, whose positions were taken when its
         graph was compiled, so they are checked against the parameters as they are now."""
         owners = [(group, p) for group in self.param_groups for p in group["params"]]
-        if traced and (any(i >= len(owners) for i in positions) or [owners[i][1].shape for i in positions] != [p.shape for p in params]):
+        if traced and (
+            any(not 0 <= i < len(owners) for i in positions) or len(set(positions)) != len(positions)
+            or [owners[i][1].shape for i in positions] != [p.shape for p in params]
+        ):  # fmt: skip
             raise RuntimeError(
                 "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
                 "was compiled; add parameters with add_param_group(), not by editing param_groups"

@@ -330,6 +330,17 @@ def test_gradients_set_inside_torch_compile(fused):
     assert_same_training(reference_model, reference, model, opt)
 
 
+@pytest.mark.parametrize("positions", [[0, 5], [-1, 0], [0, 0]], ids=["past the end", "negative", "twice"])
+def test_step_op_refuses_positions_that_are_no_parameters(positions):
+    """The step op steps the parameters at the positions its graph was traced with; positions that
+    no longer name distinct parameters (edited param_groups, or a direct call) are refused."""
+    params = [nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = lowbit_optim.AdamW(params)
+    tensors = [params[i % 2] for i in positions]
+    with pytest.raises(RuntimeError, match="the parameters of this optimizer changed after a torch.compile'd function"):
+        torch.ops.lowbit_optim.step(opt._step_op_key, tensors, [torch.ones(4) for _ in positions], positions)
+
+
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
 def test_sgd_momentum_switched_off_and_on_again(fused):
     """A scheduler may take SGD's momentum to 0 and back (CyclicLR with base_momentum=0): as
