@@ -106,6 +106,11 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
     # memory costs a page fault per 4 KiB (the products took twice as long)
     buffers = torch.empty(max(len(added) for *_, added in apart), max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
     for item, correction, added in apart:
+        for state in added:  # their factors are read here, before the op checks them with the rest
+            try:
+                state.check_layout()
+            except ValueError as error:
+                raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(item[0].shape)}: {error}") from None
         addends = [s.kernel_addend(buffers[i, : s.numel()]) for i, s in enumerate(added)]
         _call(optimizer, [item], hyper, [correction], addends)
         residuals = [s.kernel_residual(values) for s, values in zip(added, addends)]

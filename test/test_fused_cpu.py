@@ -1297,6 +1297,20 @@ def test_a_storage_shrunk_under_its_tensor_is_refused(what):
         assert torch.equal(p.detach(), before)
 
 
+@pytest.mark.parametrize("factor", ["left", "right"])
+def test_low_rank_factors_replaced_by_a_short_tensor_are_refused(factor):
+    """A low-rank state's factors are read (their product, the addend) before the op checks its other
+    tensors: one replaced by a tensor of another size is refused with the state's own message."""
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = lowbit_optim.AdamW([p], state_format="8bit-lowrank", min_quantize_numel=0, fused=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.state[p]["exp_avg"]
+    setattr(state, factor, getattr(state, factor)[:5].clone())
+    with pytest.raises(ValueError, match=r"shape \(64, 128\): .* is inconsistent: left has \d+ and right \d+ elements"):
+        opt.step()
+
+
 def test_a_state_with_odd_metadata_neither_stands_for_nor_passes_as_valid_ones():
     """Format keys tell metadata apart by type as well as value (signed=1 equals True): the op
     rebuilds and checks each state from the metadata its key registered, so a state made with
