@@ -707,7 +707,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
             compiled.append((param, call, mode))
         if compiled:
-            self._step_compiled(group, compiled, *arguments)
+            try:
+                self._step_compiled(group, compiled, *arguments)
+            except Exception as error:  # a state edited after its checks fails deep in a trace: say which
+                _explain_inconsistent_states(self, items, error)
+                raise
         if fused:
             self._fused_step(fused, group, corrections)
 
@@ -1119,6 +1123,25 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
         values = getattr(state, name)
         if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
             raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
+
+
+def _explain_inconsistent_states(optimizer: LowBitOptimizer, items: list[tuple], error: Exception) -> None:
+    """Raise a ValueError naming the first parameter of ``items`` whose states no longer fit it (inner
+    tensors replaced or resized after the checks), from ``error``, the compiled step's failure."""
+    for p, _, _ in items:
+        for name, value in optimizer.state.get(p, {}).items():
+            value = local(value)
+            if isinstance(value, StateTensor):
+                try:
+                    value.check_layout()
+                    continue
+                except ValueError as inconsistent:
+                    problem = str(inconsistent)
+            elif name != "step" and isinstance(value, Tensor) and value.shape != local(p).shape:
+                problem = f"its {name} state has shape {tuple(value.shape)}"
+            else:
+                continue
+            raise ValueError(f"the compiled step cannot step a parameter of shape {tuple(p.shape)}: {problem}") from error
 
 
 def _overlaps(t: Tensor) -> bool:

@@ -307,6 +307,27 @@ def test_gradient_of_another_shape_is_refused(options):
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+STATES_EDITED_AFTER_A_STEP = {
+    "codes cut short": (lambda state: setattr(state["exp_avg"], "codes", state["exp_avg"].codes[:100].clone()), r"is inconsistent: codes has 100"),
+    "scales cut short": (lambda state: setattr(state["exp_avg_sq"], "scale", state["exp_avg_sq"].scale[:3].clone()), r"is inconsistent: .* scale 3 elements"),
+    "a plain state replaced": (lambda state: state.__setitem__("exp_avg", torch.zeros(10)), r"its exp_avg state has shape \(10,\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(STATES_EDITED_AFTER_A_STEP))
+def test_the_compiled_step_names_a_state_edited_after_its_checks(case):
+    """A state whose tensors were replaced after a step fails inside the compiled step's trace; the
+    error then names the parameter and what is wrong with its state (the kernel's op checks every call)."""
+    edit, problem = STATES_EDITED_AFTER_A_STEP[case]
+    params = make_params()
+    opt = lowbit_optim.AdamW(params, state_format="8bit", **(OPTIONS | {"fused": False}))
+    set_grads(params)
+    opt.step()
+    edit(opt.state[params[0]])
+    with pytest.raises(ValueError, match=rf"the compiled step cannot step a parameter of shape \(70, 64\): .*{problem}"):
+        opt.step()
+
+
 def test_check_layout_accepts_what_the_library_makes():
     """Views, row slices and flattened states keep valid layouts (the checks are no stricter than
     the states the package itself builds)."""
