@@ -123,8 +123,9 @@ def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
       codes stand for. 32-bit states are taken as they are.
     - Hyper-parameters bitsandbytes records (lr, betas, eps, weight_decay, AdEMAMix's alpha,
       t_alpha, t_beta3; SGD's momentum and dampening, which it stores as betas) come from the
-      checkpoint, as torch.optim's do; everything else (state formats, nesterov, maximize, ...) stays
-      as the optimizer was built.
+      checkpoint, as torch.optim's do, and so does what its Adam does without recording it:
+      decoupled weight decay (Adam's ``decoupled_weight_decay=True``); everything else (state
+      formats, nesterov, maximize, ...) stays as the optimizer was built.
 
     bitsandbytes' checkpoints do not name their optimizer: one with as many states as ``optimizer``
     declares is taken as its own (a Lion checkpoint loads into SGD, whose momentum would then be
@@ -162,6 +163,8 @@ def _bitsandbytes_group(saved: dict, group: dict, defaults: dict) -> dict:
         if key in saved and key in group:
             value = saved[key]
             out[key] = (value or None) if key.startswith("t_") else value  # bitsandbytes: 0 is no warm-up
+    if "decoupled_weight_decay" in group:  # bitsandbytes' Adam decouples weight decay, as AdamW
+        out["decoupled_weight_decay"] = True
     betas = saved.get("betas")
     if betas is not None:
         if "betas" in group:

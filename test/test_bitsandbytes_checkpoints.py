@@ -1,6 +1,7 @@
 """bitsandbytes optimizer checkpoints load into lowbit_optim, so that switching mid-run is an import
-change: AdamW8bit / AdamW32bit -> AdamW, Lion8bit / Lion32bit -> Lion, SGD8bit / SGD32bit -> SGD,
-AdEMAMix8bit / AdEMAMix(optim_bits=32) -> AdEMAMix.
+change: AdamW8bit / AdamW32bit -> AdamW, Adam8bit / Adam32bit -> Adam (its weight decay decoupled, as
+theirs), Lion8bit / Lion32bit -> Lion, SGD8bit / SGD32bit -> SGD, AdEMAMix8bit /
+AdEMAMix(optim_bits=32) -> AdEMAMix.
 
 bitsandbytes (0.50) steps on the CPU; its state_dict() puts state1 / state2 (codes or fp32 values),
 absmax1 / absmax2 (one scale per block of 256) and qmap1 / qmap2 (the code tables) of each parameter
@@ -33,6 +34,8 @@ STEPS = 3  # before the checkpoint, and after it in both runs
 # our keywords). Hyper-parameters differ from the defaults so that loading them can be checked.
 CASES = {
     "AdamW": (("AdamW8bit", {}), ("AdamW32bit", {}), "AdamW8bit", dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
+    # bitsandbytes' Adam decouples its weight decay: its checkpoint makes ours do so too
+    "Adam": (("Adam8bit", {}), ("Adam32bit", {}), "Adam8bit", dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
     "Lion": (("Lion8bit", {}), ("Lion32bit", {}), "Lion8bit", dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.1)),
     "SGD": (("SGD8bit", {}), ("SGD32bit", {}), "SGD8bit", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
     "AdEMAMix": (
@@ -43,9 +46,9 @@ CASES = {
     ),
 }
 # the hyper-parameters bitsandbytes records, as our param groups hold them after loading
-LOADED_KEYS = {"AdamW": ("lr", "betas", "weight_decay"), "Lion": ("lr", "betas", "weight_decay"), "SGD": ("lr", "momentum", "weight_decay"),
+LOADED_KEYS = {"AdamW": ("lr", "betas", "weight_decay"), "Adam": ("lr", "betas", "weight_decay", "decoupled_weight_decay"), "Lion": ("lr", "betas", "weight_decay"), "SGD": ("lr", "momentum", "weight_decay"),
                "AdEMAMix": ("lr", "betas", "alpha", "t_alpha", "t_beta3")}  # fmt: skip
-STATE_NAMES = {"AdamW": ("exp_avg", "exp_avg_sq"), "Lion": ("exp_avg",), "SGD": ("momentum_buffer",),
+STATE_NAMES = {"AdamW": ("exp_avg", "exp_avg_sq"), "Adam": ("exp_avg", "exp_avg_sq"), "Lion": ("exp_avg",), "SGD": ("momentum_buffer",),
                "AdEMAMix": ("exp_avg", "exp_avg_slow", "exp_avg_sq")}  # fmt: skip
 
 # Continuing 3 steps from the loaded state, against bitsandbytes continuing: the parameter change
@@ -122,7 +125,7 @@ def test_bitsandbytes_checkpoint_loads(name, bits, state_format):
     resumed = ours(name, resumed_model.parameters(), state_format)
     resumed.load_state_dict(checkpoint)
 
-    group, kwargs = resumed.param_groups[0], CASES[name][3]
+    group, kwargs = resumed.param_groups[0], CASES[name][3] | {"decoupled_weight_decay": True}
     for key in LOADED_KEYS[name]:
         assert group[key] == kwargs[key], key
     assert group["state_format"] == state_format
