@@ -76,8 +76,17 @@ def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_o
             state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
         )  # fmt: skip
 
+    def add_param_group(self, param_group: dict) -> None:
+        base.add_param_group(self, param_group)
+        group = self.param_groups[-1]
+        if not isinstance(group["lr"], torch.Tensor):  # as torchao's: its users change lr with .fill_()
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+
+    for method in (__init__, add_param_group):
+        method.__qualname__ = f"{name}.{method.__name__}"  # what a TypeError names
     doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
-    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "whole_blocks_only": whole_blocks_only})
+    namespace = {"__init__": __init__, "add_param_group": add_param_group, "__doc__": doc, "__module__": __name__}
+    return type(name, (base,), {**namespace, "whole_blocks_only": whole_blocks_only})
 
 
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")

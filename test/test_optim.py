@@ -915,6 +915,30 @@ def test_torchao_aliases(alias, eager_step):
     assert stored_as(opt.state[model[0].bias]["exp_avg"]) == "fp32"
 
 
+@pytest.mark.parametrize("alias", ["AdamW8bit", "AdamWFp8"])
+def test_torchao_aliases_keep_lr_as_a_tensor(alias):
+    """As torchao's optimizers, the aliases keep each group's lr as a tensor, which torchao's users
+    change with ``param_groups[0]["lr"].fill_()``: that takes effect, as a float lr does; a
+    TypeError names the alias."""
+    cls = getattr(lowbit_optim, alias)
+    runs = []
+    for change in ("fill_", "assign", "construct"):
+        model = make_mlp()
+        opt = cls(model.parameters(), lr=1e-4 if change == "construct" else 1e-2)
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+        assert all(isinstance(group["lr"], torch.Tensor) for group in opt.param_groups)
+        if change == "fill_":
+            opt.param_groups[0]["lr"].fill_(1e-4)
+        elif change == "assign":
+            opt.param_groups[0]["lr"] = 1e-4
+        train(model, opt, 2)
+        runs.append(list(model.parameters()))
+    for params in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], params))
+    with pytest.raises(TypeError, match=rf"^{alias}.__init__\(\) got an unexpected keyword argument 'min_8bit_size'"):
+        cls(make_mlp().parameters(), min_8bit_size=16)
+
+
 # ------------------------------------------------------------------------------------------------
 # 11. Bad input
 # ------------------------------------------------------------------------------------------------
