@@ -547,11 +547,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The format this optimizer stores ``param``'s state ``state_name`` in (fp32 for small
         tensors): a declared state (default: the first), or "compensation" for the Kahan buffer."""
         fmt = formats.get_format(self._state_format_names(group)[state_name or self.states[0].name])
-        if formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]:
-            return formats.FP32
-        whole_blocks_only = self.whole_blocks_only or getattr(fmt, "whole_blocks_only", False)
-        if whole_blocks_only and formats.is_blockwise(fmt) and param.numel() % self._block_size(fmt, group):
-            return formats.FP32
+        torchao_rule = self.whole_blocks_only or getattr(fmt, "whole_blocks_only", False)
+        too_small = formats.is_quantized(fmt) and param.numel() < group["min_quantize_numel"]
+        if too_small or (torchao_rule and formats.is_blockwise(fmt) and param.numel() % self._block_size(fmt, group)):
+            # torchao keeps such a tensor's state in the parameter's dtype: so that its runs carry on exactly
+            return formats.BF16 if torchao_rule and param.dtype == torch.bfloat16 else formats.FP32
         return fmt
 
     def _block_size(self, fmt, group: dict) -> int | None:

@@ -65,15 +65,17 @@ CUSTOM_FORMAT_EXAMPLE = import_script("examples/custom_format") if (ROOT / "exam
 CUSTOM_OPTIMIZER_EXAMPLE = import_script("examples/custom_optimizer") if (ROOT / "examples" / "custom_optimizer.py").exists() else None
 
 
-def stored_format(name: str, numel: int, min_quantize_numel: int = 4096) -> str:
+def stored_format(name: str, numel: int, min_quantize_numel: int = 4096, dtype: torch.dtype = torch.float32) -> str:
     """The format a state is kept in when its optimizer's spec names format ``name``, for a
-    ``numel``-element parameter: fp32 below min_quantize_numel (quantized formats), and where a
-    whole-blocks-only format (4bit-torchao, as torchao) would pad a last block."""
+    ``numel``-element parameter of ``dtype``: fp32 below min_quantize_numel (quantized formats), and
+    where a whole-blocks-only format (4bit-torchao, as torchao) would pad a last block; such a
+    format, as torchao, keeps them in the parameter's dtype (bf16)."""
     fmt = get_format(name)
     if not is_quantized(fmt):
         return name
-    if numel < min_quantize_numel or getattr(fmt, "whole_blocks_only", False) and numel % fmt.default_block_size:
-        return "fp32"
+    whole_blocks_only = getattr(fmt, "whole_blocks_only", False)
+    if numel < min_quantize_numel or whole_blocks_only and numel % fmt.default_block_size:
+        return "bf16" if whole_blocks_only and dtype == torch.bfloat16 else "fp32"
     return name
 
 

@@ -298,6 +298,31 @@ def test_matches_torchao(state_format, step_kind, monkeypatch):
         assert mismatch_fraction(state, other, rel=1e-6) == 0, key
 
 
+@pytest.mark.parametrize("alias", [None, "AdamWFp8"], ids=["4bit-torchao", "AdamWFp8"])
+def test_matches_torchao_with_bf16_params(alias, monkeypatch):
+    """With bf16 parameters torchao keeps a tensor it does not quantize in the parameter's dtype, and
+    so does lowbit_optim where it follows torchao's rule (4bit-torchao, the AdamWFp8 alias): the same
+    bits after 5 steps, bf16 states included, eagerly (the alias steps in the kernel, whose fp32
+    round-off, within 3e-8 of eager's (test_matches_torchao), can move a bf16 weight by one step)."""
+    ao = pytest.importorskip("torchao.optim")
+    ours_model, ao_model = make_mlp(8, bias=False, dtype=torch.bfloat16), make_mlp(8, bias=False, dtype=torch.bfloat16)
+    if alias is None:
+        ours = lowbit_optim.AdamW(ours_model.parameters(), lr=LR, state_format="4bit-torchao", compile=False)
+        reference = ao.AdamW4bit(ao_model.parameters(), lr=LR)
+    else:
+        ours, reference = (getattr(module, alias)(m.parameters(), lr=LR) for module, m in ((lowbit_optim, ours_model), (ao, ao_model)))
+    train(ours_model, ours, 5)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    train(ao_model, reference, 5)
+    assert_params_close(ours_model, ao_model, rtol=0 if alias is None else 2**-7, atol=0)
+    expected = moments(reference, ao_model)
+    for key, state in moments(ours, ours_model).items():
+        if type(expected[key]) is torch.Tensor:  # the tensor that neither quantizes
+            assert stored_as(state) == "bf16", key
+            if alias is None:
+                assert torch.equal(state, expected[key]), key
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. Every format trains
 # ------------------------------------------------------------------------------------------------
@@ -1139,6 +1164,6 @@ def test_bf16_params_train(info, stochastic_round):
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and bool(p.isfinite().all())
         state = opt.state[p]["exp_avg_sq"]
-        stored = stored_format(info.moment_format("exp_avg_sq"), p.numel())
+        stored = stored_format(info.moment_format("exp_avg_sq"), p.numel(), dtype=p.dtype)
         assert stored_as(state) == stored
         assert state.dtype == (torch.bfloat16 if isinstance(state, StateTensor) else get_format(stored).dtype)
