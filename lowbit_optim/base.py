@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import OptimState, StateTensor, check_block_size, describe_tensor, not_plain
+from .state import StateTensor, check_block_size, describe_tensor, not_plain
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
