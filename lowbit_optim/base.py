@@ -616,10 +616,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, grads, positions = step_op.with_grads([p for group in self.param_groups for p in group["params"]])
-        if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
-            in_backward.clip_left_over(self, params, grads)
-        self._step_params(params, grads, positions)
+        self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
         return loss
 
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: bool = False) -> None:
@@ -636,6 +633,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
                 "was compiled; add parameters with add_param_group(), not by editing param_groups"
             )
+        if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
+            grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
         items = {id(group): [] for group in self.param_groups}
         for i, tensor, grad in zip(positions, params, grads):
             group, p = owners[i]

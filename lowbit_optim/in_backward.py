@@ -115,21 +115,21 @@ def begin_step(optimizer) -> None:
     optimizer.__dict__.pop("_norm_is_this_steps", None)
 
 
-def clip_left_over(optimizer, params: list[Tensor], grads: list[Tensor]) -> None:
+def clip_left_over(optimizer, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
     """Gradients that step() finds under max_grad_norm: accumulated (``accumulating()``) for
     parameters the last backward did not reach, whose hooks therefore did not step them (a branch
     that micro-batch did not take). Their norm joins the step's (``last_grad_norm``), and they are
-    clipped by its coefficient, exact by now, as clip_grads_with_norm_ would."""
+    clipped by its coefficient, exact by now, as clip_grads_with_norm_ would: returned clipped, new
+    tensors (the step op, inside a compiled function, may not write its gradient arguments)."""
     this_steps = optimizer.__dict__.pop("_norm_is_this_steps", False)  # else last_grad_norm is an earlier step's
     if optimizer._max_grad_norm is None or not grads:
-        return
+        return grads
     left_over = _global_norm(optimizer, {p: torch.linalg.vector_norm(local(g), 2, dtype=torch.float32) for p, g in zip(params, grads)})
     seen = optimizer.last_grad_norm if this_steps else torch.zeros(())
     total = torch.hypot(seen.double(), left_over.double().cpu())
     set_last_grad_norm(optimizer, total)
     coefficient = torch.clamp(optimizer._max_grad_norm / (total.float() + _CLIP_EPS), max=1.0)
-    for g in grads:
-        g.mul_(coefficient.to(g.device))
+    return [g * coefficient.to(g.device) for g in grads]
 
 
 def _global_norm(optimizer, norms: dict) -> Tensor | None:

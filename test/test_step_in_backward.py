@@ -268,10 +268,12 @@ def test_what_cannot_combine_is_an_error():
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
 
 
-def test_left_over_gradients_are_clipped_with_the_steps_norm():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inside torch.compile"])
+def test_left_over_gradients_are_clipped_with_the_steps_norm(compiled):
     """A layer that only an accumulated micro-batch reached keeps its gradient after the last
     backward (its hook did not fire): step() steps it clipped by the step's global norm, which now
-    counts it, as clip_grad_norm_ after backward would (that layer: the same parameters)."""
+    counts it, as clip_grad_norm_ after backward would (that layer: the same parameters); also where
+    step() is called in a torch.compile'd function (the step op)."""
     def make():
         torch.manual_seed(0)
         return nn.Linear(64, 64), nn.Linear(64, 64)
@@ -288,7 +290,7 @@ def test_left_over_gradients_are_clipped_with_the_steps_norm():
         a(batches[1]).square().mean().backward()
         norm = opt.last_grad_norm if in_backward else torch.nn.utils.clip_grad_norm_(params, 0.01)
         assert (b.weight.grad is not None) and (a.weight.grad is None) == in_backward
-        opt.step()
+        (torch.compile(opt.step) if compiled and in_backward else opt.step)()
         runs.append((b, norm if not in_backward else opt.last_grad_norm))
     (exact, exact_norm), (ours, total) = runs
     torch.testing.assert_close(total, exact_norm, rtol=1e-6, atol=0)
