@@ -330,6 +330,28 @@ def test_gradients_set_inside_torch_compile(fused):
     assert_same_training(reference_model, reference, model, opt)
 
 
+def test_step_in_a_fullgraph_function_with_a_scheduler_attached():
+    """A scheduler wraps opt.step in a function dynamo will not trace (README): ``type(opt).step(opt)``
+    compiles with fullgraph=True and steps as eager opt.step() does, the scheduler's lr included."""
+    x, y = regression_data()
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        step = torch.compile(lambda: type(opt).step(opt), fullgraph=True) if compiled else opt.step
+        for _ in range(3):
+            (model(x) - y).square().mean().backward()
+            step()
+            opt.zero_grad()
+            with warnings.catch_warnings():  # the compiled run's: it saw no wrapped opt.step()
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+                scheduler.step()
+        runs.append((model, opt))
+    assert runs[1][1].param_groups[0]["lr"] == LR / 8
+    assert_same_training(*runs[0], *runs[1])
+
+
 @pytest.mark.parametrize("positions", [[0, 5], [-1, 0], [0, 0]], ids=["past the end", "negative", "twice"])
 def test_step_op_refuses_positions_that_are_no_parameters(positions):
     """The step op steps the parameters at the positions its graph was traced with; positions that
