@@ -188,8 +188,9 @@ def train(args) -> dict:
     model = GPT(dataset.vocab_size, args.block_size, args.layers, args.d_model, args.heads).to(args.device)
     # every parameter gets the chosen format; those under min_quantize_numel (biases, LayerNorms) stay fp32
     # --step-in-backward: each parameter stepped as backward produces its gradient (no gradients kept),
-    # clipped with the previous step's global norm (this step's is not known until backward ends)
-    in_backward = dict(step_in_backward=True, max_grad_norm=args.clip) if args.step_in_backward else {}
+    # clipped with an estimate of the step's global norm (this step's is not known until backward ends)
+    clip = args.clip or None  # --clip 0: no clipping
+    in_backward = dict(step_in_backward=True, max_grad_norm=clip) if args.step_in_backward else {}
     opt = lowbit_optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1, state_format=paired_state_format(args.state_format), **in_backward
     )
@@ -208,8 +209,8 @@ def train(args) -> dict:
         _, loss = forward(*get_batch(dataset.train, args.batch_size, args.block_size, generator, args.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if not args.step_in_backward:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if clip and not args.step_in_backward:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         scheduler.step()
         train_losses.append(loss.item())
@@ -260,7 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=20, help="fixed validation batches per evaluation")
     p.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end")
     p.add_argument("--compile-model", action="store_true", help="torch.compile the model (the optimizer step is always compiled)")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (0: none)")
     p.add_argument("--step-in-backward", action="store_true", help="step each parameter in backward (step_in_backward=True, max_grad_norm=--clip)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)

@@ -27,6 +27,13 @@ def test_char_gpt_learns(info):
     assert len(results["sample"]) == len("The ") + 16
 
 
+@pytest.mark.parametrize("in_backward", [[], ["--step-in-backward"]], ids=["after backward", "in backward"])
+def test_char_gpt_without_clipping(in_backward):
+    """--clip 0 trains unclipped (clip_grad_norm_ with 0 zeroed every gradient: nothing learned)."""
+    results = char_gpt.train(char_gpt.parse_args([*TINY, "--steps", "20", "--clip", "0", *in_backward]))
+    assert results["val_loss"] < 0.9 * results["initial_val_loss"], results["val_history"]
+
+
 def test_char_gpt_main_prints_summary(capsys):
     char_gpt.main([*TINY, "--steps", "2"])
     out = capsys.readouterr().out
