@@ -63,7 +63,10 @@ def adam_step(
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     denom = v.sqrt() / bias_correction2.sqrt() + eps
-    p = p - lr * (m / bias_correction1) / denom
+    # no update where the second moment is 0: a first moment there comes of rounding alone (8bit and
+    # fp8 round a v far below its block's largest to 0; fp32, a gradient whose square underflows), and
+    # m / eps would throw the weight (by 5.5 at lr 1e-2 where torch.optim's moved it 0.0067)
+    p = p - torch.where(v == 0, 0.0, lr * (m / bias_correction1) / denom)
 
     precision.write_param(param, param_extra, start, p, param_update)
 
@@ -193,7 +196,7 @@ def ademamix_step(
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     denom = v.sqrt() / bias_correction2.sqrt() + eps
-    p = p - lr * (m / bias_correction1 + alpha * m_slow) / denom
+    p = p - torch.where(v == 0, 0.0, lr * (m / bias_correction1 + alpha * m_slow) / denom)  # as Adam's
     precision.write_param(param, param_extra, start, p, param_update)
 
 

@@ -590,6 +590,31 @@ NON_FINITE_CASES = {name: dict(state_format=name) for name in ["8bit", "4bit", "
 
 
 @build_flags
+@pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
+def test_no_update_where_the_second_moment_is_zero(cls, flag):
+    """Where v is exactly 0 (rounded to 0 in 8bit; then a zero gradient) the update is 0, in the
+    vector loop and its scalar tail of every build, as in the compiled step: the same bits."""
+    def stepped(fused):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+        opt = cls([param], lr=1e-2, weight_decay=0.0, state_format="8bit", min_quantize_numel=0, fused=fused)
+        steps = []
+        for zeros in (False, True):
+            grad = torch.linspace(1, 2, 300)
+            grad[[7, 290]] = 0.0 if zeros else 1e-5  # 290: in the scalar tail of a 16-lane loop
+            param.grad = grad
+            opt.step()
+            steps.append(param.detach().clone())
+        return steps
+
+    with kernel_built_with(flag):
+        kernel = stepped(True)
+    compiled = stepped(False)
+    assert all(torch.equal(a, b) for a, b in zip(kernel, compiled))
+    first, second = kernel
+    assert torch.equal(second[[7, 290]], first[[7, 290]]) and not torch.equal(second, first)
+
+
+@build_flags
 @pytest.mark.parametrize("case", NON_FINITE_CASES, ids=list(NON_FINITE_CASES))
 def test_non_finite_gradients_match_the_compiled_step(case, flag):
     """A NaN and an inf in the gradient poison the same blocks as in the compiled step: same

@@ -323,6 +323,27 @@ def test_matches_torchao_with_bf16_params(alias, monkeypatch):
                 assert torch.equal(state, expected[key]), key
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "compiled"])
+@pytest.mark.parametrize("state_format", ["8bit", "fp8"])
+@pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
+def test_a_second_moment_rounded_to_zero_moves_no_weight(cls, state_format, fused):
+    """8bit and fp8 round a second moment far below its block's largest to 0 (as torchao's and
+    bitsandbytes' do), while the first moment keeps a value: where a later gradient is exactly 0 the
+    update would be m / eps. Where v is 0 there is no update (torch.optim's would be 0.0067 there)."""
+    grad = torch.ones(256)
+    grad[7] = 1e-5  # its square is 1e-10 of the block's largest: rounded to 0
+    param = nn.Parameter(torch.zeros(256))
+    opt = cls([param], lr=1e-2, weight_decay=0.0, state_format=state_format, min_quantize_numel=0, fused=fused)
+    param.grad = grad
+    opt.step()
+    v = opt.state[param]["exp_avg_sq"].dequantize()
+    assert v[7] == 0 and opt.state[param]["exp_avg"].dequantize()[7] != 0, "test setup: v rounds to 0, m does not"
+    before = float(param[7])
+    param.grad = torch.where(torch.arange(256) == 7, 0.0, 1.0)
+    opt.step()
+    assert float(param[7]) == before
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. Every format trains
 # ------------------------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ static inline __attribute__((always_inline)) void adam_elements(const adam_hyper
             V = (old != old || V != V) ? NAN : (old < V ? V : old);
             write_value(vmax, j, V, bf16);
         }
-        float denom = sqrtf(V) / sbc2 + eps;
-        p[j] = P - lr * (M / bc1) / denom;
+        float denom = sqrtf(V) / sbc2 + eps, update = lr * (M / bc1) / denom;
+        p[j] = P - (V == 0.0f ? 0.0f : update);  /* functional.adam_step: none where V is 0 */
     }
 }
 
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), wd = vec_set1(h->weight_decay);
-    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
+    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN), zero = vec_set1(0.0f);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
@@ -112,7 +112,8 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
             vec_write_value(vmax, i, V, bf16);
         }
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
-        vec_store(p + i, vec_sub(P, vec_div(vec_mul(lr, divide_moment(M, &bc1, bf16)), denom)));
+        vec_t update = vec_div(vec_mul(lr, divide_moment(M, &bc1, bf16)), denom);
+        vec_store(p + i, vec_sub(P, vec_select(vec_equal(V, zero), zero, update)));
     }
     return i;
 }

@@ -12,6 +12,7 @@ typedef __mmask16 mask_t;
 
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline mask_t vec_equal(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
 static inline vec_t vec_select(mask_t m, vec_t a, vec_t b) { return _mm512_mask_blend_ps(m, b, a); }
 static inline int mask_any(mask_t m) { return m != 0; }
@@ -54,6 +55,7 @@ typedef __m256 mask_t;  /* all ones in a selected lane */
 
 static inline vec_t vec_xor_bits(vec_t a, uint32_t bits) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)bits))); }
 static inline mask_t vec_less(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+static inline mask_t vec_equal(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
 static inline mask_t vec_unordered(vec_t a, vec_t b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
 static inline vec_t vec_select(mask_t m, vec_t a, vec_t b) { return _mm256_blendv_ps(b, a, m); }
 static inline int mask_any(mask_t m) { return _mm256_movemask_ps(m) != 0; }
