@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void adam_elements(const adam_hyper
             write_value(vmax, j, V, bf16);
         }
         float denom = sqrtf(V) / sbc2 + eps, update = lr * (M / bc1) / denom;
-        p[j] = P - (V == 0.0f ? 0.0f : update);  /* functional.adam_step: none where V is 0 */
+        p[j] = P - float_of(bits_of(update) & (0u - (uint32_t)(V != 0.0f)));  /* none where V is 0 (adam_step) */
     }
 }
 

@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
         write_value(m_slow, j, S, bf16);
         write_value(v, j, V, bf16);
         float denom = sqrtf(V) / sbc2 + eps, update = lr * (M / bc1 + alpha * S) / denom;
-        p[j] = P - (V == 0.0f ? 0.0f : update);  /* functional.ademamix_step: none where V is 0 */
+        p[j] = P - float_of(bits_of(update) & (0u - (uint32_t)(V != 0.0f)));  /* as Adam's (adam_elements) */
     }
 }
 

@@ -32,8 +32,10 @@ static inline __attribute__((always_inline)) void lion_elements(const lion_hyper
         float P = p[j], G = float_of(bits_of(g[j]) ^ flip), M = read_value(m, j, bf16);
         P = P - lr_wd * P;
         float U = lerp(M, G, c1, high1);
-        /* torch.sign as inductor lowers it, but NaN where U is not finite (lion_step) */
-        float sign = fabsf(U) <= FLT_MAX ? (float)((0.0f < U) - (U < 0.0f)) : NAN;
+        /* torch.sign as inductor lowers it, but NaN where U is not finite (lion_step); masks, not a
+         * branch around arithmetic, keep the loop vectorized */
+        uint32_t not_finite = 0u - (uint32_t)!(fabsf(U) <= FLT_MAX);
+        float sign = float_of(bits_of((float)((0.0f < U) - (U < 0.0f))) | (not_finite & 0x7FC00000u));
         p[j] = P - lr * sign;
         write_value(m, j, lerp(M, G, c2, high2), bf16);
     }
