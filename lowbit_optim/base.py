@@ -1002,9 +1002,10 @@ def _check_lr(lr) -> None:
         raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
 
 
-def check_betas(betas, who: str, example: tuple) -> None:
+def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> None:
     """Raise a ValueError unless ``betas`` holds as many numbers (or one-element tensors) in [0, 1)
-    as ``example``."""
+    as ``example``, the first ``bias_corrected`` of them below 1.0 in fp32, where the step computes
+    their bias corrections."""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(example):
         names = ", ".join(f"beta{i + 1}" for i in range(len(example)))
         raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}")
@@ -1013,11 +1014,11 @@ def check_betas(betas, who: str, example: tuple) -> None:
         raise ValueError(f"invalid betas {betas!r}: each beta must be a number (or a one-element tensor)")
     if not all(0.0 <= b < 1.0 for b in values):
         raise ValueError(f"invalid betas {betas!r}: each beta must be in [0, 1)")
-    rounded = next((b for b in values if torch.tensor(b, dtype=torch.float32).item() == 1.0), None)
-    if rounded is not None:  # the step computes in fp32: an average that never moves, a bias correction of 0
+    rounded = next((b for b in values[:bias_corrected] if torch.tensor(b, dtype=torch.float32).item() == 1.0), None)
+    if rounded is not None:  # a bias correction 1 - beta**step of 0: every parameter NaN, or no update
         raise ValueError(
-            f"invalid betas {betas!r}: {rounded!r} is 1.0 in float32, the precision the step computes in; "
-            f"each beta must be at most {1 - 2**-24!r} (1 - 2**-24)"
+            f"invalid betas {betas!r}: {rounded!r} is 1.0 in float32, in which the step computes its bias "
+            f"correction 1 - beta**step (0); it must be below {1 - 2**-25!r} (1 - 2**-25)"
         )
 
 

@@ -63,7 +63,7 @@ class Adam(LowBitOptimizer):
         super().__init__(params, hyperparameters, **options)
 
     def _check_group(self, group: dict) -> None:
-        check_betas(group["betas"], "Adam", (0.9, 0.999))
+        check_betas(group["betas"], "Adam", (0.9, 0.999), bias_corrected=2)
         check_nonnegative(group, "eps", "weight_decay")
 
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
@@ -286,7 +286,7 @@ class AdEMAMix(LowBitOptimizer):
         super().__init__(params, hyperparameters, **options)
 
     def _check_group(self, group: dict) -> None:
-        check_betas(group["betas"], "AdEMAMix", (0.9, 0.999, 0.9999))
+        check_betas(group["betas"], "AdEMAMix", (0.9, 0.999, 0.9999), bias_corrected=2)  # beta3: in float64
         check_nonnegative(group, "alpha", "eps", "weight_decay")
         for key in ("t_alpha", "t_beta3"):
             value = group[key]

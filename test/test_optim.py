@@ -1083,6 +1083,17 @@ BAD_INPUT = {
 }
 
 
+def test_betas_without_a_bias_correction_may_round_to_one_in_fp32():
+    """Only the betas of a bias correction, computed in fp32, must be below 1.0 there (Adam's, AdEMAMix's
+    first two): Lion's and AdEMAMix's beta3, whose 1 - beta the step takes from float64, step on."""
+    for make in (lambda ps: lowbit_optim.Lion(ps, betas=(0.99999999, 0.99999999)), lambda ps: lowbit_optim.AdEMAMix(ps, betas=(0.9, 0.999, 0.99999999))):
+        p = nn.Parameter(torch.zeros(4))
+        opt = make([p])
+        p.grad = torch.ones(4)
+        opt.step()
+        assert bool(p.isfinite().all()) and not torch.equal(p, torch.zeros(4))
+
+
 class TestBadInput(expecttest.TestCase):
     def test_messages(self):
         """Each bad input raises a clear error (the list of registered formats is elided, so that a
@@ -1103,7 +1114,7 @@ complex parameter: TypeError: lowbit_optim does not support complex parameters; 
 integer parameter: TypeError: parameters must be floating point, got torch.int64
 lr=-1: ValueError: invalid learning rate -1: lr must be a number >= 0
 betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0, 1)
-betas=(0.9, 0.99999999): ValueError: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, the precision the step computes in; each beta must be at most 0.9999999403953552 (1 - 2**-24)
+betas=(0.9, 0.99999999): ValueError: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, in which the step computes its bias correction 1 - beta**step (0); it must be below 0.9999999701976776 (1 - 2**-25)
 eps=-1: ValueError: invalid eps -1: eps must be >= 0
 weight_decay=-1: ValueError: invalid weight_decay -1: weight_decay must be >= 0
 state_format="9bit": ValueError: unknown state format '9bit'; use one of [<registered formats>] or an OptimState subclass that sets a `name`
