@@ -78,15 +78,24 @@ def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_o
 
     def add_param_group(self, param_group: dict) -> None:
         base.add_param_group(self, param_group)
-        group = self.param_groups[-1]
-        if not isinstance(group["lr"], torch.Tensor):  # as torchao's: its users change lr with .fill_()
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+        _lr_as_tensors(self.param_groups[-1:])
 
-    for method in (__init__, add_param_group):
+    def load_state_dict(self, state_dict: dict) -> None:
+        base.load_state_dict(self, state_dict)
+        _lr_as_tensors(self.param_groups)  # a checkpoint of another optimizer may hold a float
+
+    for method in (__init__, add_param_group, load_state_dict):
         method.__qualname__ = f"{name}.{method.__name__}"  # what a TypeError names
     doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
-    namespace = {"__init__": __init__, "add_param_group": add_param_group, "__doc__": doc, "__module__": __name__}
+    methods = {"__init__": __init__, "add_param_group": add_param_group, "load_state_dict": load_state_dict}
+    namespace = {**methods, "__doc__": doc, "__module__": __name__}
     return type(name, (base,), {**namespace, "whole_blocks_only": whole_blocks_only})
+
+
+def _lr_as_tensors(groups: list[dict]) -> None:
+    for group in groups:  # as torchao's: its users change lr with .fill_()
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
 
 
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")

@@ -668,6 +668,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
+        owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
             _check_grad_shape(p, grad)
             if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) through .data after the constructor checked it
@@ -705,11 +706,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 shaped(state[extra]) if extra else None,
             )  # fmt: skip
             compiled.append((param, call, mode))
+            owners.append(p)
         if compiled:
             try:
                 self._step_compiled(group, compiled, *arguments)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
-                _explain_inconsistent_states(self, items, error)
+                _explain_inconsistent_states(self, owners, error)
                 raise
         if fused:
             self._fused_step(fused, group, corrections)
@@ -1125,10 +1127,10 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
             raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
 
 
-def _explain_inconsistent_states(optimizer: LowBitOptimizer, items: list[tuple], error: Exception) -> None:
-    """Raise a ValueError naming the first parameter of ``items`` whose states no longer fit it (inner
-    tensors replaced or resized after the checks), from ``error``, the compiled step's failure."""
-    for p, _, _ in items:
+def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor], error: Exception) -> None:
+    """Raise a ValueError naming the first of ``params`` whose states no longer fit it (inner tensors
+    replaced or resized after the checks), from ``error``, their compiled step's failure."""
+    for p in params:
         for name, value in optimizer.state.get(p, {}).items():
             value = local(value)
             if isinstance(value, StateTensor):

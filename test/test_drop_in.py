@@ -345,7 +345,7 @@ def test_step_in_a_fullgraph_function_with_a_scheduler_attached():
             step()
             opt.zero_grad()
             with warnings.catch_warnings():  # the compiled run's: it saw no wrapped opt.step()
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
                 scheduler.step()
         runs.append((model, opt))
     assert runs[1][1].param_groups[0]["lr"] == LR / 8

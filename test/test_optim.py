@@ -983,6 +983,10 @@ def test_torchao_aliases_keep_lr_as_a_tensor(alias):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], params))
     with pytest.raises(TypeError, match=rf"^{alias}.__init__\(\) got an unexpected keyword argument 'min_8bit_size'"):
         cls(make_mlp().parameters(), min_8bit_size=16)
+    model = make_mlp()
+    opt = cls(model.parameters())
+    opt.load_state_dict(lowbit_optim.AdamW(model.parameters(), state_format="8bit").state_dict())  # a float lr
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
 
 
 # ------------------------------------------------------------------------------------------------
