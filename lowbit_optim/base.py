@@ -670,9 +670,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
-            _check_grad_shape(p, grad)
-            if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) through .data after the constructor checked it
-                _check_param(p, self.torch_name)
+            self._check_stepped(p, grad)
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
             if grad.is_sparse:
@@ -715,6 +713,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise
         if fused:
             self._fused_step(fused, group, corrections)
+
+    def _check_stepped(self, p: Tensor, grad: Tensor) -> None:
+        """What the constructor checked of ``p`` may have changed through ``.data``, and autograd does
+        not check a gradient assigned through it: each step checks them."""
+        _check_grad_shape(p, grad)
+        if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
+            _check_param(p, self.torch_name)
 
     def _remember_state_keys(self, group: dict) -> tuple:
         """The group's state keys (_STATE_KEYS) as built or loaded, for _check_state_keys."""

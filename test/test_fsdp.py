@@ -436,6 +436,22 @@ def _clipping_in_backward(rank: int, world: int, max_grad_norm: float = 0.05) ->
     }
 
 
+def _muon_float64_scenario(rank: int, world: int) -> dict:
+    """Muon's sharded step (muon_fsdp) after a parameter was made float64 through .data: refused?"""
+    model, opt = _build_other("Muon", True, "fp32")
+    _train(model, opt, 0, 1, rank, world)
+    weight = next(p for p in model.parameters() if p.dim() == 2)
+    weight.data = weight.data.double()
+    from torch.distributed.tensor import distribute_tensor
+
+    weight.grad = distribute_tensor(torch.zeros(weight.shape, dtype=torch.float64), weight.device_mesh, weight.placements)
+    try:
+        opt.step()
+    except TypeError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
+
+
 def _same_tree(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -466,6 +482,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "ademamix_recipe": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_RECIPE),
         "ademamix_bf16_sr": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_BF16_SR),
         "ademamix_all_8bit": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_ALL_8BIT, fused=True),
+        "muon_float64": _muon_float64_scenario,
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -747,6 +764,16 @@ def test_ademamix_recipe_trains_sharded_and_resumes_exactly(job, scenario, slow_
         kinds = {key: tuple(kind) for states in found["state_kinds"].values() for key, kind in states.items()}
         assert kinds == {"exp_avg": ("DTensor", "OptimState8bitLinear"), "exp_avg_slow": ("DTensor", slow_kinds[0]),
                          "exp_avg_sq": ("DTensor", slow_kinds[1])}, found["state_kinds"]  # fmt: skip
+
+
+@needs_gloo
+def test_muon_refuses_a_sharded_parameter_made_float64(job):
+    """Muon's sharded step (muon_fsdp) checks what the base class's step checks of each parameter: one
+    made float64 through .data after construction is refused, with the constructor's message."""
+    for rank, found in enumerate(job):
+        result = found.get("muon_float64")
+        assert result is not None and "error" not in result, f"rank {rank}: {result}"
+        assert result["refused"] and "float64 parameters are not supported" in result["refused"], (rank, result)
 
 
 @needs_gloo
