@@ -438,12 +438,12 @@ def _clipping_in_backward(rank: int, world: int, max_grad_norm: float = 0.05) ->
 
 def _muon_float64_scenario(rank: int, world: int) -> dict:
     """Muon's sharded step (muon_fsdp) after a parameter was made float64 through .data: refused?"""
+    from torch.distributed.tensor import distribute_tensor
+
     model, opt = _build_other("Muon", True, "fp32")
     _train(model, opt, 0, 1, rank, world)
     weight = next(p for p in model.parameters() if p.dim() == 2)
     weight.data = weight.data.double()
-    from torch.distributed.tensor import distribute_tensor
-
     weight.grad = distribute_tensor(torch.zeros(weight.shape, dtype=torch.float64), weight.device_mesh, weight.placements)
     try:
         opt.step()
