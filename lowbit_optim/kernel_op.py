@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import affine_codes, kernel_abi
 from .factored import FactoredState
-from .state import OptimState, StateTensor, describe_tensor, storage_holds
+from .state import OptimState, StateTensor, describe_tensor, storage_holds, storage_shortfall
 
 ABSENT, PLAIN = 0, 1  # format keys of an absent state and of a plain fp32 / bf16 tensor
 _PLAIN_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtype -> the C's kind name
@@ -204,8 +204,7 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
             return problem
     for what, t in _read_tensors(param, grad, step, states):
         if not storage_holds(t):
-            needed = (t.storage_offset() + t.numel()) * t.element_size()
-            return f"the storage of its {what} holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)"
+            return f"the storage of its {what} {storage_shortfall(t)}"
     return chunks_unsupported(given)
 
 

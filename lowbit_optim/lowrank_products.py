@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .state import storage_holds
+from .state import storage_holds, storage_shortfall
 
 
 class _Kind(NamedTuple):
@@ -169,8 +169,7 @@ def _check_storage(op: str, **tensors: Tensor | None) -> None:
     """The C reads each of ``tensors`` (contiguous) from its data pointer: its storage must hold it."""
     for name, t in tensors.items():
         if t is not None and not storage_holds(t):
-            needed = (t.storage_offset() + t.numel()) * t.element_size()
-            raise ValueError(f"{op}: the storage of {name} holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)")
+            raise ValueError(f"{op}: the storage of {name} {storage_shortfall(t)}")
 
 
 def _shares_memory(t: Tensor, u: Tensor) -> bool:

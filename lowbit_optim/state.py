@@ -627,6 +627,12 @@ def storage_holds(t: Tensor) -> bool:
     return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
+def storage_shortfall(t: Tensor) -> str:
+    """What the storage of a tensor that ``storage_holds`` refuses holds, for its error message."""
+    needed = (t.storage_offset() + t.numel()) * t.element_size()
+    return f"holds {t.untyped_storage().nbytes()} bytes, not the {needed} its elements need (a storage resized in place)"
+
+
 def describe_tensor(t) -> str:
     """What ``t`` is, for error messages about tensors of the wrong kind."""
     if not isinstance(t, Tensor):
