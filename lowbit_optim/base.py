@@ -638,6 +638,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         items = {id(group): [] for group in self.param_groups}
         for i, tensor, grad in zip(positions, params, grads):
             group, p = owners[i]
+            self._check_stepped(p, grad)
             items[id(group)].append((p, tensor, grad))
         for group in self.param_groups:
             self._step_group(group, items[id(group)])
@@ -646,6 +647,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
         """Step one parameter of ``group`` (the step in backward's hook)."""
+        self._check_stepped(param, grad)
         self._step_group(group, [(param, param, grad)])
 
     @contextlib.contextmanager
@@ -670,7 +672,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
-            self._check_stepped(p, grad)
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
             if grad.is_sparse:
@@ -716,7 +717,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _check_stepped(self, p: Tensor, grad: Tensor) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data``, and autograd does
-        not check a gradient assigned through it: each step checks them."""
+        not check a gradient assigned through it: each step checks them, where it begins (_step_params,
+        _step_one), before any group is stepped and whatever a subclass's _step_group does."""
         _check_grad_shape(p, grad)
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)

@@ -225,8 +225,6 @@ class Muon(LowBitOptimizer):
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         sharded = [item for item in items if is_dtensor(item[0])]
-        for p, _, grad in sharded:  # (the others: in the base class's step)
-            self._check_stepped(p, grad)
         if sharded:  # FSDP2: the iterations need whole matrices
             muon_fsdp.step(self, group, sharded)
         if len(sharded) < len(items):
