@@ -330,6 +330,47 @@ def test_gradients_set_inside_torch_compile(fused):
     assert_same_training(reference_model, reference, model, opt)
 
 
+def test_groups_edited_inside_torch_compile_before_the_step():
+    """A compiled function that sets lr and betas, then calls opt.step(): dynamo writes the edits
+    back only after its graph has run, so the step op would read last step's values (lr 0 moved
+    the weights). The step breaks the graph there and steps as eager does; under fullgraph=True it
+    is refused with the fix. Edits outside the function still recompile nothing."""
+    x, y = regression_data()
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+
+        def set_and_step(lr, beta1):
+            for group in opt.param_groups:
+                group["lr"], group["betas"] = lr, (beta1, 0.999)
+            opt.step()
+
+        step = torch.compile(set_and_step) if compiled else set_and_step
+        moved = []
+        for lr, beta1 in ((LR, 0.9), (0.0, 0.5), (LR / 2, 0.8), (0.0, 0.9)):
+            before = [p.detach().clone() for p in model.parameters()]
+            (model(x) - y).square().mean().backward()
+            step(lr, beta1)
+            opt.zero_grad()
+            moved.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        assert moved == [True, False, True, False]
+        runs.append((model, opt))
+    assert_same_training(*runs[0], *runs[1])
+
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+    (model(x) - y).square().mean().backward()
+
+    @torch.compile(fullgraph=True)
+    def set_lr_and_step(lr):
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"param_groups of AdamW were edited inside .* tensor lr and fill_\(\) it"):
+        set_lr_and_step(0.0)
+
+
 def test_step_in_a_fullgraph_function_with_a_scheduler_attached():
     """A scheduler wraps opt.step in a function dynamo will not trace (README): ``type(opt).step(opt)``
     compiles with fullgraph=True and steps as eager opt.step() does, the scheduler's lr included."""
