@@ -46,9 +46,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     ``options`` (``state_format``, ``min_quantize_numel``, ``compile``, ...) go to both; ``muon`` and
     ``adamw`` hold each one's own keywords and override them. ``param_groups`` lists the Muon groups,
-    then the AdamW groups (the same dicts the two hold), so lr schedulers, GradScaler and
-    ``zero_grad`` see every parameter; a scheduler scales each group from its own initial lr.
-    ``state_dict()`` is ``{"muon": ..., "adamw": ...}``. ``opt.muon`` and ``opt.adamw`` are the two.
+    then the AdamW groups (the dicts the two hold, read anew each time: a part's add_param_group or
+    load_state_dict shows), so lr schedulers, GradScaler and ``zero_grad`` see every parameter; a
+    scheduler scales each group from its own initial lr. ``state_dict()`` is ``{"muon": ...,
+    "adamw": ...}``, with this optimizer's state_dict hooks run as torch.optim runs them. ``opt.muon``
+    and ``opt.adamw`` are the two.
     """
 
     def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | None = None, **options):
@@ -65,15 +67,30 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self.muon = Muon(matrices, **{**options, **(muon or {})})
         with _suggesting_inside("adamw"):
             self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
-        super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; the groups are replaced below
-        self._link()
+        super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
 
-    def _link(self) -> None:
-        """``param_groups`` and ``state`` as the two optimizers' own (their load_state_dict replaces
-        both with new objects)."""
-        self.param_groups = [*self.muon.param_groups, *(self.adamw.param_groups if self.adamw else [])]
-        self.state = _States([o.state for o in self.optimizers])
+    # torch.optim's constructor and __setstate__ set these; once built, they are the two optimizers'
+    # own, read anew each time (their load_state_dict replaces both with new objects)
+    @property
+    def param_groups(self) -> list[dict]:
+        if not self.__dict__.get("_built"):
+            return self.__dict__["param_groups"]
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.__dict__["param_groups"] = groups
+
+    @property
+    def state(self) -> Mapping:
+        if not self.__dict__.get("_built"):
+            return self.__dict__["state"]
+        return _States([optimizer.state for optimizer in self.optimizers])
+
+    @state.setter
+    def state(self, state: dict) -> None:
+        self.__dict__["state"] = state
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -89,7 +106,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__({**state, "state": {}, "param_groups": []})  # torch.optim's hooks and attributes
-        self._link()
         self._built = True
 
     @property
@@ -114,9 +130,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # as torch.optim, for its hooks
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
         if not isinstance(state_dict, dict) or set(state_dict) != {"muon", "adamw"}:
             raise ValueError("a MuonWithAdamW state_dict is {'muon': ..., 'adamw': ...}; this one is not (saved by another optimizer?)")
         if (state_dict["adamw"] is None) != (self.adamw is None):
@@ -132,8 +158,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for optimizer, state, groups in kept:
                 optimizer.state, optimizer.param_groups = state, groups
             raise
-        finally:
-            self._link()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping

@@ -205,6 +205,41 @@ def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
         resumed.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
 
 
+def test_muon_with_adamw_follows_its_parts_and_runs_state_dict_hooks():
+    """A group added to opt.adamw (as the wrapper's own refusal says) or a part's load_state_dict
+    (as DCP's helpers load opt.optimizers) shows in param_groups and state: schedulers, GradScaler
+    and zero_grad reach it. state_dict and load_state_dict run this optimizer's hooks, as torch.optim."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    _lm_steps([opt], model, 1)
+    extra = nn.Parameter(torch.ones(3))
+    opt.adamw.add_param_group({"params": [extra], "lr": 0.1})
+    assert [id(g) for g in opt.param_groups] == [id(g) for o in opt.optimizers for g in o.param_groups] and len(opt.param_groups) == 3
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    extra.grad = torch.ones(3)
+    opt.step()
+    scheduler.step()
+    assert opt.param_groups[-1]["lr"] == 0.05 and extra in opt.state
+    opt.zero_grad()
+    assert extra.grad is None
+
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("state_dict pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "note": calls.append("state_dict post")})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre") or {k: v for k, v in sd.items() if k != "note"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = opt.state_dict()
+    assert "note" in saved
+    for group in saved["muon"]["param_groups"] + saved["adamw"]["param_groups"]:
+        group["lr"] = 0.0
+    opt.adamw.load_state_dict(saved["adamw"])  # a part alone, as DCP's helpers load them
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.0, 0.0]
+    opt.load_state_dict(saved)
+    assert calls == ["state_dict pre", "state_dict post", "load pre", "load post"]
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0, 0.0] and len(opt.state) == len(list(model.parameters())) + 1
+
+
 def test_muon_with_adamw_refused_checkpoint_leaves_both_as_they_were():
     """A checkpoint whose AdamW part is refused (after Muon's part loaded) leaves Muon's part as it
     was too: the next steps are those of an untouched copy."""
