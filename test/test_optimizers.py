@@ -293,15 +293,17 @@ FOREACH_CASES = [pytest.param(o, "8bit", id=f"{o.name}-8bit") for o in OPTIMIZER
 @pytest.mark.parametrize("device", DEVICES)
 def test_foreach_is_the_per_parameter_step_in_one_graph(opt_info, fmt, device):
     """``foreach=True`` steps a group's parameters in one compiled graph: the bits of one call per
-    parameter (``foreach=False``) for quantized, fp32-state (below min_quantize_numel),
-    non-contiguous and bf16 parameters; that graph is traced once, a new lr reuses it."""
+    parameter (``foreach=False``) for quantized, fp32-state (below min_quantize_numel) and
+    non-contiguous bf16 parameters; that graph is traced once, a new lr reuses it. (A fourth,
+    non-contiguous fp32 parameter had cost 17 of the 29 s that AdamW-4bit's foreach graph took
+    to compile, cold on 2 CPUs, and covers nothing the bf16 one does not.)"""
     g = torch.Generator().manual_seed(5)
-    shapes = [(64, 96), opt_info.shapes[1], (96, 64), (40, 120)]
+    shapes = [(64, 96), opt_info.shapes[1], (96, 64)]
 
     def make_params():
         values = [torch.randn(shape, generator=g) for shape in shapes]
-        values[2] = values[2].t()  # non-contiguous
-        values[3] = values[3].bfloat16()
+        values[2] = values[2].t().bfloat16()  # non-contiguous
+        assert not values[2].is_contiguous()
         return [nn.Parameter(v.to(device)) for v in values]
 
     runs = []
