@@ -268,7 +268,8 @@ muon_step.inductor_options = {"emulate_precision_casts": True}
 def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
     """The quintic Newton-Schulz iteration of Muon (Jordan et al. 2024; torch.optim.Muon's
     coefficients and order of operations), in bf16: ``update`` with its singular values pushed
-    towards 1 (roughly into [0.5, 1.5])."""
+    towards 1 (those of a well-conditioned matrix into about [0.5, 1.2]; the smallest of an
+    ill-conditioned or low-rank one stay far below)."""
     a, b, c = coefficients
     x = update.bfloat16()
     tall = update.size(0) > update.size(1)

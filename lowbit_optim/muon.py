@@ -3,6 +3,7 @@ optimizer object (``MuonWithAdamW``) or as the split alone (``muon_split``)."""
 
 import contextlib
 import fnmatch
+import re
 from collections.abc import Mapping
 
 import torch
@@ -18,8 +19,9 @@ def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor],
     output head, biases, norms and everything else (convolutions included, which torch.optim.Muon
     refuses). The head is the module named by ``head`` (a glob over qualified names, e.g.
     ``"lm_head"``), by default the last ``nn.Linear`` of ``model.modules()``; a weight tied to an
-    embedding stays with AdamW too. Only ``nn.Linear`` (and its subclasses) counts: Hugging Face GPT-2's
-    ``Conv1D`` does not, so pass such weights yourself. Each list can get its own optimizer and format::
+    embedding stays with AdamW too (so a model that registers its head before its blocks needs
+    ``head=``). Only ``nn.Linear`` (and its subclasses) counts: Hugging Face GPT-2's ``Conv1D`` and
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` do not, so pass such weights yourself. Each list can get its own optimizer and format::
 
         matrices, rest = muon_split(model)
         muon = Muon(matrices, lr=0.02, state_format="8bit")
@@ -171,11 +173,21 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def _suggesting_inside(keyword: str):
     """A format one of MuonWithAdamW's optimizers refuses is named as that one's (its checkpoint's
     group numbers count its own groups) and suggested inside ``keyword``, where the wrapper takes a
-    per-state ``state_format`` (a flat one goes to both, whose states differ)."""
+    per-state ``state_format`` (a flat one goes to both, whose states differ). A keyword it does not
+    take is named with the part that refused it, and where the other's belongs."""
     try:
         yield
     except StateFormatError as refused:
         raise refused.restated(context=f"{keyword}: ", spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
+    except TypeError as refused:
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(refused))
+        if unexpected is None:
+            raise
+        name, other = unexpected.group(1), "adamw" if keyword == "muon" else "muon"
+        raise TypeError(
+            f"MuonWithAdamW's {keyword} ({'Muon' if keyword == 'muon' else 'AdamW'}) takes no keyword {name!r}: MuonWithAdamW's own "
+            f"keywords go to both optimizers, so pass it inside {other}=dict({name}=...) if it is the other's, or drop it"
+        ) from None
 
 
 class _States(Mapping):

@@ -220,7 +220,7 @@ class Muon(LowBitOptimizer):
             if p.dim() != 2:
                 raise ValueError(
                     f"Muon steps 2-D matrices only (as torch.optim.Muon), got a parameter of shape {tuple(p.shape)}: give "
-                    "embeddings, the output head, biases and norms to AdamW (lowbit_optim.muon_split splits a model)"
+                    "embeddings, the output head, biases, norms and convolutions to AdamW (lowbit_optim.muon_split splits a model)"
                 )
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
@@ -349,7 +349,12 @@ def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) 
 def dequantize_state_dict(state_dict: dict) -> dict:
     """A copy of an optimizer state dict with every quantized state replaced by a plain fp32 tensor,
     e.g. to load a lowbit_optim checkpoint into torch.optim.AdamW (lowbit_optim optimizers convert
-    checkpoints themselves and need no such step)."""
+    checkpoints themselves and need no such step). A MuonWithAdamW state dict gives each part's
+    (``{"muon": ..., "adamw": ...}``), for torch.optim.Muon and torch.optim.AdamW."""
+    if set(state_dict) == {"muon", "adamw"}:
+        return {part: None if saved is None else dequantize_state_dict(saved) for part, saved in state_dict.items()}
+    if "state" not in state_dict:
+        raise ValueError(f"not an optimizer state dict (its keys: {sorted(state_dict)}); one has 'state' and 'param_groups'")
     state = {
         key: {name: (v.dequantize(torch.float32) if isinstance(v, StateTensor) else v) for name, v in s.items()}
         for key, s in state_dict["state"].items()

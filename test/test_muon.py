@@ -240,6 +240,31 @@ def test_muon_with_adamw_follows_its_parts_and_runs_state_dict_hooks():
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0, 0.0] and len(opt.state) == len(list(model.parameters())) + 1
 
 
+def test_muon_with_adamw_names_the_part_a_keyword_belongs_to_and_dequantizes_per_part():
+    """A keyword one part does not take names that part and where it belongs (the wrapper's own go
+    to both); dequantize_state_dict gives each part's state dict, which torch.optim's Muon and AdamW
+    load and step with."""
+    with pytest.raises(TypeError, match=r"muon \(Muon\) takes no keyword 'betas'.*inside adamw=dict\(betas=...\)"):
+        lowbit_optim.MuonWithAdamW(TinyLM(), betas=(0.9, 0.95))
+    with pytest.raises(TypeError, match=r"adamw \(AdamW\) takes no keyword 'nesterov'.*inside muon=dict\(nesterov=...\)"):
+        lowbit_optim.MuonWithAdamW(TinyLM(), adamw=dict(nesterov=True))
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    _lm_steps([opt], model, 2)
+    plain = lowbit_optim.dequantize_state_dict(opt.state_dict())
+    matrices, rest = lowbit_optim.muon_split(model)
+    theirs = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
+    for torch_opt, part in zip(theirs, ("muon", "adamw")):
+        torch_opt.load_state_dict(plain[part])
+        assert all(type(v) is torch.Tensor for s in torch_opt.state.values() for v in s.values())
+    before = [p.detach().clone() for p in model.parameters()]
+    _lm_steps(theirs, model, 1)
+    assert all(not torch.equal(b, p) and bool(p.isfinite().all()) for b, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="not an optimizer state dict"):
+        lowbit_optim.dequantize_state_dict({"model": {}})
+
+
 def test_muon_with_adamw_refused_checkpoint_leaves_both_as_they_were():
     """A checkpoint whose AdamW part is refused (after Muon's part loaded) leaves Muon's part as it
     was too: the next steps are those of an untouched copy."""
