@@ -518,7 +518,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_decays(self, group: dict) -> None:
         """Refuse a format for a signed average slower than it holds (State.decay,
         StateTensor.max_signed_decay), as the group stands: when it is added, and when a checkpoint
-        loads its numbers (a later change of its betas is not checked)."""
+        loads its numbers, and at a step after an edit of them (_check_edited_hyper_parameters)."""
         used, too_slow = self._state_format_names(group), {}
         for state in self.states:
             fmt = formats.get_format(used[state.name])
@@ -666,6 +666,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
         self._check_state_keys(group)
+        self._check_edited_hyper_parameters(group)
         arguments = None
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
@@ -742,6 +743,22 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"convert its states, build a new optimizer with the new setting and load this one's state_dict() into it "
                 f"(a load converts every state)"
             )
+
+    def _check_edited_hyper_parameters(self, group: dict) -> None:
+        """The constructor's checks of a group's numbers again where one was replaced since its last
+        step (an edit of param_groups: betas made 1.0, a misspelt option), as a new group's are
+        checked. A value changed in place (a tensor filled, a list edited) is not checked again."""
+        checked = self.__dict__.setdefault("_checked_values", {})  # not pickled: a copy checks at its first step
+        then = checked.get(id(group))
+        if then is not None and then[0] is group and _unchanged(then[1], group):
+            return
+        try:
+            self._check_hyper_parameters(group)
+            self._check_decays(group)
+        except ValueError as error:
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            raise type(error)(f"param group {index}, as edited since it was built: {error}") from None
+        checked[id(group)] = (group, {k: v for k, v in group.items() if k != "params"})
 
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
@@ -1003,6 +1020,25 @@ def _real_value(x) -> float | None:
     if isinstance(x, Tensor):
         return float(x) if x.numel() == 1 and not x.is_complex() else None
     return float(x) if isinstance(x, numbers.Real) else None
+
+
+def _unchanged(then: dict, group: dict) -> bool:
+    """Whether ``group`` holds the values ``then`` (its options at its last step): each the same
+    object or an equal number (a scheduler sets a new float each step); a tensor only as itself."""
+    if len(then) + 1 != len(group):
+        return False
+    for key, old in then.items():
+        new = group.get(key, then)
+        if new is old:
+            continue
+        if isinstance(new, Tensor) or isinstance(old, Tensor):
+            return False
+        try:
+            if new != old:
+                return False
+        except RuntimeError:  # a container of tensors, compared element by element
+            return False
+    return True
 
 
 def _check_lr(lr) -> None:
