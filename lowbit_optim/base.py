@@ -447,7 +447,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         group["compensation_format"] = formats.get_format(group["compensation_format"]).name
         used = self._state_format_names(group)
         for state in self.states:
-            self._check_signed(state, formats.get_format(used[state.name]))
+            fmt = formats.get_format(used[state.name])
+            self._check_signed(state, fmt)
+            if formats.is_quantized(fmt):
+                fmt.check_format(state.signed)
         self._check_decays(group)
         if group["param_update"] == "kahan":
             compensation = formats.get_format(group["compensation_format"])

@@ -314,6 +314,12 @@ class StateTensor(Tensor):
         return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{meta}:{sizes}"
 
     @classmethod
+    def check_format(cls, signed: bool) -> None:
+        """Raise a ValueError naming what is wrong with this format for a state of this signedness
+        (a codebook's values): an optimizer calls it when it takes the format, so that a malformed
+        format is refused there rather than at the first step."""
+
+    @classmethod
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
         """A hash of the code that defines the format's numbers (its encoding and scaling)."""
@@ -517,6 +523,10 @@ class CodebookState(OptimState):
         raise NotImplementedError(f"{cls.__name__} defines no codebook: a CodebookState subclass returns its code values from codebook(signed)")
 
     @classmethod
+    def check_format(cls, signed: bool) -> None:
+        _table_values(cls, signed)
+
+    @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:
         base_code, threshold = _code_tables(cls, signed, normalized.device)
         return quant.encode_nearest(normalized, base_code, threshold)
@@ -554,22 +564,37 @@ def _code_tables(cls, signed: bool, device: torch.device) -> tuple[Tensor, Tenso
 
 @functools.cache
 def _table_values(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
-    """Codebook and encoding tables as Python lists, built once per format and signedness."""
+    """Codebook and encoding tables as Python lists, built once per format and signedness (checked
+    when an optimizer takes the format: CodebookState.check_format). Built with real tensors even
+    where the first call comes from inside a trace (fake tensors would give symbolic lists)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _build_tables(cls, signed)
+
+
+def _build_tables(cls, signed: bool) -> dict[str, tuple[list, torch.dtype]]:
+    which = f"{cls.__name__}.codebook({signed})"
     # decode returns fp32 values, so the decision boundaries must be those of the fp32 codebook
     codebook = torch.tensor(cls.codebook(signed), dtype=torch.float32).tolist()
-    if len(codebook) > 2**cls.bits:
-        raise ValueError(f"{cls.__name__}.codebook({signed}) has {len(codebook)} values; {cls.bits} bits hold {2**cls.bits}")
-    if not all(a < b for a, b in zip(codebook, codebook[1:])):  # NaN fails too
-        raise ValueError(f"{cls.__name__}.codebook({signed}) must list its values strictly increasing (as fp32), without NaN: sort them and drop repeats")
+    if not 2 <= len(codebook) <= 2**cls.bits:
+        raise ValueError(f"{which} has {len(codebook)} values; it needs at least 2, and {cls.bits} bits hold {2**cls.bits}")
+    if not all(a < b for a, b in zip(codebook, codebook[1:])) or not all(map(math.isfinite, codebook)):  # NaN fails too
+        raise ValueError(f"{which} must list finite values strictly increasing (as fp32): sort them, drop repeats, NaN and infinities")
+    if not signed and codebook[0] < 0:  # a nonnegative state (a second moment) must not decode below 0
+        raise ValueError(f"{which} holds a nonnegative state's codes and starts at {codebook[0]!r}: drop its negative values")
     top = torch.tensor(float(cls.scale_max), dtype=torch.float32).item()
-    if codebook and codebook[-1] != top:  # a block's absmax maps to scale_max: below it, every block's largest value would be clipped
+    if not 0 < top < math.inf:
+        raise ValueError(f"{cls.__name__}.scale_max = {cls.scale_max!r}: it must be positive and finite (as fp32), where each block's absmax lands")
+    if codebook[-1] != top:  # a block's absmax maps to scale_max: below it, every block's largest value would be clipped
         raise ValueError(
-            f"{cls.__name__}.codebook({signed}) ends at {codebook[-1]!r}, not at scale_max = {top!r} (as fp32), where each block's "
+            f"{which} ends at {codebook[-1]!r}, not at scale_max = {top!r} (as fp32), where each block's "
             f"absmax lands: end the codebook there, or set scale_max to its largest value"
         )
     space = None if cls.rounding_space.__func__ is OptimState.rounding_space.__func__ else functools.partial(cls.rounding_space, signed=signed)
     thresholds = quant.decision_thresholds(codebook, space)
-    base_code, threshold = quant.nearest_code_tables(thresholds)
+    try:
+        base_code, threshold = quant.nearest_code_tables(thresholds)
+    except ValueError as error:
+        raise ValueError(f"{which}: {error}: space its neighbouring values further apart (more than about 2**-8 of their size)") from None
     unused = [math.nan] * (2**cls.bits - len(codebook))  # codes encode never produces decode to NaN
     return {
         "codebook": (codebook + unused, torch.float32),

@@ -9,6 +9,8 @@ shares the default AdamW graphs of the rest of the suite.
 import copy
 import io
 import pickle
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -106,6 +108,34 @@ def test_default_dtype_changes_nothing(info, default_dtype):
 # ------------------------------------------------------------------------------------------------
 # Resume is bit-exact for every parameter dtype
 # ------------------------------------------------------------------------------------------------
+
+
+RESUME_IN_A_FRESH_PROCESS = """
+import sys, torch, lowbit_optim
+saved = torch.load(sys.argv[1], weights_only=True)
+p = torch.nn.Parameter(saved["param"])
+opt = lowbit_optim.AdamW([p], lr=1e-2, state_format="8bit", fused=False)
+opt.load_state_dict(saved["opt"])
+p.grad = saved["grad"]
+opt.step()
+torch.save(p.detach(), sys.argv[2])
+"""
+
+
+def test_a_checkpoint_resumes_on_the_compiled_step_in_a_fresh_process(tmp_path):
+    """The usual resume: a new process loads a checkpoint and steps, its first codebook state the
+    loaded one. The compiled step (fused=False, every GPU step) had failed there, its format's
+    tables first built inside its trace ("Could not guard on data-dependent expression")."""
+    p = nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
+    opt = lowbit_optim.AdamW([p], lr=1e-2, state_format="8bit", fused=False)
+    p.grad = torch.randn(64, 96)
+    opt.step()
+    grad = torch.randn(64, 96)
+    torch.save({"param": p.detach().clone(), "opt": opt.state_dict(), "grad": grad}, tmp_path / "checkpoint.pt")
+    p.grad = grad
+    opt.step()
+    subprocess.run([sys.executable, "-c", RESUME_IN_A_FRESH_PROCESS, str(tmp_path / "checkpoint.pt"), str(tmp_path / "param.pt")], check=True, capture_output=True)
+    assert torch.equal(torch.load(tmp_path / "param.pt", weights_only=True), p.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -1242,6 +1242,46 @@ def test_a_format_of_another_file_cannot_take_a_builtin_name(tmp_path):
     assert get_format("8bit") is builtin
 
 
+MALFORMED_CODEBOOKS = {
+    "unsigned below 0": ({"codebook": lambda signed: [-1.0, -0.5, 0.0, 0.5, 1.0]}, r"Malformed.codebook\(False\) holds a nonnegative state's codes and starts at -1.0: drop its negative values"),
+    "infinite": ({"codebook": lambda signed: [-math.inf, 0.0, 1.0] if signed else [0.0, 0.5, 1.0]}, r"codebook\(True\) must list finite values strictly increasing"),
+    "one value": ({"codebook": lambda signed: [1.0]}, r"codebook\(True\) has 1 values; it needs at least 2"),
+    "scale_max 0": ({"codebook": lambda signed: [-1.0, 0.0], "scale_max": 0.0}, r"Malformed.scale_max = 0.0: it must be positive and finite"),
+    "too fine": ({"codebook": lambda signed: [0.0, 0.999, 0.9995, 1.0]}, r"Malformed.codebook\(True\): codebook too fine .*: space its neighbouring values further apart"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_CODEBOOKS, ids=list(MALFORMED_CODEBOOKS))
+def test_a_malformed_codebook_is_refused_when_an_optimizer_takes_it(monkeypatch, case):
+    """A user's codebook that would decode wrongly (an unsigned state below 0: a second moment gone
+    negative made parameters NaN; an infinity) or that no block can use is refused when an
+    optimizer is built with it, naming the class and the fix, not at the first step."""
+    body, message = MALFORMED_CODEBOOKS[case]
+    cls = type("Malformed", (CodebookState,), {"name": None, "bits": 4, **body, "codebook": classmethod(lambda c, signed: body["codebook"](signed))})
+    cls.name = f"malformed-{case}"  # registered for this test only
+    monkeypatch.setitem(lowbit_optim.registry._REGISTRY, cls.name, cls)
+    with pytest.raises(ValueError, match=message):
+        lowbit_optim.AdamW([torch.nn.Parameter(torch.randn(64, 64))], state_format=cls.name)
+
+
+def test_codebook_tables_are_real_when_first_built_inside_a_trace():
+    """A process whose first state of a format comes from a checkpoint may build the format's
+    tables inside the compiled step's trace; built with fake tensors they were symbolic values, and
+    the step failed ("Could not guard on data-dependent expression"). They are built with real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowbit_optim import state
+    from lowbit_optim.formats import OptimState8bit
+
+    expected = state._table_values(OptimState8bit, True)
+    state._table_values.cache_clear()
+    with FakeTensorMode():
+        built = state._table_values(OptimState8bit, True)
+    assert all(type(v) is float for v in built["codebook"][0])
+    for name, (values, dtype) in expected.items():
+        torch.testing.assert_close(torch.tensor(built[name][0], dtype=dtype), torch.tensor(values, dtype=dtype), rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_subclass_without_a_name_of_its_own_is_told_so():
     """A format subclass that sets no name would register under its parent's: refused naming both
     and the two ways out, before it registers; name = None makes an unregistered base."""
@@ -1276,7 +1316,7 @@ def test_a_codebook_out_of_order_is_named():
     codebook(signed), at the first use."""
     for values in ([0.5, -1.0, 1.0], [-1.0, 0.0, 0.0, 1.0], [-1.0, math.nan, 1.0]):
         fmt = type("OutOfOrder", (CodebookState,), {"bits": 4, "default_block_size": 128, "codebook": classmethod(lambda cls, signed, v=values: v)})
-        with pytest.raises(ValueError, match=r"OutOfOrder.codebook\(True\) must list its values strictly increasing"):
+        with pytest.raises(ValueError, match=r"OutOfOrder.codebook\(True\) must list finite values strictly increasing"):
             fmt.from_float(torch.randn(256), True)
     short = type("ShortOfOne", (CodebookState,), {"bits": 4, "default_block_size": 128, "codebook": classmethod(lambda cls, signed: [-0.5, 0.0, 0.5])})
     with pytest.raises(ValueError, match=r"ShortOfOne.codebook\(True\) ends at 0.5, not at scale_max = 1.0"):
