@@ -135,7 +135,7 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
     if isinstance(state, FactoredState) and state.part:
         return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
     if (_stored_kind(state) if contiguous else kernel_kind(state)) is None:
-        return f"the {name} state {type(state).__name__} (a format with its own encoding)"
+        return f"the {name} state {type(state).__name__} (a format with its own encoding or block scales)"
     if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
         return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
     if isinstance(state, StateTensor) and state.has_addend and _stored_kind(state) != "codebook":  # chunk_io.h adds it to codebook codes only

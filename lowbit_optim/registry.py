@@ -35,7 +35,10 @@ def register_format(fmt) -> None:
     """Make ``fmt`` (a StateTensor subclass or PlainFormat) available as ``state_format=fmt.name``."""
     existing = _REGISTRY.get(fmt.name)
     if existing is not None and not _same_format(existing, fmt):
-        raise ValueError(f"state format name {fmt.name!r} is already taken by {existing!r}")
+        raise ValueError(
+            f"state format name {fmt.name!r} is already taken by {existing!r}: give yours another name (a class defined "
+            "again with other numbers, as a notebook cell run again, needs a fresh interpreter)"
+        )
     _REGISTRY[fmt.name] = fmt
 
 

@@ -502,7 +502,7 @@ class TestRefusals(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.reason(states={"exp_avg_sq": _E5M2.zeros(256, signed=False)}),
-            """the exp_avg_sq state _E5M2 (a format with its own encoding)""",
+            """the exp_avg_sq state _E5M2 (a format with its own encoding or block scales)""",
         )
         big = lowbit_optim.OptimState8bit.zeros(16384, block_size=16384)
         self.assertExpectedInline(self.reason(states={"exp_avg": big}), """block_size 16384 of the exp_avg state (at most 8192)""")
@@ -522,7 +522,7 @@ class TestRefusals(expecttest.TestCase):
                 return quant.power_of_two_at_least(super()._block_scales(absmax))
 
         self.assertExpectedInline(
-            self.reason(states={"exp_avg": PowerOfTwoScales.zeros(256)}), """the exp_avg state PowerOfTwoScales (a format with its own encoding)"""
+            self.reason(states={"exp_avg": PowerOfTwoScales.zeros(256)}), """the exp_avg state PowerOfTwoScales (a format with its own encoding or block scales)"""
         )
 
     def test_fused_true_names_the_parameter_and_the_way_out(self):
