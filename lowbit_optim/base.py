@@ -44,7 +44,7 @@ _STRUCTURAL_KEYS = (
 )  # fmt: skip
 
 # the structural keys that make the states (their formats, blocks, extra buffers): edited after a
-# group is built, its states would no longer be what it says (the step checks, _check_state_keys)
+# group is built, its states would no longer be what it says (the step checks, _check_edits)
 _STATE_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
 
 GRAD_SCALER_IN_BACKWARD = (
@@ -479,7 +479,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
                 "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
             )
-        self._remember_state_keys(group)
+        self._remember_group(group)
 
     def _check_hyper_parameters(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
@@ -521,7 +521,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_decays(self, group: dict) -> None:
         """Refuse a format for a signed average slower than it holds (State.decay,
         StateTensor.max_signed_decay), as the group stands: when it is added, and when a checkpoint
-        loads its numbers, and at a step after an edit of them (_check_edited_hyper_parameters)."""
+        loads its numbers, and at a step after an edit of them (_check_edits)."""
         used, too_slow = self._state_format_names(group), {}
         for state in self.states:
             fmt = formats.get_format(used[state.name])
@@ -638,6 +638,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
             grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
+        self._check_edits(self.param_groups)
         items = {id(group): [] for group in self.param_groups}
         for i, tensor, grad in zip(positions, params, grads):
             group, p = owners[i]
@@ -650,6 +651,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
         """Step one parameter of ``group`` (the step in backward's hook)."""
+        self._check_edits([group])
         self._check_stepped(param, grad)
         self._step_group(group, [(param, param, grad)])
 
@@ -668,8 +670,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
-        self._check_state_keys(group)
-        self._check_edited_hyper_parameters(group)
         arguments = None
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
@@ -727,41 +727,49 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
 
-    def _remember_state_keys(self, group: dict) -> tuple:
-        """The group's state keys (_STATE_KEYS) as built or loaded, for _check_state_keys."""
-        keys = copy.deepcopy(tuple(group.get(key) for key in _STATE_KEYS))  # a copy: a format dict edited in place shows
-        self.__dict__.setdefault("_state_keys", {})[id(group)] = (group, keys)  # not pickled: a copy remembers at its first step
-        return keys
+    def _remember_group(self, group: dict) -> dict:
+        """The group's options as built, loaded or last checked, for _check_edits. Not pickled: a
+        copy remembers at its first step."""
+        # the state keys deep: a format dict edited in place must show
+        options = {k: copy.deepcopy(v) if isinstance(v, (dict, list)) and k in _STATE_KEYS else v for k, v in group.items() if k != "params"}
+        self.__dict__.setdefault("_remembered_groups", {})[id(group)] = (group, options)
+        return options
 
-    def _check_state_keys(self, group: dict) -> None:
-        """Refuse a group whose state keys changed since it was built or loaded: its states keep the
-        formats they were made in, which the group, and state_dict(), would then misname."""
-        remembered = self.__dict__.get("_state_keys", {}).get(id(group))
-        then = remembered[1] if remembered is not None and remembered[0] is group else self._remember_state_keys(group)
-        changed = [f"{key} from {old!r} to {new!r}" for key, old, new in zip(_STATE_KEYS, then, (group.get(key) for key in _STATE_KEYS)) if old != new]
-        if changed:
+    def _check_edits(self, groups: list[dict]) -> None:
+        """Each of ``groups`` as edited since it was built, loaded or last stepped (before any is
+        stepped): a state key changed is refused (its states keep the formats they were made in,
+        which the group, and state_dict(), would then misname); other options replaced are checked
+        as the constructor checks them (betas made 1.0, a misspelt option), lr alone by itself (a
+        scheduler's, every step). A value changed in place (a tensor filled) is not seen."""
+        remembered = self.__dict__.get("_remembered_groups", {})
+        for group in groups:
+            then = remembered.get(id(group), (None, None))
+            if then[0] is not group:
+                self._remember_group(group)
+                continue
+            changed = _changed_options(then[1], group)
+            if not changed:
+                continue
             index = next(i for i, g in enumerate(self.param_groups) if g is group)
-            raise ValueError(
-                f"param group {index}'s {'; '.join(changed)}: a group's state settings are fixed when it is built. To "
-                f"convert its states, build a new optimizer with the new setting and load this one's state_dict() into it "
-                f"(a load converts every state)"
-            )
+            fixed = [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
+            if fixed:
+                raise ValueError(
+                    f"param group {index}'s {'; '.join(fixed)}: a group's state settings are fixed when it is built. To "
+                    f"convert its states, build a new optimizer with the new setting and load this one's state_dict() into it "
+                    f"(a load converts every state)"
+                )
+            with _naming_the_group(f"param group {index}, as edited since it was built: "):
+                if changed == {"lr"}:
+                    _check_lr(group["lr"])
+                    then[1]["lr"] = group["lr"]
+                    continue
+                self._check_numbers(group)
+            self._remember_group(group)
 
-    def _check_edited_hyper_parameters(self, group: dict) -> None:
-        """The constructor's checks of a group's numbers again where one was replaced since its last
-        step (an edit of param_groups: betas made 1.0, a misspelt option), as a new group's are
-        checked. A value changed in place (a tensor filled, a list edited) is not checked again."""
-        checked = self.__dict__.setdefault("_checked_values", {})  # not pickled: a copy checks at its first step
-        then = checked.get(id(group))
-        if then is not None and then[0] is group and _unchanged(then[1], group):
-            return
-        try:
-            self._check_hyper_parameters(group)
-            self._check_decays(group)
-        except ValueError as error:
-            index = next(i for i, g in enumerate(self.param_groups) if g is group)
-            raise type(error)(f"param group {index}, as edited since it was built: {error}") from None
-        checked[id(group)] = (group, {k: v for k, v in group.items() if k != "params"})
+    def _check_numbers(self, group: dict) -> None:
+        """The constructor's checks of a group's numbers, its betas under its formats included."""
+        self._check_hyper_parameters(group)
+        self._check_decays(group)
 
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
@@ -853,15 +861,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         def check_hyper_parameters(optimizer, loaded: dict) -> None:
             # the constructor's checks, before anything is loaded: a step must not run on what it refuses
             for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
-                try:
-                    merged = {**self.defaults, **group, **keep, "params": ours["params"]}
-                    self._check_hyper_parameters(merged)
-                    self._check_decays(merged)  # the checkpoint's betas under this optimizer's formats
-                except ValueError as error:
-                    context = f"param group {i} of this {source}: "
-                    if isinstance(error, StateFormatError):  # still one, for a wrapper to restate
-                        raise error.restated(context=context) from None
-                    raise ValueError(context + str(error)) from None
+                with _naming_the_group(f"param group {i} of this {source}: "):
+                    self._check_numbers({**self.defaults, **group, **keep, "params": ours["params"]})
 
         def keep_saved_tensors(optimizer, loaded: dict) -> None:
             # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
@@ -875,13 +876,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{_loaded_state(name, p, index)} is on the meta device, where it holds no values")
 
         def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
-            self.__dict__.pop("_state_keys", None)  # the groups are new dicts
+            self.__dict__.pop("_remembered_groups", None)  # the groups are new dicts
             index = itertools.count()  # a parameter's position in the checkpoint, across groups (errors name it)
             for group, keep in zip(self.param_groups, structural):
                 group.update(keep)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
-                self._remember_state_keys(group)
+                self._remember_group(group)
                 for p, i in zip(group["params"], index):
                     if p in self.state:
                         self.state[p].update({k: v for k, v in saved.get(p, {}).items() if isinstance(v, Tensor)})
@@ -1025,23 +1026,34 @@ def _real_value(x) -> float | None:
     return float(x) if isinstance(x, numbers.Real) else None
 
 
-def _unchanged(then: dict, group: dict) -> bool:
-    """Whether ``group`` holds the values ``then`` (its options at its last step): each the same
-    object or an equal number (a scheduler sets a new float each step); a tensor only as itself."""
-    if len(then) + 1 != len(group):
-        return False
+def _changed_options(then: dict, group: dict) -> set:
+    """The options of ``group`` that are not those of ``then`` (as remembered): each the same object
+    or an equal value (a scheduler sets a new float each step); a tensor only as itself."""
+    changed = set(then) ^ (set(group) - {"params"})
     for key, old in then.items():
         new = group.get(key, then)
-        if new is old:
+        if new is old or key in changed:
             continue
         if isinstance(new, Tensor) or isinstance(old, Tensor):
-            return False
+            changed.add(key)
+            continue
         try:
             if new != old:
-                return False
-        except RuntimeError:  # a container of tensors, compared element by element
-            return False
-    return True
+                changed.add(key)
+        except Exception:  # containers of tensors or arrays, compared element by element
+            changed.add(key)
+    return changed
+
+
+@contextlib.contextmanager
+def _naming_the_group(context: str):
+    """A group's refused number with ``context`` (which group, and how it came) before it."""
+    try:
+        yield
+    except StateFormatError as error:  # still one, for a wrapper to restate
+        raise error.restated(context=context) from None
+    except ValueError as error:
+        raise ValueError(context + str(error)) from None
 
 
 def _check_lr(lr) -> None:

@@ -65,9 +65,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not matrices:
             raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
         self._built = False
-        with _suggesting_inside("muon"):
+        with _suggesting_inside("muon", given=options.keys() | (muon or {}).keys()):
             self.muon = Muon(matrices, **{**options, **(muon or {})})
-        with _suggesting_inside("adamw"):
+        with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
             self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
@@ -82,6 +82,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, groups: list[dict]) -> None:
+        self._refuse_once_built("param_groups")
         self.__dict__["param_groups"] = groups
 
     @property
@@ -92,7 +93,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @state.setter
     def state(self, state: dict) -> None:
+        self._refuse_once_built("state")
         self.__dict__["state"] = state
+
+    def _refuse_once_built(self, name: str) -> None:
+        if self.__dict__.get("_built"):  # it would be lost: the two optimizers' are read
+            raise AttributeError(f"MuonWithAdamW's {name} is its two optimizers': set opt.muon.{name} and opt.adamw.{name} instead")
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -127,6 +133,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not torch.compiler.is_compiling():  # traced, it would guard on every lr; each part's op checks its own
+            for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
+                optimizer._check_edits(optimizer.param_groups)
         for optimizer in self.optimizers:
             optimizer.step()
         return loss
@@ -170,7 +179,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 @contextlib.contextmanager
-def _suggesting_inside(keyword: str):
+def _suggesting_inside(keyword: str, given=()):
     """A format one of MuonWithAdamW's optimizers refuses is named as that one's (its checkpoint's
     group numbers count its own groups) and suggested inside ``keyword``, where the wrapper takes a
     per-state ``state_format`` (a flat one goes to both, whose states differ). A keyword it does not
@@ -181,7 +190,7 @@ def _suggesting_inside(keyword: str):
         raise refused.restated(context=f"{keyword}: ", spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
     except TypeError as refused:
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(refused))
-        if unexpected is None:
+        if unexpected is None or unexpected.group(1) not in given:  # raised deeper down, not about a keyword given
             raise
         name, other = unexpected.group(1), "adamw" if keyword == "muon" else "muon"
         raise TypeError(

@@ -59,15 +59,17 @@ GROUPS_EDITED_IN_GRAPH = (
 
 def _break_if_groups_edited(ctx) -> None:
     """At trace time: a graph break where the traced code has edited, and not yet written back, the
-    param_groups list, a group or a group's params list of an optimizer (of any: the stepped one's
-    key may be symbolic here). Dynamo's record of edits is internal: where it is not as read here, nothing is
-    checked."""
+    param_groups list, a group or a group's params list of the optimizer stepped (the local
+    ``key``; where dynamo made it symbolic, of any optimizer). Dynamo's record of edits is internal:
+    where it is not as read here, nothing is checked."""
     try:
         edits = ctx._ComptimeContext__tx.output.side_effects
         tracked = edits.id_to_variable
     except AttributeError:
         return
-    for optimizer in list(_OPTIMIZERS.values()):
+    key = ctx.get_local("key")
+    stepped = [_OPTIMIZERS[key.as_python_constant()]] if key.is_python_constant() else list(_OPTIMIZERS.values())
+    for optimizer in stepped:
         groups = optimizer.__dict__.get("param_groups", [])
         for edited in (groups, *groups, *(group["params"] for group in groups)):
             variable = tracked.get(id(edited))

@@ -400,6 +400,40 @@ def test_groups_edited_inside_torch_compile_before_the_step():
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"param_groups of AdamW were edited inside .* tensor lr and fill_\(\) it"):
         set_lr_and_step(0.0)
 
+    other = lowbit_optim.AdamW(make_mlp().parameters(), lr=LR, state_format="8bit")
+    for p in other.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+
+    @torch.compile(fullgraph=True)
+    def step_then_edit_then_step_another(lr):  # as a scheduler's step between two optimizers' steps
+        opt.step()
+        opt.param_groups[0]["lr"] = lr
+        other.step()
+
+    step_then_edit_then_step_another(LR / 2)
+    assert opt.param_groups[0]["lr"] == LR / 2
+
+
+def test_a_refused_edit_steps_no_group():
+    """An edit a step refuses (a group's lr made negative) is found before any group is stepped,
+    MuonWithAdamW's two optimizers' too: fixed and stepped again, nothing is stepped twice."""
+    first, second = nn.Parameter(torch.ones(8)), nn.Parameter(torch.ones(8))
+    opt = lowbit_optim.AdamW([{"params": [first]}, {"params": [second]}], lr=LR)
+    first.grad, second.grad = torch.ones(8), torch.ones(8)
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"param group 1, as edited since it was built: invalid learning rate -1.0"):
+        opt.step()
+    assert torch.equal(first, torch.ones(8)) and not opt.state
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 2))
+    wrapped = lowbit_optim.MuonWithAdamW(model, compile=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    wrapped.adamw.param_groups[0]["eps"] = -1.0
+    with pytest.raises(ValueError, match=r"param group 0, as edited since it was built: invalid eps -1.0"):
+        wrapped.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
 
 def test_step_in_a_fullgraph_function_with_a_scheduler_attached():
     """A scheduler wraps opt.step in a function dynamo will not trace (README): ``type(opt).step(opt)``

@@ -238,6 +238,8 @@ def test_muon_with_adamw_follows_its_parts_and_runs_state_dict_hooks():
     opt.load_state_dict(saved)
     assert calls == ["state_dict pre", "state_dict post", "load pre", "load post"]
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0, 0.0] and len(opt.state) == len(list(model.parameters())) + 1
+    with pytest.raises(AttributeError, match=r"set opt.muon.state and opt.adamw.state instead"):
+        opt.state = {}
 
 
 def test_muon_with_adamw_names_the_part_a_keyword_belongs_to_and_dequantizes_per_part():

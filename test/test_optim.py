@@ -1070,6 +1070,7 @@ BAD_INPUT = {
     "betas edited between steps": edited_between_steps("betas", (0.9, 0.99999999)),
     "lr edited between steps": edited_between_steps("lr", -1e-3),
     "Muon's ns_steps edited between steps": edited_between_steps("ns_steps", 150, cls=lowbit_optim.Muon),
+    "betas edited past a format's slowest average": edited_between_steps("betas", (0.97, 0.999), state_format="4bit-lowrank-mulaw"),
     "block_size=100": with_one_param(state_format="8bit", block_size=100),
     "block_size=0": with_one_param(state_format="8bit", block_size=0),
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
@@ -1133,6 +1134,7 @@ min_quantize_numel edited between steps: ValueError: param group 0's min_quantiz
 betas edited between steps: ValueError: param group 0, as edited since it was built: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, in which the step computes its bias correction 1 - beta**step (0); it must be below 0.9999999701976776 (1 - 2**-25)
 lr edited between steps: ValueError: param group 0, as edited since it was built: invalid learning rate -0.001: lr must be a number >= 0
 Muon's ns_steps edited between steps: ValueError: param group 0, as edited since it was built: invalid ns_steps 150: an int in [0, 100), e.g. 5
+betas edited past a format's slowest average: StateFormatError: param group 0, as edited since it was built: the '4bit-lowrank-mulaw' state format cannot hold Adam/AdamW's exp_avg, an average that keeps 0.97 of itself per step: its rounding noise is drawn afresh at every write, and an average that keeps more than 0.95 per step gathers that noise faster than it lets it decay, growing without bound (README, "Low-rank states and slow averages"). Use a format without that limit for it, e.g. state_format={'exp_avg': '10bit-sr', 'exp_avg_sq': '4bit-lowrank-mulaw'}
 block_size=100: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 100
 block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
