@@ -125,7 +125,9 @@ torch.save(p.detach(), sys.argv[2])
 def test_a_checkpoint_resumes_on_the_compiled_step_in_a_fresh_process(tmp_path):
     """The usual resume: a new process loads a checkpoint and steps, its first codebook state the
     loaded one. The compiled step (fused=False, every GPU step) had failed there, its format's
-    tables first built inside its trace ("Could not guard on data-dependent expression")."""
+    tables first built inside its trace ("Could not guard on data-dependent expression"); they are
+    built when the optimizer takes the format now (and with real tensors inside a trace as well:
+    test_formats.py)."""
     p = nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
     opt = lowbit_optim.AdamW([p], lr=1e-2, state_format="8bit", fused=False)
     p.grad = torch.randn(64, 96)
