@@ -81,10 +81,14 @@ def cpuinfo_field(name: str) -> str | None:
 
 def tuning() -> list[str]:
     """Choices of code path by the CPU where measurement decided them (the C's defaults elsewhere):
-    FAST_DIVIDER (csrc/divide.h) on AMD's family 26 (Zen 5), whose divider keeps up with a real
-    division where other cores take a multiplication and an FMA correction. An explicit -D in FLAGS
+    FAST_DIVIDER (csrc/divide.h) on AMD's family 26 (Zen 5) and family 25 with AVX-512 (Zen 4),
+    whose dividers keep up with a real division where other cores take a multiplication and an FMA
+    correction (Zen 3, family 25 without AVX-512, has not been measured). An explicit -D in FLAGS
     comes later on the command line and wins."""
-    if cpuinfo_field("vendor_id") == "AuthenticAMD" and cpuinfo_field("cpu family") == "26":
+    if cpuinfo_field("vendor_id") != "AuthenticAMD":
+        return []
+    family, flags = cpuinfo_field("cpu family"), (cpuinfo_field("flags") or "").split()
+    if family == "26" or family == "25" and "avx512f" in flags:
         return ["-DFAST_DIVIDER=1"]
     return []
 
