@@ -13,6 +13,14 @@ from torch import Tensor
 from . import precision
 
 
+def _unless_v_is_zero(update: Tensor, v: Tensor) -> Tensor:
+    """Adam's and AdEMAMix's ``update``, but none where the second moment ``v`` is 0: a first moment
+    there comes of rounding alone (8bit and fp8 round a v far below its block's largest to 0; fp32, a
+    gradient whose square underflows), and m / eps would throw the weight (by 5.5 at lr 1e-2 where
+    torch.optim's moved it 0.0067). The kernel's is csrc/update.h's."""
+    return torch.where(v == 0, 0.0, update)
+
+
 def adam_step(
     param: Tensor,
     grad: Tensor,
@@ -63,10 +71,7 @@ def adam_step(
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     denom = v.sqrt() / bias_correction2.sqrt() + eps
-    # no update where the second moment is 0: a first moment there comes of rounding alone (8bit and
-    # fp8 round a v far below its block's largest to 0; fp32, a gradient whose square underflows), and
-    # m / eps would throw the weight (by 5.5 at lr 1e-2 where torch.optim's moved it 0.0067)
-    p = p - torch.where(v == 0, 0.0, lr * (m / bias_correction1) / denom)
+    p = p - _unless_v_is_zero(lr * (m / bias_correction1) / denom, v)
 
     precision.write_param(param, param_extra, start, p, param_update)
 
@@ -196,7 +201,7 @@ def ademamix_step(
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     denom = v.sqrt() / bias_correction2.sqrt() + eps
-    p = p - torch.where(v == 0, 0.0, lr * (m / bias_correction1 + alpha * m_slow) / denom)  # as Adam's
+    p = p - _unless_v_is_zero(lr * (m / bias_correction1 + alpha * m_slow) / denom, v)
     precision.write_param(param, param_extra, start, p, param_update)
 
 

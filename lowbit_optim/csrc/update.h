@@ -73,6 +73,12 @@ static inline float lerp(float start, float end, float coeff, int high) {
     return (high ? end : start) + coeff * (end - start);
 }
 
+/* Adam's and AdEMAMix's update, but none where the second moment v is 0 (functional.adam_step):
+ * a mask, not a branch around the division, which would keep the loop scalar */
+static inline float unless_v_is_zero(float update, float v) {
+    return float_of(bits_of(update) & (0u - (uint32_t)(v != 0.0f)));
+}
+
 #ifdef VECTOR_LANES
 static inline vec_t vec_lerp(vec_t start, vec_t end, vec_t coeff, int high) {  /* lerp, a vector at a time */
     return vec_add(high ? end : start, vec_mul(coeff, vec_sub(end, start)));
@@ -82,6 +88,11 @@ static inline vec_t vec_lerp(vec_t start, vec_t end, vec_t coeff, int high) {  /
  * conversions keep the vector ports busy, so there the divider takes it where it is fast */
 static inline vec_t divide_moment(vec_t m, const divisor_t *bias_correction, int bf16) {
     return bf16 ? divide_ports_busy(m, bias_correction) : divide(m, bias_correction);
+}
+
+static inline vec_t vec_unless_v_is_zero(vec_t update, vec_t v) {  /* unless_v_is_zero, a vector at a time */
+    vec_t zero = vec_set1(0.0f);
+    return vec_select(vec_equal(v, zero), zero, update);
 }
 #endif
 

@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void adam_elements(const adam_hyper
             write_value(vmax, j, V, bf16);
         }
         float denom = sqrtf(V) / sbc2 + eps, update = lr * (M / bc1) / denom;
-        p[j] = P - float_of(bits_of(update) & (0u - (uint32_t)(V != 0.0f)));  /* none where V is 0 (adam_step) */
+        p[j] = P - unless_v_is_zero(update, V);
     }
 }
 
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), wd = vec_set1(h->weight_decay);
-    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN), zero = vec_set1(0.0f);
+    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
         }
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
         vec_t update = vec_div(vec_mul(lr, divide_moment(M, &bc1, bf16)), denom);
-        vec_store(p + i, vec_sub(P, vec_select(vec_equal(V, zero), zero, update)));
+        vec_store(p + i, vec_sub(P, vec_unless_v_is_zero(update, V)));
     }
     return i;
 }

@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
         write_value(m_slow, j, S, bf16);
         write_value(v, j, V, bf16);
         float denom = sqrtf(V) / sbc2 + eps, update = lr * (M / bc1 + alpha * S) / denom;
-        p[j] = P - float_of(bits_of(update) & (0u - (uint32_t)(V != 0.0f)));  /* as Adam's (adam_elements) */
+        p[j] = P - unless_v_is_zero(update, V);
     }
 }
 
@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
     int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
-    vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), eps = vec_set1(h->eps), alpha = vec_set1(k->alpha), zero = vec_set1(0.0f);
+    vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), eps = vec_set1(h->eps), alpha = vec_set1(k->alpha);
     vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     int64_t i = 0;
@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
         vec_write_value(v, i, V, bf16);
         vec_t denom = vec_add(divide_root(vec_sqrt(V), &sbc2, root), eps);
         vec_t update = vec_div(vec_mul(lr, vec_add(divide_moment(M, &bc1, bf16), vec_mul(alpha, S))), denom);
-        vec_store(p + i, vec_sub(P, vec_select(vec_equal(V, zero), zero, update)));
+        vec_store(p + i, vec_sub(P, vec_unless_v_is_zero(update, V)));
     }
     return i;
 }
