@@ -84,12 +84,11 @@ def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_o
         base.load_state_dict(self, state_dict)
         _lr_as_tensors(self.param_groups)  # a checkpoint of another optimizer may hold a float
 
-    for method in (__init__, add_param_group, load_state_dict):
+    methods = {"__init__": __init__, "add_param_group": add_param_group, "load_state_dict": load_state_dict}
+    for method in methods.values():
         method.__qualname__ = f"{name}.{method.__name__}"  # what a TypeError names
     doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
-    methods = {"__init__": __init__, "add_param_group": add_param_group, "load_state_dict": load_state_dict}
-    namespace = {**methods, "__doc__": doc, "__module__": __name__}
-    return type(name, (base,), {**namespace, "whole_blocks_only": whole_blocks_only})
+    return type(name, (base,), {**methods, "__doc__": doc, "__module__": __name__, "whole_blocks_only": whole_blocks_only})
 
 
 def _lr_as_tensors(groups: list[dict]) -> None:
