@@ -30,3 +30,21 @@ def test_an_unmapped_address_is_an_error_not_a_crash():
     codes = torch.empty(256, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="has not mapped"):
         emulated.lib.lowbit_encode(ctypes.byref(kernel_op.describe(emulated, state)), 0x1000, 256, codes.data_ptr())
+
+
+def test_pages_made_readable_since_the_last_reading_are_found():
+    """Memory reserved unreadable, then made readable (as malloc grows another thread's arena), is
+    found readable: a cached reading of this process's mappings had called it unmapped, and the
+    emulated kernel failed on it once in the suite."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    reserved = libc.mmap(None, 4 * 4096, 0, 0x22, -1, 0)  # PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS
+    try:
+        maps = emulated_aarch64.HostMaps()
+        assert maps.find(reserved) is None
+        assert libc.mprotect(reserved, 4096, 3) == 0  # PROT_READ | PROT_WRITE
+        assert maps.find(reserved)[2].startswith("rw")
+    finally:
+        libc.munmap(reserved, 4 * 4096)
