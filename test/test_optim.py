@@ -16,7 +16,6 @@ the same for plain and quantized formats.
 import copy
 import inspect
 import io
-import itertools
 import sys
 import types
 
