@@ -47,11 +47,6 @@ _STRUCTURAL_KEYS = (
 # group is built, its states would no longer be what it says (the step checks, _check_edits)
 _STATE_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update", "compensation_format")
 
-GRAD_SCALER_IN_BACKWARD = (
-    "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after backward, and the "
-    "step in backward has already used them (scaled). Train in bf16 (autocast needs no scaler), or pass step_in_backward=False"
-)
-
 # the per-parameter states lowbit_optim keeps beside an optimizer's declared ones
 _OWN_STATE_NAMES = ("step", "compensation", "param_correction")
 
@@ -604,7 +599,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if self._step_in_backward and "grad_scale" in self.__dict__:
-            raise RuntimeError(GRAD_SCALER_IN_BACKWARD)
+            in_backward.refuse_grad_scaler(self)
         if torch.compiler.is_compiling():  # inside the user's torch.compile: one opaque op (step_op.py)
             # the groups' lists read through another name: dynamo guards on every value of
             # self.param_groups (a new graph for each lr), not on what is read through an alias
@@ -613,6 +608,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 return step_op.step(self._step_op_key, params)
             return _step_outside_graph(self, closure)  # a closure runs backward: a graph break either way
         return self._step_eagerly(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._step_in_backward:
+            in_backward.check_zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
 
     def _step_eagerly(self, closure=None):
         loss = None

@@ -20,6 +20,7 @@ summed over the ranks once, when backward ends.
 """
 
 import functools
+import gc
 import math
 import warnings
 import weakref
@@ -27,6 +28,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .distributed import is_dtensor, local
 
@@ -58,9 +60,33 @@ def hook_params(optimizer, group: dict, index: int) -> None:
             stacklevel=4,
         )
     for p in group["params"]:
+        _check_no_other_owner(optimizer, p)
+    for p in group["params"]:
+        _OWNERS[p] = owner
         p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
 
 
+# Each parameter's optimizer stepping it in backward: the hook of the first frees the gradient, so a
+# second live optimizer on the same parameter would never step it.
+_OWNERS = WeakIdKeyDictionary()
+
+
+def _check_no_other_owner(optimizer, param: Tensor) -> None:
+    owner = _OWNERS.get(param)
+    if owner is None or owner() is None or owner() is optimizer:
+        return
+    gc.collect()  # one dropped but still in a reference cycle has not been freed yet
+    other = owner()
+    if other is not None and other is not optimizer:
+        raise ValueError(
+            f"a parameter of shape {tuple(param.shape)} is already stepped in backward by another live optimizer "
+            f"({type(other).__name__}): its hook takes the gradient first and frees it, so this one would never step "
+            "it. Drop the other optimizer and everything that holds it (an LR scheduler, a list) before building "
+            "this one (del old_optimizer, old_scheduler)"
+        )
+
+
+@torch.compiler.disable  # called by backward inside a torch.compile'd function: the step is not traced
 @torch.no_grad()
 def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
     """The hook on each parameter: step it with the gradient backward has just accumulated, then
@@ -153,6 +179,28 @@ def _global_norm(optimizer, norms: dict) -> Tensor | None:
 def set_last_grad_norm(optimizer, norm) -> None:
     """Record a step's global gradient norm (also a checkpoint's): the next step clips with it."""
     optimizer.last_grad_norm = torch.as_tensor(norm, dtype=torch.float32).detach().clone().cpu().reshape(())
+
+
+def refuse_grad_scaler(optimizer) -> None:
+    """GradScaler's step() on an optimizer stepping in backward: refused, and its scale taken off the
+    optimizer (GradScaler removes it only after a step returns), so that later steps without it work."""
+    optimizer.__dict__.pop("grad_scale", None)
+    optimizer.__dict__.pop("found_inf", None)
+    raise RuntimeError(
+        "GradScaler cannot drive an optimizer with step_in_backward=True: it unscales gradients after backward, and the "
+        "step in backward has already used them (scaled). Train in bf16 (autocast needs no scaler), or pass step_in_backward=False"
+    )
+
+
+def check_zero_grad(set_to_none: bool) -> None:
+    """zero_grad(set_to_none=False) under step_in_backward: refused (its zero gradients are stepped
+    after backward, never in it)."""
+    if not set_to_none:
+        raise ValueError(
+            "zero_grad(set_to_none=False) keeps zero gradients, with which an optimizer stepping after backward steps "
+            "the parameters a backward did not reach (weight decay, momentum); step_in_backward=True frees each "
+            "gradient as it steps and cannot: call zero_grad() (set_to_none=True, torch's default)"
+        )
 
 
 def check_max_grad_norm(max_grad_norm, step_in_backward: bool) -> None:

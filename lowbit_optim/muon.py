@@ -9,7 +9,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .base import GRAD_SCALER_IN_BACKWARD, StateFormatError
+from . import in_backward
+from .base import StateFormatError
 from .optim import AdamW, Muon
 
 
@@ -125,10 +126,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # GradScaler then hands this optimizer its scale, which step() refuses where a part steps in backward
         return any(o._step_supports_amp_scaling for o in self.optimizers)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(o._step_in_backward for o in self.optimizers):
+            in_backward.check_zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure=None):
         if "grad_scale" in self.__dict__:
-            raise RuntimeError(GRAD_SCALER_IN_BACKWARD)
+            in_backward.refuse_grad_scaler(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -268,6 +268,57 @@ def test_what_cannot_combine_is_an_error():
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])
+def test_zero_grad_keeping_zero_gradients_is_refused(wrapped):
+    """zero_grad(set_to_none=False): stepping after backward, a parameter the next backward does not
+    reach is stepped with its zero gradient (weight decay, momentum); in backward it never is."""
+    model = OPTIMIZERS[0].mlp()
+    opt = lowbit_optim.MuonWithAdamW(model, head="2", step_in_backward=True) if wrapped else lowbit_optim.AdamW(model.parameters(), step_in_backward=True)
+    with pytest.raises(ValueError, match=r"zero_grad\(set_to_none=False\) .* call zero_grad\(\)"):
+        opt.zero_grad(set_to_none=False)
+    _loss(model, 0).backward()
+    opt.zero_grad()  # the default is fine
+
+
+def test_a_second_live_optimizer_on_the_same_parameters_is_refused():
+    """The first optimizer's hook frees each gradient, so a second one stepping in backward would never
+    step: refused while the first lives (held, here, by its scheduler), built once it is gone (also
+    from a reference cycle, which only the garbage collector frees)."""
+    model = OPTIMIZERS[0].mlp()
+    first = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)
+    del first
+    with pytest.raises(ValueError, match=r"already stepped in backward by another live optimizer \(AdamW\).*\(del old_optimizer"):
+        lowbit_optim.AdamW(model.parameters(), lr=0.0, step_in_backward=True)
+    cycle = [scheduler]
+    cycle.append(cycle)
+    del scheduler, cycle
+    second = lowbit_optim.AdamW(model.parameters(), lr=0.0, step_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, 0).backward()
+    assert all(p.grad is None for p in model.parameters())  # stepped (by the new one, with lr 0) and freed
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(float(second.state[p]["step"]) == 1 for p in model.parameters())
+
+
+def test_a_compiled_training_step_steps_in_backward():
+    """backward inside a torch.compile'd function calls the hooks from the compiled frame: they step
+    eagerly (not traced by dynamo), with the numbers of the same loop uncompiled."""
+    models = [OPTIMIZERS[0].mlp() for _ in range(2)]
+    opts = [lowbit_optim.AdamW(m.parameters(), lr=1e-2, state_format="8bit", min_quantize_numel=0, step_in_backward=True) for m in models]
+
+    def train_step(model, opt, step):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for step in range(2):
+        train_step(models[0], opts[0], step)
+        compiled(models[1], opts[1], step)
+    _assert_same(models, opts)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inside torch.compile"])
 def test_left_over_gradients_are_clipped_with_the_steps_norm(compiled):
     """A layer that only an accumulated micro-batch reached keeps its gradient after the last
@@ -338,6 +389,10 @@ def test_grad_scaler_is_refused(wrapped):
     scaler.scale(_loss(model, 0)).backward()
     with pytest.raises(RuntimeError, match="GradScaler .* step_in_backward=True"):
         scaler.step(opt)
+    # the scale it handed the optimizer is taken off again: a step without the scaler works
+    assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
+    _loss(model, 1).backward()
+    opt.step()
 
 
 def test_freed_optimizer_leaves_inert_hooks():
