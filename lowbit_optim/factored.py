@@ -15,11 +15,15 @@ running averages of grad**2, bias correction included; the step's own update sti
 
 A row slice (``state[a:b]``, how DCP reads and writes checkpoint chunks that reshard) is a view: its
 ``row`` is the slice of the parent's, its ``col`` the parent's own, so it reads the parent's values,
-and writing into it replaces its rows' share of the column sums.
+and writing into it replaces its rows' share of the column sums. Those shares are the parent's as it
+was before the first of a series of slice writes (a load's): after one slice is written the column
+sums no longer split by the rank-1 rule, so later slices would take away the wrong share.
 
 Only nonnegative states can be factored (a signed first moment's sums cancel): use it for
 ``exp_avg_sq``, e.g. ``state_format={"exp_avg": "4bit", "exp_avg_sq": "factored"}``.
 """
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -89,8 +93,11 @@ class FactoredState(StateTensor):
     def quantize_(self, x: Tensor) -> None:
         matrix = x.float().reshape(self.row.numel(), self.col.numel())
         if self.part:  # replace this part's share of the parent's column sums
-            self.col.copy_(self.col - self.row.sum() / self._total() * self.col + matrix.sum(0))
+            before = _sums_before_slice_writes(self)
+            self.col.copy_(self.col - self.row.sum() / before["total"] * before["col"] + matrix.sum(0))
         else:
+            if not torch.compiler.is_compiling():  # (the step's write, traced: no slice write can be pending)
+                _SLICE_WRITES.pop(self.col.untyped_storage(), None)
             self.col.copy_(matrix.sum(0))
         self.row.copy_(matrix.sum(1))
 
@@ -108,3 +115,23 @@ class FactoredState(StateTensor):
                 "rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first"
             )
         return type(self)(self.row[start:end], self.col, (end - start, *self.shape[1:]), self.signed, True, self.dtype)
+
+
+# A parent's column sums and total before a series of slice writes, and which rows have been written,
+# keyed by the storage its col and its slices' share (alive while the state is); dropped once every row
+# is written, or by a whole write.
+_SLICE_WRITES = weakref.WeakKeyDictionary()
+
+
+def _sums_before_slice_writes(part: FactoredState) -> dict:
+    """The parent's sums before this series of slice writes: taken now where none is under way, or
+    where this slice's rows were written already (a new series)."""
+    key, rows = part.col.untyped_storage(), part.row.untyped_storage().nbytes() // part.row.element_size()
+    first = part.row.storage_offset()
+    writes = _SLICE_WRITES.get(key)
+    if writes is None or writes["written"].numel() != rows or bool(writes["written"][first : first + part.row.numel()].any()):
+        writes = _SLICE_WRITES[key] = {"col": part.col.clone(), "total": part._total(), "written": torch.zeros(rows, dtype=torch.bool)}
+    writes["written"][first : first + part.row.numel()] = True
+    if bool(writes["written"].all()):
+        del _SLICE_WRITES[key]
+    return writes
