@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .state import KernelLayout, StateTensor, computes_as
+from .state import DEQUANTIZE_FIRST, KernelLayout, StateTensor, computes_as
 
 
 def factor_shape(shape: torch.Size) -> tuple[int, int]:
@@ -112,7 +112,7 @@ class FactoredState(StateTensor):
         if self.dim() == 0 or self.shape[0] != self.row.numel():
             raise NotImplementedError(
                 f"{type(self).__name__} ('factored' state format) of shape {tuple(self.shape)} factors {self.row.numel()} "
-                "rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first"
+                f"rows: only a view whose first dimension is those rows can be sliced; {DEQUANTIZE_FIRST}"
             )
         return type(self)(self.row[start:end], self.col, (end - start, *self.shape[1:]), self.signed, True, self.dtype)
 

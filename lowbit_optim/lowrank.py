@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from . import lowrank_products, quant
-from .state import SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, _format_name, computes_as, extend_fingerprint
+from .state import DEQUANTIZE_FIRST, SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, _format_name, computes_as, extend_fingerprint
 
 
 def start_basis(cols: int, rank: int, device) -> Tensor:
@@ -226,7 +226,7 @@ class LowRankState(CodebookState):
         if self.rank:
             raise NotImplementedError(
                 f"{_format_name(self)} of shape {tuple(self.shape)} cannot be cut into rows [{start}:{end}]: its rank-{self.rank} "
-                "part spans every row. Call .dequantize() first, or use a blockwise format where states are resharded"
+                f"part spans every row: {DEQUANTIZE_FIRST}, or use a blockwise format where states are resharded"
             )
         return super()._rows(start, end)
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
 from .base import LowBitOptimizer, State, check_betas, check_nonnegative
-from .distributed import is_dtensor, local
+from .distributed import is_dtensor, local, map_local
 from .muon_parts import MuonParts
 from .state import StateTensor
 
@@ -355,11 +355,12 @@ def dequantize_state_dict(state_dict: dict) -> dict:
         return {part: None if saved is None else dequantize_state_dict(saved) for part, saved in state_dict.items()}
     if "state" not in state_dict:
         raise ValueError(f"not an optimizer state dict (its keys: {sorted(state_dict)}); one has 'state' and 'param_groups'")
-    state = {
-        key: {name: (v.dequantize(torch.float32) if isinstance(v, StateTensor) else v) for name, v in s.items()}
-        for key, s in state_dict["state"].items()
-    }
+    state = {key: {name: map_local(_dequantized, v) for name, v in s.items()} for key, s in state_dict["state"].items()}
     return {**state_dict, "state": state}
+
+
+def _dequantized(value):
+    return value.dequantize(torch.float32) if isinstance(value, StateTensor) else value
 
 
 def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:

@@ -29,6 +29,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from . import quant
 from .registry import register_format
 
+
+# how each refusal to cut or view a quantized state ends: the way out, also for a whole state dict
+# (torch's set_optimizer_state_dict(full_state_dict=True) cuts each state for its rank)
+DEQUANTIZE_FIRST = "call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd))"
 aten = torch.ops.aten
 
 _HANDLERS: dict = {}
@@ -152,7 +156,7 @@ class StateTensor(Tensor):
 
     def _rows(self, start: int, end: int) -> "StateTensor":
         """The view of rows [start, end) that aten.slice along dim 0 returns."""
-        raise NotImplementedError(f"{_format_name(self)} cannot be sliced; call .dequantize() first")
+        raise NotImplementedError(f"{_format_name(self)} cannot be sliced; {DEQUANTIZE_FIRST}")
 
     @property
     def slice_unit(self) -> int | None:
@@ -499,7 +503,7 @@ class OptimState(StateTensor):
             raise ValueError(
                 f"cannot slice {_format_name(self)} rows [{start}:{end}] of shape {tuple(self.shape)}: elements "
                 f"[{first}:{last}] do not start and end on block boundaries (block_size={bs}). "
-                f"Slice at multiples of {bs} elements or call .dequantize() first."
+                f"Slice at multiples of {bs} elements or {DEQUANTIZE_FIRST}."
             )
         first_block, end_block = first // bs, quant.num_blocks(last, bs)
         per_block = bs * self.bits // 8
@@ -681,7 +685,7 @@ def _dequantize_and_run(func, args, kwargs):
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         raise NotImplementedError(
             f"{_format_name(state)} does not support aten.{func.__name__}: it returns a view, which a quantized "
-            f"state cannot provide. Call .dequantize() first to get a plain tensor."
+            f"state cannot provide: {DEQUANTIZE_FIRST}."
         )
     plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
     out = func(*plain_args, **plain_kwargs)

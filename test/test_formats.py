@@ -1081,12 +1081,12 @@ bf16-sr: 2.0001220703125
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:
             get_format("8bit").zeros((3, 100)).transpose(0, 1)
-        self.assertExpectedInline(str(caught.exception), """OptimState8bit ('8bit' state format) does not support aten.transpose.int: it returns a view, which a quantized state cannot provide. Call .dequantize() first to get a plain tensor.""")
+        self.assertExpectedInline(str(caught.exception), """OptimState8bit ('8bit' state format) does not support aten.transpose.int: it returns a view, which a quantized state cannot provide: call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)).""")
 
     def test_slice_message(self):
         with self.assertRaises(ValueError) as caught:
             get_format("8bit").zeros((4, 128))[1:3]
-        self.assertExpectedInline(str(caught.exception), """cannot slice OptimState8bit ('8bit' state format) rows [1:3] of shape (4, 128): elements [128:384] do not start and end on block boundaries (block_size=256). Slice at multiples of 256 elements or call .dequantize() first.""")
+        self.assertExpectedInline(str(caught.exception), """cannot slice OptimState8bit ('8bit' state format) rows [1:3] of shape (4, 128): elements [128:384] do not start and end on block boundaries (block_size=256). Slice at multiples of 256 elements or call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)).""")
 
     def test_block_size_message(self):
         with self.assertRaises(ValueError) as caught:

@@ -233,6 +233,12 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
     fsdp_states = _full_states(model, opt)
     fsdp_params = {name: _values(p) for name, p in _params(model).items()}
     saved_local = _local_states(model, opt)
+    # for torch.optim: each DTensor's local state dequantized, laid out as before
+    dequantized, ordered = lowbit_optim.dequantize_state_dict(opt.state_dict())["state"], [p for g in opt.param_groups for p in g["params"]]
+    out["dequantized_plain"] = all(
+        type(_local(v)) is torch.Tensor and torch.equal(_local(v), _values(_local(opt.state[ordered[key]][k])))
+        for key, s in dequantized.items() for k, v in s.items() if k != "step"
+    )  # fmt: skip
     saved_params = {name: _local(p).detach().clone() for name, p in _params(model).items()}
     _save(model, opt, ckpt_fsdp)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_direct)
@@ -643,6 +649,7 @@ def test_full_state_dict(result):
     fmt, rank0, rank1 = result
     for found in (rank0, rank1):
         assert found["full_sd_plain"]
+        assert found["dequantized_plain"]  # dequantize_state_dict (for torch.optim) of sharded states
         _check_within(found["full_sd_error"], fmt, ALIGNED + UNALIGNED, half_steps=1)
 
 
