@@ -1,20 +1,27 @@
 """Hugging Face Trainer: ``optimizer_cls_and_kwargs`` for a lowbit_optim optimizer.
 
-Imports nothing from transformers: for ``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))``, Trainer
-calls ``cls(params, **kwargs)`` with its own param groups, or with ``kwargs.pop("params")`` if given.
+Imports nothing from transformers. It hands Trainer an optimizer factory (transformers >= 5.23: a
+first element that is not an Optimizer class), which Trainer calls as ``factory()(model, **kwargs)``
+with the model it trains, so that the param groups are that model's: with ``Trainer(model_init=...)``
+it is not the model the helper was given.
 """
 
+import functools
 import inspect
 
 from torch import nn
 
+from .muon import MuonWithAdamW
 from .optim import Adam, AdamW, param_groups_by_module
 
 
-def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW, overrides=None, **kwargs) -> tuple[type, dict]:
-    """``(optimizer_cls, kwargs)`` for ``transformers.Trainer(optimizer_cls_and_kwargs=...)``::
+def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW, overrides=None, **kwargs) -> tuple:
+    """``(factory, kwargs)`` for ``transformers.Trainer(optimizer_cls_and_kwargs=...)``::
 
         trainer = Trainer(model, args, ..., optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(model, args, state_format="8bit"))
+
+    Trainer builds ``optimizer_cls`` (a class, or a ``functools.partial`` of one) with
+    ``factory()(model, **kwargs)``, from the model it trains (``model`` here is only checked).
 
     - ``args`` (``TrainingArguments``) supplies lr and weight_decay, and to Adam/AdamW (their
       subclasses included) also betas and eps, as for Trainer's own optimizers: to an
@@ -24,23 +31,52 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       ``state_format``, ``momentum``) override them.
     - ``overrides`` (default: embeddings keep fp32 state, as bitsandbytes does under Trainer) are
       per-module group options, see ``param_groups_by_module``.
-    - Biases and norm weights (parameters of fewer than 2 dims) get no weight decay, as in
-      Trainer's default groups for transformer models (an optimizer whose constructor takes no
-      ``weight_decay``, by name or through ``**kwargs``, gets none of it). Frozen parameters are left out.
+    - Parameters of fewer than 2 dims (biases, norm weights) get no weight decay. Trainer's own groups
+      go by name and module type instead (no "bias" or "norm" in the name, not in an nn.LayerNorm):
+      the same split for GPT-2, BERT or Llama, not for, e.g., T5's 2-D ``relative_attention_bias``
+      (decayed here) or a 1-D layer scale (not decayed here). An optimizer whose constructor takes no
+      ``weight_decay``, by name or through ``**kwargs``, gets none of it. Frozen parameters are left out.
     - ``step_in_backward=True`` is refused where Trainer would act on gradients after backward:
       gradient accumulation (Trainer runs several backward passes per step without telling the
       optimizer) and its clipping (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
+    - MuonWithAdamW, which splits a model itself, is built with ``Trainer(optimizers=(opt, None))``.
     """
+    cls = optimizer_cls.func if isinstance(optimizer_cls, functools.partial) else optimizer_cls
+    if not isinstance(cls, type):
+        raise TypeError(f"optimizer_cls must be an optimizer class or a functools.partial of one, got {optimizer_cls!r}")
+    if issubclass(cls, MuonWithAdamW):
+        raise TypeError(
+            "MuonWithAdamW splits a model into Muon's and AdamW's parameters itself and takes no param groups: build it "
+            "and pass it as Trainer(model, args, optimizers=(lowbit_optim.MuonWithAdamW(model, ...), None))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module to train, got {type(model).__name__}")
     if args is not None and kwargs.get("step_in_backward"):
         _check_step_in_backward(args)
     parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
     takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     if args is not None:
         from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
-        if issubclass(optimizer_cls, Adam):
+        if issubclass(cls, Adam):
             from_args.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         kwargs = {**from_args, **kwargs}
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
+    return functools.partial(_OptimizerFactory, optimizer_cls, overrides, takes_decay), kwargs
+
+
+class _OptimizerFactory:
+    """What Trainer calls with the model it trains: the optimizer over that model's param groups."""
+
+    def __init__(self, optimizer_cls, overrides: dict, takes_decay: bool):
+        self.optimizer_cls, self.overrides, self.takes_decay = optimizer_cls, overrides, takes_decay
+
+    def __call__(self, model: nn.Module, **kwargs):
+        return self.optimizer_cls(param_groups(model, self.overrides, self.takes_decay), **kwargs)
+
+
+def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[dict]:
+    """``model``'s trainable parameters in ``param_groups_by_module`` groups, each split into those
+    with weight decay (2 dims or more) and those without."""
     params = []
     for group in param_groups_by_module(model, overrides):
         trainable = [p for p in group.pop("params") if p.requires_grad]
@@ -48,7 +84,7 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
             chosen = [p for p in trainable if (p.dim() >= 2) == decay]
             if chosen:
                 params.append({**group, "params": chosen, **({} if decay or not takes_decay else {"weight_decay": 0.0})})
-    return optimizer_cls, {**kwargs, "params": params}
+    return params
 
 
 def _check_step_in_backward(args) -> None:

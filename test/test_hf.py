@@ -104,8 +104,8 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
     model = torch.nn.Linear(4, 4)
     args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                            gradient_accumulation_steps=1, max_grad_norm=0.0)  # fmt: skip
-    cls, kwargs = optimizer_cls_and_kwargs(model, args, step_in_backward=True, max_grad_norm=1.0)
-    assert cls(kwargs.pop("params"), **kwargs)._step_in_backward
+    factory, kwargs = optimizer_cls_and_kwargs(model, args, step_in_backward=True, max_grad_norm=1.0)
+    assert factory()(model, **kwargs)._step_in_backward  # as Trainer builds it
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4 backward passes per step"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "gradient_accumulation_steps": 4}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"max_grad_norm=1.0\), when step_in_backward=True .*max_grad_norm=0"):
@@ -143,13 +143,51 @@ class AdamWPassingKeywords(lowbit_optim.AdamW):
 def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
     """TrainingArguments' weight decay is not passed to an optimizer that takes none (its lr is)."""
     trainer = _trainer(tmp_path)
-    cls, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
-    opt = cls(kwargs.pop("params"), **kwargs)
+    factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
+    opt = factory()(trainer.model, **kwargs)
     assert all(g["lr"] == trainer.args.learning_rate and g["momentum"] == 0.9 and g["weight_decay"] == 0.0 for g in opt.param_groups)
     # one that passes **kwargs on takes weight_decay: args' for matrices, none for biases and norms
-    cls, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=AdamWPassingKeywords)
-    opt = cls(kwargs.pop("params"), **kwargs)
+    factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=AdamWPassingKeywords)
+    opt = factory()(trainer.model, **kwargs)
     assert {g["weight_decay"] for g in opt.param_groups} == {trainer.args.weight_decay, 0.0} != {lowbit_optim.AdamW([torch.zeros(1)]).defaults["weight_decay"]}
+
+
+def test_trainer_with_model_init_steps_the_model_it_trains(tmp_path):
+    """Trainer(model_init=...) builds its model in train(): the helper's groups are that model's (a
+    factory Trainer calls with it), not those of the model the helper was given."""
+    import functools
+
+    trainer = _trainer(tmp_path, "--steps", "2")
+    model_init = functools.partial(copy_of, trainer.model)
+    helper = optimizer_cls_and_kwargs(model_init(), trainer.args, state_format="8bit")
+    initial = _params(trainer.model)
+    from transformers import Trainer
+
+    fresh = Trainer(model_init=model_init, args=trainer.args, train_dataset=trainer.train_dataset, optimizer_cls_and_kwargs=helper)
+    fresh.train()
+    stepped = {id(p) for g in fresh.optimizer.param_groups for p in g["params"]}
+    assert all(id(p) in stepped for p in fresh.model.parameters() if p.requires_grad)
+    after = _params(fresh.model)
+    assert any(not torch.equal(after[n], initial[n]) for n in initial)  # it trained
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
+    import functools
+
+    model = torch.nn.Linear(4, 4)
+    factory, kwargs = optimizer_cls_and_kwargs(model, optimizer_cls=functools.partial(lowbit_optim.Lion, state_format="8bit"), lr=1e-4)
+    opt = factory()(model, **kwargs)
+    assert type(opt) is lowbit_optim.Lion and {g["state_format"] for g in opt.param_groups} == {"8bit"}
+    with pytest.raises(TypeError, match=r"MuonWithAdamW splits a model .* optimizers=\(lowbit_optim.MuonWithAdamW\(model, ...\), None\)"):
+        optimizer_cls_and_kwargs(model, optimizer_cls=lowbit_optim.MuonWithAdamW)
+    with pytest.raises(TypeError, match="optimizer_cls must be an optimizer class or a functools.partial of one"):
+        optimizer_cls_and_kwargs(model, optimizer_cls=lambda params, **kw: lowbit_optim.AdamW(params, **kw))
 
 
 def _steps(model, opt, accelerator, n: int) -> None:
