@@ -94,6 +94,11 @@ def _check_step_in_backward(args) -> None:
             f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
             "larger per-device batch), or step after backward"
         )
+    if getattr(args, "fp16", False):
+        raise ValueError(
+            "TrainingArguments(fp16=True) scales the loss with a GradScaler (on accelerators), which unscales gradients "
+            "after backward, when step_in_backward=True has already stepped with them scaled: use bf16=True (no scaler)"
+        )
     if args.max_grad_norm:
         raise ValueError(
             f"Trainer clips gradients after backward (max_grad_norm={args.max_grad_norm}), when step_in_backward=True "

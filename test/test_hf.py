@@ -110,6 +110,8 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "gradient_accumulation_steps": 4}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"max_grad_norm=1.0\), when step_in_backward=True .*max_grad_norm=0"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "max_grad_norm": 1.0}), step_in_backward=True)
+    with pytest.raises(ValueError, match=r"fp16=True\) scales the loss with a GradScaler .* use bf16=True"):
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "fp16": True}), step_in_backward=True)
 
 
 @pytest.mark.parametrize("cls", [lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix])
