@@ -29,11 +29,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from . import quant
 from .registry import register_format
 
+aten = torch.ops.aten
 
 # how each refusal to cut or view a quantized state ends: the way out, also for a whole state dict
 # (torch's set_optimizer_state_dict(full_state_dict=True) cuts each state for its rank)
 DEQUANTIZE_FIRST = "call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd))"
-aten = torch.ops.aten
 
 _HANDLERS: dict = {}
 
