@@ -16,6 +16,7 @@ See optim.py for the optimizers declared this way and examples/custom_optimizer.
 import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import math
 import numbers
@@ -479,6 +480,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_hyper_parameters(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
         _check_lr(group["lr"])
+        flags = {*_flag_keys(type(self)), *(k for k, v in self.defaults.items() if isinstance(v, bool))}
+        for key in sorted(flags):  # a flag as a string ("False") would be true
+            if key in group and not isinstance(group[key], bool):
+                raise ValueError(f"{key} must be True or False, got {group[key]!r}")
         self._check_group(group)
 
     def _format_keys(self) -> list[str]:
@@ -800,7 +805,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _tensor_arguments(self, group: dict, device) -> tuple[list[Tensor], dict]:
         numbers, flags = self._step_arguments(group)
         tensors = [v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 else torch.as_tensor(v, dtype=torch.float32).to(device) for v in numbers]
-        return tensors, flags
+        # 0-d, as a number: a one-element tensor of another shape (lr=torch.tensor([[1e-3]])) would broadcast the flat states
+        return [t.reshape(()) if t.dim() and t.numel() == 1 else t for t in tensors], flags
 
     def _use_fused(self, p: Tensor, fused: bool | None, param: Tensor, grad: Tensor, step: Tensor, values: list, mode: str) -> bool:
         """Whether the fused CPU kernel steps ``p`` (``values``: its states in ``self.states``' order,
@@ -851,6 +857,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         norm = state_dict.get(_LAST_GRAD_NORM)
         if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and norm.numel() == 1)):
             raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
+        if norm is not None and not (math.isfinite(float(norm)) and float(norm) >= 0):  # the next step in backward clips by it
+            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is a finite number >= 0")
         source = "checkpoint"
         if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
             state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
@@ -870,10 +878,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
             ids = (i for g in loaded["param_groups"] for i in g["params"])
             params = (p for g in self.param_groups for p in g["params"])
             saved.update({p: loaded["state"][i] for i, p in zip(ids, params) if i in loaded["state"]})
+            entries = []
             for index, (p, state) in enumerate((p, saved.get(p, {})) for g in self.param_groups for p in g["params"]):
                 for name, value in state.items():  # torch.optim's load copies them before convert could say which
                     if isinstance(value, Tensor) and value.device.type == "meta":
                         raise ValueError(f"{_loaded_state(name, p, index)} is on the meta device, where it holds no values")
+                    if name != "step":  # (counters are copied at the load)
+                        entries.append((_loaded_state(name, p, index), value))
+            _check_no_shared_memory(entries)
 
         def convert(optimizer) -> None:  # before the user's post-hooks: they see converted states
             self.__dict__.pop("_remembered_groups", None)  # the groups are new dicts
@@ -942,7 +954,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if value is None:  # a precision buffer the checkpoint did not have: start from zero error
                 state[name] = self._new_state(param, group, name)
                 continue
-            _check_loaded_state(name, value, param, index)
+            _check_loaded_state(name, value, param, index, name == "param_correction" or self._signed(name))
             value = shard_like(value, param)  # a full (unsharded) checkpoint value for a DTensor parameter
             if name != "param_correction":
                 fmt = self.state_format_of(param, group, name)
@@ -951,8 +963,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
                 if isinstance(local(value), StateTensor):  # made from another library's state (foreign.py): checked as ours
                     _check_state_tensor(_loaded_state(name, param, index), local(value))
-            else:  # the fused kernel reads it element by element beside the parameter
-                value = map_local(lambda v: v.contiguous(), value)
+            # a plain state as saved may be strided (torch.optim's zeros_like of a channels_last weight): the
+            # steps write it flat, in place, and the kernel reads it element by element beside the parameter
+            value = map_local(lambda v: v if isinstance(v, StateTensor) else v.contiguous(), value)
             state[name] = value.to(param.device)
         if not declared:
             state.pop("step", None)
@@ -968,6 +981,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         count = float(state["step"])
         if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
             raise ValueError(f"{_loaded_state('step', param, index)} is {count}: it must count steps, a finite number >= 0")
+
+
+@functools.cache
+def _flag_keys(cls: type) -> tuple[str, ...]:
+    """The group options of ``cls`` that are flags: its constructor's keywords with a bool default."""
+    return tuple(name for name, p in inspect.signature(cls.__init__).parameters.items() if isinstance(p.default, bool))
 
 
 @functools.cache
@@ -1143,9 +1162,10 @@ def _loaded_state(name: str, param: Tensor, index: int) -> str:
     return f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
 
 
-def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
+def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: bool) -> None:
     """Raise a ValueError naming the parameter if checkpoint state ``name`` cannot be ``param``'s: a
-    corrupt quantized state would make the fused kernel read and write past its buffers."""
+    corrupt quantized state would make the fused kernel read and write past its buffers. A state that
+    is not ``signed`` (a second moment) must hold no negative value."""
     where = _loaded_state(name, param, index)
     if not isinstance(value, Tensor):
         raise ValueError(f"{where} is {describe_tensor(value)}, not a tensor")
@@ -1163,12 +1183,16 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int) -> None:
         _check_state_tensor(where, local(value))
         return
     if foreign.is_torchao_state(local(value)):  # read by foreign.from_foreign, the state it makes checked as ours
-        return
-    problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
-    if problem is None and _overlaps(local(value)):
-        problem = f"a view whose elements share memory (strides {local(value).stride()}), which a state written in place cannot be"
-    if problem:
-        raise ValueError(f"{where} is {problem}")
+        values, held = local(value).scale, "scale"  # (the values' sign: its codebook's are nonnegative when unsigned)
+    else:
+        problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
+        if problem is None and _overlaps(local(value)):
+            problem = f"a view whose elements share memory (strides {local(value).stride()}), which a state written in place cannot be"
+        if problem:
+            raise ValueError(f"{where} is {problem}")
+        values, held = local(value), "values"
+    if not signed and bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
+        raise ValueError(f"{where} is corrupt: a negative value ({float(values.min())}) in its {held}, where it holds a nonnegative state")
 
 
 def _check_state_tensor(where: str, state: StateTensor) -> None:
@@ -1177,6 +1201,7 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
     and the compiled step trust (a loaded state, and one converted from it)."""
     try:
         state.check_layout()
+        state.check_values()
     except ValueError as error:
         raise ValueError(f"{where} is corrupt: {error}") from None
     for name, held in state.nonnegative.items():
@@ -1202,6 +1227,34 @@ def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor
             else:
                 continue
             raise ValueError(f"the compiled step cannot step a parameter of shape {tuple(p.shape)}: {problem}") from error
+
+
+def _check_no_shared_memory(entries: list[tuple[str, object]]) -> None:
+    """Raise a ValueError naming two checkpoint states (``(where, value)``) whose tensors, or inner
+    tensors, share memory: each is written in place, so one's steps would overwrite the other's."""
+    spans = []  # (storage, first byte, end byte, where)
+    for where, value in entries:
+        value = local(value)
+        if isinstance(value, StateTensor):
+            tensors = [getattr(value, name, None) for name in value.inner_names]  # (one missing: refused later, named)
+        elif isinstance(value, Tensor) and not foreign.is_torchao_state(value):  # (torchao's are read, and copied)
+            tensors = [value]
+        else:
+            continue
+        for t in tensors:
+            if isinstance(t, Tensor) and not_plain(t) is None and t.numel():  # (anything else is refused later, named)
+                first = t.storage_offset() * t.element_size()
+                reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+                spans.append((t.untyped_storage().data_ptr(), first, first + reach * t.element_size(), where))
+    spans.sort(key=lambda span: span[:2])
+    for (storage, _, end, where), (other, first, _, there) in zip(spans, spans[1:]):
+        if storage == other and first < end:
+            if where == there:
+                raise ValueError(f"{where} is corrupt: two of its tensors share memory, and each is written in place")
+            raise ValueError(
+                f"{where} and {there} share memory: each state is written in place, so one's steps would overwrite "
+                "the other's. The checkpoint was saved from states that alias each other: save each its own tensor"
+            )
 
 
 def _overlaps(t: Tensor) -> bool:

@@ -241,8 +241,9 @@ class StateTensor(Tensor):
         and devices and the metadata (``__tensor_flatten__``'s): the kernel's op remembers a verdict by
         those (kernel_op._Checked)."""
         try:
-            if not isinstance(self.signed, bool):
-                raise ValueError(f"signed is {self.signed!r}, not a bool")
+            signed = getattr(self, "signed", None)  # (a checkpoint's object may lack any attribute)
+            if not isinstance(signed, bool):
+                raise ValueError(f"signed is {signed!r}, not a bool")
             device = self.device
             for name, dtype in zip(self.inner_names, self.inner_dtypes):
                 t = getattr(self, name, None)
@@ -251,11 +252,15 @@ class StateTensor(Tensor):
                 if not_plain(t):
                     raise ValueError(f"{name} is {not_plain(t)}")
             self._check_sizes()
-        except ValueError as error:
+        except (ValueError, AttributeError) as error:  # AttributeError: metadata missing from a checkpoint's object
             raise ValueError(
                 f"{_format_name(self)} of shape {tuple(self.shape)} is inconsistent: {error}. Make states with "
                 f"{type(self).__name__}.zeros() or .from_float(), or load an intact checkpoint"
             ) from None
+
+    def check_values(self) -> None:
+        """Raise a ValueError if a loaded state (its layout checked) holds values it cannot have, such
+        as codes outside its codebook; read once, at a load: it may cost a pass over the state."""
 
     def _inner(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
@@ -529,6 +534,12 @@ class CodebookState(OptimState):
     @classmethod
     def check_format(cls, signed: bool) -> None:
         _table_values(cls, signed)
+
+    def check_values(self) -> None:
+        count = len(self.codebook(self.signed))  # codes past it decode to NaN (_build_tables)
+        top = int(self.unpacked_codes().max()) if self.codes.numel() else 0
+        if top >= count:
+            raise ValueError(f"a code is {top}, past the codebook's {count} values (codes 0 to {count - 1}), where it decodes to NaN")
 
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:

@@ -266,6 +266,9 @@ def test_what_cannot_combine_is_an_error():
     opt = lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
+    for bad in (float("nan"), float("inf"), -5.0):  # the next step clips by it: NaN weights, or no step
+        with pytest.raises(ValueError, match=f"checkpoint 'last_grad_norm' is {bad}: a gradient norm is a finite number >= 0"):
+            opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(bad)})
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])

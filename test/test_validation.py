@@ -106,6 +106,7 @@ CORRUPTIONS = {
     "2-D codes": (lambda s: setattr(s, _inner(s, 0), getattr(s, _inner(s, 0)).view(1, -1)), "must be a 1-D"),
     "wrong block_size": (_bad_metadata, "elements|part is 'yes'"),
     "signed not a bool": (lambda s: setattr(s, "signed", 1), "signed is 1, not a bool"),
+    "signed missing": (lambda s: delattr(s, "signed"), "signed is None, not a bool"),
     # memory that does not hold the values as read: inductor's code and the kernel read it directly
     "a state as codes": (lambda s: setattr(s, _inner(s, 0), state_dressed_as(getattr(s, _inner(s, 0)))), "is a OptimState8bit, not a plain tensor"),
     "a negated view as scale": (lambda s: setattr(s, _inner(s, 1), (-getattr(s, _inner(s, 1)))._neg_view()), "lazily negated"),
@@ -234,6 +235,7 @@ BAD_HYPER_PARAMETERS = {
     "three betas": ("betas", (0.9, 0.99, 0.999), r"invalid betas \(0.9, 0.99, 0.999\): Adam takes two"),
     "NaN weight decay": ("weight_decay", float("nan"), "invalid weight_decay nan"),
     "weight decay a str": ("weight_decay", "0.1", "invalid weight_decay '0.1'"),
+    "maximize a str": ("maximize", "False", "maximize must be True or False, got 'False'"),  # (a str is true)
 }
 
 
@@ -272,6 +274,95 @@ def test_a_non_contiguous_correction_loads_and_steps_in_the_kernel():
         param.grad = torch.randn(64, 96, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
         opt.step()
         runs.append((param.detach().clone(), opt.state[param]["param_correction"].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_codes_past_the_codebook_are_refused():
+    """8bit-linear has 255 values: code 255 decodes to NaN (and NaN's its block at the next step)."""
+    params, opt = fresh_optimizer("8bit-linear")
+    set_grads(params)
+    opt.step()
+    state_dict = load(save(opt.state_dict()))
+    state_dict["state"][0]["exp_avg"].codes[7] = 255
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 .* is corrupt: a code is 255, past the codebook's 255 values \(codes 0 to 254\)"):
+        fresh_optimizer("8bit-linear")[1].load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("into", ["fp32", "8bit", "4bit"])
+@pytest.mark.parametrize("saved", ["plain", "torchao"])
+def test_a_negative_second_moment_is_refused_in_any_layout(saved, into):
+    """A second moment is nonnegative: a negative one (an edited checkpoint) would make the step NaN
+    as it is, or be clamped silently by a conversion; refused whatever the layout it comes in."""
+    state_dict = load(checkpoint("fp32"))
+    v = state_dict["state"][0]["exp_avg_sq"]
+    v[3, 5] = -1.0
+    if saved == "torchao":
+        from torchao.optim.subclass_8bit import OptimState8bit as TorchaoState8bit
+
+        state = TorchaoState8bit.zeros(v.shape, False, 128)  # (torchao takes whole blocks only: 4480 = 35 x 128)
+        state.copy_(v.abs())
+        state_dict["state"][0]["exp_avg_sq"] = TorchaoState8bit(state.codes, -state.scale, state.qmap, False)
+    message = "in its values" if saved == "plain" else "in its scale"
+    with pytest.raises(ValueError, match=rf"'exp_avg_sq' of parameter 0 .* is corrupt: a negative value \(.*\) {message}, where it holds a nonnegative state"):
+        fresh_optimizer(into)[1].load_state_dict(load(save(state_dict)))
+
+
+def test_states_that_share_memory_are_refused():
+    """torch.save keeps aliasing: two states over one memory would each overwrite the other's steps.
+    States that are disjoint views of one buffer (a flat-buffer optimizer's) load."""
+    state_dict = load(checkpoint("fp32"))
+    state_dict["state"][0]["exp_avg_sq"] = state_dict["state"][0]["exp_avg"]
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 .* and .*'exp_avg_sq' of parameter 0 .* share memory"):
+        fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))
+    state_dict = load(checkpoint("8bit"))
+    state_dict["state"][0]["exp_avg_sq"].scale = state_dict["state"][0]["exp_avg"].scale  # one state's inner tensor in another's
+    with pytest.raises(ValueError, match="share memory"):
+        fresh_optimizer("8bit")[1].load_state_dict(load(save(state_dict)))
+    state_dict = load(checkpoint("fp32"))
+    flat = torch.cat([s[k].reshape(-1) for s in state_dict["state"].values() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])
+    views, start = iter(flat.split([s[k].numel() for s in state_dict["state"].values() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])), 0
+    for s in state_dict["state"].values():
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            s[k] = next(views).view(s[k].shape)
+    fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+def test_a_strided_plain_state_loads_contiguous_and_steps(fused):
+    """torch.optim makes a channels_last weight's states channels_last (zeros_like): loaded as saved,
+    the steps wrote a flat copy and the states stayed as loaded. They load contiguous and step as
+    torch.optim's do."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 8, 10, 10).to(memory_format=torch.channels_last)
+    reference = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    conv(x).square().mean().backward()
+    reference.step()
+    state_dict = copy.deepcopy(reference.state_dict())
+    assert not state_dict["state"][0]["exp_avg"].is_contiguous()
+    ours = copy.deepcopy(conv)
+    opt = lowbit_optim.AdamW(ours.parameters(), lr=1e-2, state_format="fp32", fused=fused)
+    opt.load_state_dict(state_dict)
+    for model, optimizer in ((conv, reference), (ours, opt)):
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    assert opt.state[ours.weight]["exp_avg"].is_contiguous()
+    torch.testing.assert_close(ours.weight, conv.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(opt.state[ours.weight]["exp_avg"], reference.state[conv.weight]["exp_avg"], rtol=0, atol=1e-7)
+
+
+def test_a_one_element_hyper_parameter_of_any_shape_steps_as_a_number():
+    """lr = torch.tensor([[1e-3]]) (torch.optim takes it): the compiled step broadcast the flat
+    states to (1, n) and failed inside dynamo; it steps as lr=1e-3."""
+    runs = []
+    for lr in (1e-3, torch.tensor([[1e-3]])):
+        params = make_params()
+        opt = lowbit_optim.AdamW(params, lr=lr, betas=(torch.tensor([[0.9]]), 0.999), state_format="8bit", fused=False)
+        set_grads(params)
+        opt.step()
+        runs.append([p.detach().clone() for p in params])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
