@@ -319,12 +319,11 @@ def test_states_that_share_memory_are_refused():
     with pytest.raises(ValueError, match="share memory"):
         fresh_optimizer("8bit")[1].load_state_dict(load(save(state_dict)))
     state_dict = load(checkpoint("fp32"))
-    flat = torch.cat([s[k].reshape(-1) for s in state_dict["state"].values() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])
-    views, start = iter(flat.split([s[k].numel() for s in state_dict["state"].values() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])), 0
-    for s in state_dict["state"].values():
-        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            s[k] = next(views).view(s[k].shape)
-    fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))
+    names = [(s, k) for s in state_dict["state"].values() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+    flat = torch.cat([s[k].reshape(-1) for s, k in names])  # one buffer, each state a view of its own part
+    for (s, k), view in zip(names, flat.split([s[k].numel() for s, k in names])):
+        s[k] = view.view(s[k].shape)
+    fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))  # disjoint: loads
 
 
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
