@@ -537,7 +537,9 @@ class CodebookState(OptimState):
 
     def check_values(self) -> None:
         count = len(self.codebook(self.signed))  # codes past it decode to NaN (_build_tables)
-        top = int(self.unpacked_codes().max()) if self.codes.numel() else 0
+        if count == 2**self.bits or not self.codes.numel():  # every code is a value (8bit's, 4bit's): no pass
+            return
+        top = int(self.unpacked_codes().max())
         if top >= count:
             raise ValueError(f"a code is {top}, past the codebook's {count} values (codes 0 to {count - 1}), where it decodes to NaN")
 
