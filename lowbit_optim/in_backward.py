@@ -20,7 +20,6 @@ summed over the ranks once, when backward ends.
 """
 
 import functools
-import gc
 import math
 import warnings
 import weakref
@@ -59,31 +58,27 @@ def hook_params(optimizer, group: dict, index: int) -> None:
             "step_in_backward=False with DDP (this warning does not apply to a pipeline stage or a per-rank model)",
             stacklevel=4,
         )
-    for p in group["params"]:
-        _check_no_other_owner(optimizer, p)
+    others = {id(o): o for o in (_owner(p) for p in group["params"]) if o is not None and o is not optimizer}
+    if others:
+        warnings.warn(
+            f"step_in_backward=True: parameters that {', '.join(sorted({type(o).__name__ for o in others.values()}))} "
+            f"stepped in backward are now stepped by this {type(optimizer).__name__}, built later; the earlier one, still "
+            "alive (held by a name being reassigned, a scheduler, a Trainer), no longer steps them",
+            stacklevel=4,
+        )
     for p in group["params"]:
         _OWNERS[p] = owner
         p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
 
 
-# Each parameter's optimizer stepping it in backward: the hook of the first frees the gradient, so a
-# second live optimizer on the same parameter would never step it.
+# Each parameter's optimizer stepping it in backward, the last one built: the hooks of earlier ones,
+# which would take and free its gradient first (so that the new one would never step), do nothing.
 _OWNERS = WeakIdKeyDictionary()
 
 
-def _check_no_other_owner(optimizer, param: Tensor) -> None:
+def _owner(param: Tensor):
     owner = _OWNERS.get(param)
-    if owner is None or owner() is None or owner() is optimizer:
-        return
-    gc.collect()  # one dropped but still in a reference cycle has not been freed yet
-    other = owner()
-    if other is not None and other is not optimizer:
-        raise ValueError(
-            f"a parameter of shape {tuple(param.shape)} is already stepped in backward by another live optimizer "
-            f"({type(other).__name__}): its hook takes the gradient first and frees it, so this one would never step "
-            "it. Drop the other optimizer and everything that holds it (an LR scheduler, a list) before building "
-            "this one (del old_optimizer, old_scheduler)"
-        )
+    return None if owner is None else owner()
 
 
 @torch.compiler.disable  # called by backward inside a torch.compile'd function: the step is not traced
@@ -92,7 +87,7 @@ def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
     """The hook on each parameter: step it with the gradient backward has just accumulated, then
     free that gradient."""
     optimizer = owner()
-    if optimizer is None or optimizer.__dict__.get("_accumulating") or param.grad is None:
+    if optimizer is None or _owner(param) is not optimizer or optimizer.__dict__.get("_accumulating") or param.grad is None:
         return
     grad = param.grad
     if optimizer._max_grad_norm is not None:

@@ -266,9 +266,10 @@ def test_what_cannot_combine_is_an_error():
     opt = lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
-    for bad in (float("nan"), float("inf"), -5.0):  # the next step clips by it: NaN weights, or no step
-        with pytest.raises(ValueError, match=f"checkpoint 'last_grad_norm' is {bad}: a gradient norm is a finite number >= 0"):
-            opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(bad)})
+    with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is -5.0: a gradient norm is >= 0"):  # no run makes one
+        opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(-5.0)})
+    opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(float("inf"))})  # saved after an overflow: as it was
+    assert opt.last_grad_norm == float("inf")
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])
@@ -283,25 +284,27 @@ def test_zero_grad_keeping_zero_gradients_is_refused(wrapped):
     opt.zero_grad()  # the default is fine
 
 
-def test_a_second_live_optimizer_on_the_same_parameters_is_refused():
-    """The first optimizer's hook frees each gradient, so a second one stepping in backward would never
-    step: refused while the first lives (held, here, by its scheduler), built once it is gone (also
-    from a reference cycle, which only the garbage collector frees)."""
+def test_the_last_optimizer_built_steps_in_backward():
+    """An earlier optimizer's hook would take and free each gradient first, so that a new one never
+    stepped: the last one built steps (an earlier one still alive, held here by its scheduler, is
+    warned of and does nothing), also when a loop rebinds one name."""
     model = OPTIMIZERS[0].mlp()
     first = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)
-    del first
-    with pytest.raises(ValueError, match=r"already stepped in backward by another live optimizer \(AdamW\).*\(del old_optimizer"):
-        lowbit_optim.AdamW(model.parameters(), lr=0.0, step_in_backward=True)
-    cycle = [scheduler]
-    cycle.append(cycle)
-    del scheduler, cycle
-    second = lowbit_optim.AdamW(model.parameters(), lr=0.0, step_in_backward=True)
-    before = [p.detach().clone() for p in model.parameters()]
     _loss(model, 0).backward()
+    with pytest.warns(UserWarning, match=r"now stepped by this AdamW, built later; the earlier one, still alive .* no longer steps them"):
+        second = lowbit_optim.AdamW(model.parameters(), lr=0.0, step_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, 1).backward()
     assert all(p.grad is None for p in model.parameters())  # stepped (by the new one, with lr 0) and freed
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert all(float(second.state[p]["step"]) == 1 for p in model.parameters())
+    assert all(float(second.state[p]["step"]) == 1 and float(scheduler.optimizer.state[p]["step"]) == 1 for p in model.parameters())
+    for lr in (1e-2, 1e-3):  # a notebook cell run twice, a sweep over one model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = lowbit_optim.AdamW(model.parameters(), lr=lr, step_in_backward=True)
+        _loss(model, 2).backward()
+        assert all(float(opt.state[p]["step"]) == 1 for p in model.parameters())
 
 
 def test_a_compiled_training_step_steps_in_backward():
