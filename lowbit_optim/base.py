@@ -482,8 +482,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         _check_lr(group["lr"])
         flags = {*_flag_keys(type(self)), *(k for k, v in self.defaults.items() if isinstance(v, bool))}
         for key in sorted(flags):  # a flag as a string ("False") would be true
-            if key in group and not isinstance(group[key], bool):
-                raise ValueError(f"{key} must be True or False, got {group[key]!r}")
+            if key in group and not _is_flag(group[key]):
+                raise ValueError(f"{key} must be True or False (or 1 or 0), got {group[key]!r}")
         self._check_group(group)
 
     def _format_keys(self) -> list[str]:
@@ -857,8 +857,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         norm = state_dict.get(_LAST_GRAD_NORM)
         if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and norm.numel() == 1)):
             raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
-        if norm is not None and not (math.isfinite(float(norm)) and float(norm) >= 0):  # the next step in backward clips by it
-            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is a finite number >= 0")
+        if norm is not None and float(norm) < 0:  # (inf or NaN: what a run saves after an overflowing or poisoned backward)
+            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is >= 0")
         source = "checkpoint"
         if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
             state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
@@ -1033,9 +1033,17 @@ def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool
         )
 
 
+def _is_flag(value) -> bool:
+    """A flag's value: a bool (NumPy's too), or a number equal to 1 or 0, as torch.optim takes
+    amsgrad=1; not a str, which is true whatever it says."""
+    value = _plain_number(value)
+    return isinstance(value, numbers.Real) and value in (0, 1)
+
+
 def _plain_number(value):
-    """A NumPy scalar as the Python number it holds; anything else as it is."""
-    return value.item() if isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item") else value
+    """A NumPy scalar (its bool too, no numbers.Number) as the Python number it holds; anything else as it is."""
+    numpy_bool = type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and isinstance(value.item(), bool)
+    return value.item() if (numpy_bool or isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex))) and hasattr(value, "item") else value
 
 
 def _real_value(x) -> float | None:
@@ -1245,16 +1253,33 @@ def _check_no_shared_memory(entries: list[tuple[str, object]]) -> None:
             if isinstance(t, Tensor) and not_plain(t) is None and t.numel():  # (anything else is refused later, named)
                 first = t.storage_offset() * t.element_size()
                 reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
-                spans.append((t.untyped_storage().data_ptr(), first, first + reach * t.element_size(), where))
+                spans.append((t.untyped_storage().data_ptr(), first, first + reach * t.element_size(), where, t))
     spans.sort(key=lambda span: span[:2])
-    for (storage, _, end, where), (other, first, _, there) in zip(spans, spans[1:]):
-        if storage == other and first < end:
+    for i, (storage, _, end, where, t) in enumerate(spans):
+        for other, first, _, there, u in spans[i + 1 :]:
+            if other != storage or first >= end:
+                break
+            if not _share_bytes(t, u):  # their extents overlap, their elements may not (interleaved views)
+                continue
             if where == there:
                 raise ValueError(f"{where} is corrupt: two of its tensors share memory, and each is written in place")
             raise ValueError(
                 f"{where} and {there} share memory: each state is written in place, so one's steps would overwrite "
                 "the other's. The checkpoint was saved from states that alias each other: save each its own tensor"
             )
+
+
+def _share_bytes(t: Tensor, u: Tensor) -> bool:
+    """Whether two tensors over one storage hold a byte in common (their extents overlap: checked
+    element by element)."""
+
+    def covered(x: Tensor) -> Tensor:  # every byte of every element, as offsets into the storage
+        offsets = torch.tensor(x.storage_offset())
+        for size, stride in zip(x.shape, x.stride()):
+            offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+        return (offsets.reshape(-1, 1) * x.element_size() + torch.arange(x.element_size())).reshape(-1)
+
+    return bool(torch.isin(covered(t), covered(u)).any())
 
 
 def _overlaps(t: Tensor) -> bool:

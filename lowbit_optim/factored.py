@@ -95,9 +95,8 @@ class FactoredState(StateTensor):
         if self.part:  # replace this part's share of the parent's column sums
             before = _sums_before_slice_writes(self)
             self.col.copy_(self.col - self.row.sum() / before["total"] * before["col"] + matrix.sum(0))
+            before["after"] = self.col.clone()  # a later slice of the series finds col as this one left it
         else:
-            if not torch.compiler.is_compiling():  # (the step's write, traced: no slice write can be pending)
-                _SLICE_WRITES.pop(self.col.untyped_storage(), None)
             self.col.copy_(matrix.sum(0))
         self.row.copy_(matrix.sum(1))
 
@@ -117,21 +116,27 @@ class FactoredState(StateTensor):
         return type(self)(self.row[start:end], self.col, (end - start, *self.shape[1:]), self.signed, True, self.dtype)
 
 
-# A parent's column sums and total before a series of slice writes, and which rows have been written,
-# keyed by the storage its col and its slices' share (alive while the state is); dropped once every row
-# is written, or by a whole write.
+# A parent's column sums and total before a series of slice writes, which rows have been written, and
+# col as the last of them left it, keyed by the storage its col and its slices' share (alive while the
+# state is); dropped once every row is written. (col's version counter does not move: the writes are
+# below autograd, in the subclass's dispatch.)
 _SLICE_WRITES = weakref.WeakKeyDictionary()
 
 
 def _sums_before_slice_writes(part: FactoredState) -> dict:
-    """The parent's sums before this series of slice writes: taken now where none is under way, or
-    where this slice's rows were written already (a new series)."""
+    """The parent's sums before this series of slice writes: taken now where none is under way, where
+    col was written since the series' last slice (a step, a whole write: the series was left
+    unfinished), or where this slice's rows were written already (a new series)."""
     key, rows = part.col.untyped_storage(), part.row.untyped_storage().nbytes() // part.row.element_size()
-    first = part.row.storage_offset()
+    first, count = part.row.storage_offset(), part.row.numel()
     writes = _SLICE_WRITES.get(key)
-    if writes is None or writes["written"].numel() != rows or bool(writes["written"][first : first + part.row.numel()].any()):
-        writes = _SLICE_WRITES[key] = {"col": part.col.clone(), "total": part._total(), "written": torch.zeros(rows, dtype=torch.bool)}
-    writes["written"][first : first + part.row.numel()] = True
+    if (
+        writes is None or writes["written"].numel() != rows or not torch.equal(writes["after"], part.col)
+        or bool(writes["written"][first : first + count].any())
+    ):  # fmt: skip
+        col = part.col.clone()
+        writes = _SLICE_WRITES[key] = {"col": col, "total": part._total(), "written": torch.zeros(rows, dtype=torch.bool), "after": col}
+    writes["written"][first : first + count] = True
     if bool(writes["written"].all()):
         del _SLICE_WRITES[key]
     return writes

@@ -59,7 +59,8 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
         if issubclass(cls, Adam):
             from_args.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-        kwargs = {**from_args, **kwargs}
+        bound = optimizer_cls.keywords if isinstance(optimizer_cls, functools.partial) else {}
+        kwargs = {**{k: v for k, v in from_args.items() if k not in bound}, **kwargs}  # the partial's own win, as kwargs do
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
     return functools.partial(_OptimizerFactory, optimizer_cls, overrides, takes_decay), kwargs
 
@@ -67,7 +68,13 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
 class _OptimizerFactory:
     """What Trainer calls with the model it trains: the optimizer over that model's param groups."""
 
-    def __init__(self, optimizer_cls, overrides: dict, takes_decay: bool):
+    def __init__(self, optimizer_cls, overrides: dict, takes_decay: bool, *params, **kwargs):
+        if params or kwargs:  # called as an optimizer class, cls(params, **kwargs): transformers before 5.23
+            raise TypeError(
+                "optimizer_cls_and_kwargs returns an optimizer factory, which Trainer calls with its model from "
+                "transformers 5.23 on (pip install 'transformers>=5.23'); to build the optimizer yourself: "
+                "factory, kwargs = optimizer_cls_and_kwargs(model, args); opt = factory()(model, **kwargs)"
+            )
         self.optimizer_cls, self.overrides, self.takes_decay = optimizer_cls, overrides, takes_decay
 
     def __call__(self, model: nn.Module, **kwargs):

@@ -251,8 +251,12 @@ class StateTensor(Tensor):
                     raise ValueError(f"{name} must be a 1-D contiguous {dtype} tensor on {device}, not {describe_tensor(t)}")
                 if not_plain(t):
                     raise ValueError(f"{name} is {not_plain(t)}")
+            try:
+                self._meta()  # every metadata attribute (a checkpoint's object may lack one)
+            except AttributeError as missing:
+                raise ValueError(f"its metadata is incomplete: {missing}") from None
             self._check_sizes()
-        except (ValueError, AttributeError) as error:  # AttributeError: metadata missing from a checkpoint's object
+        except ValueError as error:
             raise ValueError(
                 f"{_format_name(self)} of shape {tuple(self.shape)} is inconsistent: {error}. Make states with "
                 f"{type(self).__name__}.zeros() or .from_float(), or load an intact checkpoint"

@@ -118,6 +118,18 @@ def test_row_slices_assemble_the_whole(destination):
             torch.testing.assert_close(state.col.double(), col, rtol=1e-5, atol=0)
 
 
+def test_a_series_of_slice_writes_left_unfinished_ends_at_the_next_write_of_the_whole():
+    """A load that raised after some slices, then steps: a later slice write takes its
+    share from the sums as they are, not from those before the unfinished series."""
+    state = FactoredState.from_float(nonnegative((9, 64), seed=1))
+    state.detach()[0:4].copy_(nonnegative((4, 64), seed=2))
+    state.row.mul_(3.0), state.col.mul_(3.0)  # a step's write in place (the kernel's, the compiled step's)
+    row, col = state.row.double().clone(), state.col.double().clone()
+    y = nonnegative((5, 64), seed=4)
+    state.detach()[4:9].copy_(y)
+    torch.testing.assert_close(state.col.double(), col - row[4:9].sum() / col.sum() * col + y.double().sum(0), rtol=1e-5, atol=0)
+
+
 def test_writing_a_row_slice_replaces_its_share_of_the_column_sums():
     """Over a non-zero state a slice's share of the column sums is what its values hold (its row sums'
     fraction of each column sum); a write replaces that share with the new values' column sums."""

@@ -181,11 +181,20 @@ def copy_of(model):
 
 def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
     import functools
+    from types import SimpleNamespace
 
     model = torch.nn.Linear(4, 4)
     factory, kwargs = optimizer_cls_and_kwargs(model, optimizer_cls=functools.partial(lowbit_optim.Lion, state_format="8bit"), lr=1e-4)
     opt = factory()(model, **kwargs)
     assert type(opt) is lowbit_optim.Lion and {g["state_format"] for g in opt.param_groups} == {"8bit"}
+    # what a partial binds wins over TrainingArguments, as keywords do
+    args = SimpleNamespace(learning_rate=5e-5, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
+    bound = functools.partial(lowbit_optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=bound)
+    group = factory()(model, **kwargs).param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"], group["eps"]) == (1e-3, (0.9, 0.95), 0.1, 1e-8)
+    with pytest.raises(TypeError, match=r"from transformers 5.23 on .* factory\(\)\(model, \*\*kwargs\)"):
+        factory(list(model.parameters()), **kwargs)  # as transformers < 5.23 would call it
     with pytest.raises(TypeError, match=r"MuonWithAdamW splits a model .* optimizers=\(lowbit_optim.MuonWithAdamW\(model, ...\), None\)"):
         optimizer_cls_and_kwargs(model, optimizer_cls=lowbit_optim.MuonWithAdamW)
     with pytest.raises(TypeError, match="optimizer_cls must be an optimizer class or a functools.partial of one"):

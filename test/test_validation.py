@@ -235,7 +235,8 @@ BAD_HYPER_PARAMETERS = {
     "three betas": ("betas", (0.9, 0.99, 0.999), r"invalid betas \(0.9, 0.99, 0.999\): Adam takes two"),
     "NaN weight decay": ("weight_decay", float("nan"), "invalid weight_decay nan"),
     "weight decay a str": ("weight_decay", "0.1", "invalid weight_decay '0.1'"),
-    "maximize a str": ("maximize", "False", "maximize must be True or False, got 'False'"),  # (a str is true)
+    "maximize a str": ("maximize", "False", r"maximize must be True or False \(or 1 or 0\), got 'False'"),  # (a str is true)
+    "amsgrad 2": ("amsgrad", 2, r"amsgrad must be True or False \(or 1 or 0\), got 2"),
 }
 
 
@@ -324,6 +325,11 @@ def test_states_that_share_memory_are_refused():
     for (s, k), view in zip(names, flat.split([s[k].numel() for s, k in names])):
         s[k] = view.view(s[k].shape)
     fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))  # disjoint: loads
+    state_dict = load(checkpoint("fp32"))
+    for s in state_dict["state"].values():  # interleaved in one buffer, each state its own elements: loads
+        both = torch.stack([s["exp_avg"], s["exp_avg_sq"]], -1)
+        s["exp_avg"], s["exp_avg_sq"] = both[..., 0], both[..., 1]
+    fresh_optimizer("fp32")[1].load_state_dict(load(save(state_dict)))
 
 
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
