@@ -1041,9 +1041,11 @@ def _is_flag(value) -> bool:
 
 
 def _plain_number(value):
-    """A NumPy scalar (its bool too, no numbers.Number) as the Python number it holds; anything else as it is."""
+    """A NumPy scalar as the Python number it holds (its bool too, which is no numbers.Number);
+    anything else as it is."""
+    numpy_number = isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item")
     numpy_bool = type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and isinstance(value.item(), bool)
-    return value.item() if (numpy_bool or isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex))) and hasattr(value, "item") else value
+    return value.item() if numpy_number or numpy_bool else value
 
 
 def _real_value(x) -> float | None:

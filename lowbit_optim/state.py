@@ -540,7 +540,8 @@ class CodebookState(OptimState):
         _table_values(cls, signed)
 
     def check_values(self) -> None:
-        count = len(self.codebook(self.signed))  # codes past it decode to NaN (_build_tables)
+        values = _table_values(type(self), self.signed)["codebook"][0]  # codes past the codebook's decode to NaN
+        count = sum(not math.isnan(v) for v in values)
         if count == 2**self.bits or not self.codes.numel():  # every code is a value (8bit's, 4bit's): no pass
             return
         top = int(self.unpacked_codes().max())
