@@ -70,10 +70,18 @@ def _compiled(function, step_function):
     compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
+        if _on_meta(args[0]):  # nothing to compute, and dynamo cannot fake a state subclass on meta
+            return function(*args, **kwargs)
         with _configured(torch.fx.experimental._config, use_duck_shape=False), _raised_recompile_limit():
             return compiled(*args, **kwargs)
 
     return run
+
+
+def _on_meta(first) -> bool:
+    """Whether a compiled function's first argument, a tensor or a foreach chunk's list of calls
+    (each beginning with its parameter, all on one device), is on the meta device."""
+    return (first if isinstance(first, Tensor) else first[0][0]).is_meta
 
 
 @contextlib.contextmanager

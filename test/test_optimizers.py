@@ -28,7 +28,7 @@ import expecttest
 import pytest
 import torch
 from conftest import CUSTOM_OPTIMIZER_EXAMPLE, FORMATS, format_info, stored_format
-from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, compiled_matrix, matrix, matrix_optimizers
+from optimizer_info import BUILTIN_OPTIMIZERS, MATRIX, OPTIMIZERS, OPTION_CASES, all_optimizers, compiled_matrix, matrix, matrix_optimizers
 from test_optim import (
     COMPILED_PARAM_ATOL,
     LR,
@@ -359,6 +359,24 @@ def test_foreach_choice(monkeypatch, foreach, device, grouped):
         calls.clear()
         opt._step_one(opt.param_groups[0], params[0], params[0].grad)
         assert calls == []
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-parameter", "foreach"])
+@all_optimizers
+def test_parameters_on_meta_step_without_a_graph(opt_info, foreach):
+    """A model on the meta device (deferred init) steps as torch.optim steps one: its states are
+    made there in their formats, and nothing is compiled (dynamo cannot fake a state subclass that
+    lives on meta; there is nothing to compute)."""
+    params = [nn.Parameter(torch.empty(shape, device="meta")) for shape in opt_info.shapes]
+    opt = opt_info.make(params, state_format=opt_info.spec(format_info("8bit")), foreach=foreach)
+    graphs = unique_graphs()
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt.step()
+    assert unique_graphs() == graphs
+    states = [s for p in params for name, s in opt.state[p].items() if name != "step"]
+    assert states and all(s.is_meta for s in states)
+    assert any(isinstance(s, lowbit_optim.OptimState8bit) for s in states)
 
 
 @pytest.mark.parametrize("param_update", ["nearest", "stochastic", "kahan", "int8-correction"])
