@@ -433,7 +433,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Validates and normalizes the group add_param_group has just added (the last one)."""
         for key, value in group.items():  # NumPy scalars as Python numbers: the step's float64 arithmetic (1 - beta) then holds
             if key != "params":
-                group[key] = type(value)(map(_plain_number, value)) if isinstance(value, (tuple, list)) else _plain_number(value)
+                group[key] = _plain_numbers(value)
         for state in self.states:
             if state.when is not None and state.when not in group:
                 raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
@@ -1054,6 +1054,17 @@ def _plain_number(value):
     numpy_number = isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item")
     numpy_bool = type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and isinstance(value.item(), bool)
     return value.item() if numpy_number or numpy_bool else value
+
+
+def _plain_numbers(value):
+    """``value`` through _plain_number, or a tuple's or list's items: rebuilt as its type (a
+    namedtuple with _make) where one of them changes, else the same object."""
+    if not isinstance(value, (tuple, list)):
+        return _plain_number(value)
+    plain = [_plain_number(v) for v in value]
+    if all(p is v for p, v in zip(plain, value)):
+        return value
+    return getattr(value, "_make", type(value))(plain)
 
 
 def _real_value(x) -> float | None:

@@ -6,6 +6,7 @@ Structure tests run the step eagerly or in the fused kernel (cheap); the compile
 shares the default AdamW graphs of the rest of the suite.
 """
 
+import collections
 import copy
 import io
 import pickle
@@ -519,3 +520,17 @@ def test_numpy_and_tensor_hyper_parameters():
     opt = lowbit_optim.AdamW(model.parameters(), lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.999)), state_format="8bit")
     losses = train(model, opt, 3)
     assert losses[-1] < losses[0]
+
+
+def test_namedtuple_group_values():
+    """A namedtuple as a group's value (betas from a config, a key of the user's own) is kept as
+    that namedtuple, its NumPy numbers made Python numbers, as torch.optim keeps it."""
+    Betas = collections.namedtuple("Betas", "beta1 beta2")
+    Tag = collections.namedtuple("Tag", "name layer")
+    model = make_mlp()
+    opt = lowbit_optim.AdamW([{"params": model[0].parameters(), "tag": Tag("first", 0)}], betas=Betas(np.float32(0.9), 0.999), compile=False)
+    opt.add_param_group({"params": list(model[2].parameters()), "betas": Betas(0.8, 0.99), "tag": Tag("last", 2)})
+    first, last = opt.param_groups
+    assert first["betas"] == Betas(float(np.float32(0.9)), 0.999) and type(first["betas"][0]) is float
+    assert type(first["betas"]) is Betas and first["tag"] == Tag("first", 0) and last["tag"] == Tag("last", 2)
+    train(model, opt, 1)
