@@ -90,7 +90,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def state(self) -> Mapping:
         if not self.__dict__.get("_built"):
             return self.__dict__["state"]
-        return _States([optimizer.state for optimizer in self.optimizers])
+        return _States(self.optimizers)
 
     @state.setter
     def state(self, state: dict) -> None:
@@ -207,19 +207,29 @@ def _suggesting_inside(keyword: str, given=()):
 
 class _States(Mapping):
     """The two optimizers' ``state`` as one read-only mapping (their keys are disjoint). Unlike a
-    ChainMap it never indexes a defaultdict with a parameter it does not hold (which would add one)."""
+    ChainMap it never indexes a defaultdict with a parameter it does not hold (which would add one
+    to the wrong optimizer): a parameter without state yet gets its own optimizer's ``{}``, as
+    torch.optim's defaultdict gives it (one of neither, a new ``{}``); ``in`` and ``get`` add none."""
 
-    def __init__(self, states: list[dict]):
-        self.states = states
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
 
     def __getitem__(self, param):
-        for states in self.states:
-            if param in states:
-                return states[param]
-        raise KeyError(param)
+        for optimizer in self.optimizers:
+            if param in optimizer.state:
+                return optimizer.state[param]
+        holds = (o for o in self.optimizers if any(p is param for group in o.param_groups for p in group["params"]))
+        owner = next(holds, None)
+        return owner.state[param] if owner is not None else {}
+
+    def __contains__(self, param) -> bool:
+        return any(param in optimizer.state for optimizer in self.optimizers)
+
+    def get(self, param, default=None):
+        return self[param] if param in self else default
 
     def __iter__(self):
-        return (param for states in self.states for param in states)
+        return (param for optimizer in self.optimizers for param in optimizer.state)
 
     def __len__(self) -> int:
-        return sum(len(states) for states in self.states)
+        return sum(len(optimizer.state) for optimizer in self.optimizers)

@@ -163,6 +163,23 @@ def test_muon_with_adamw_is_the_two_optimizers():
     assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
 
 
+def test_muon_with_adamw_state_reads_like_torch_optims():
+    """``opt.state[p]`` of a parameter not yet stepped is its part's ``{}`` (torch.optim's
+    defaultdict gives one; logging code reads it before the first step), ``in`` and ``get`` add
+    none, and the step fills what indexing made."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt, reference = lowbit_optim.MuonWithAdamW(model, **RECIPE), torch.optim.AdamW(model.parameters())
+    matrix, embedding = model.blocks[0].weight, model.embed.weight
+    for o in (opt, reference):
+        assert matrix not in o.state and o.state.get(matrix) is None and len(o.state) == 0
+        assert o.state[matrix] == {} and o.state[embedding] == {} and matrix in o.state and len(o.state) == 2
+    assert matrix in opt.muon.state and embedding in opt.adamw.state and embedding not in opt.muon.state
+    assert opt.state[torch.zeros(1)] == {} and len(opt.state) == 2  # a tensor of neither part: a new {}
+    _lm_steps([opt], model, 1)
+    assert isinstance(opt.state[matrix]["momentum_buffer"], lowbit_optim.OptimState8bit) and "exp_avg" in opt.state[embedding]
+
+
 def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
     """state_dict through torch.save into a fresh object (its lr scheduler made before the load, as
     training scripts do) resumes bit for bit; a deepcopy of model and optimizer together steps as
