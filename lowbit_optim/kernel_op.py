@@ -511,6 +511,8 @@ def fused_step_cpu(
     if next(added, None) is not None:
         raise ValueError("addends holds more tensors than the given states keep outside their codes (StateTensor.has_addend)")
     result = k.lib.lowbit_step(spec.index, entries, count, ctypes.byref(hyper_struct), torch.get_num_threads())
+    if result == 2:  # chunks_unsupported refuses such states first: a limit edited since
+        raise ValueError("the fused CPU kernel's chunks of a parameter would exceed its buffers of MAX_CHUNK elements (csrc/abi.h; nothing was stepped)")
     if result != 0:
         raise MemoryError("the fused CPU kernel could not allocate its work list or factored states' column sums (nothing was stepped)")
     # what an in-place aten op does: autograd then refuses a backward through the old values

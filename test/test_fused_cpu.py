@@ -25,7 +25,7 @@ import emulated_aarch64
 import lowbit_optim
 from conftest import FORMATS, all_formats, torch_threads
 from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
-from lowbit_optim.formats import OptimState4bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
+from lowbit_optim.formats import OptimState4bit, OptimState8bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
@@ -1045,6 +1045,41 @@ def test_structures_come_from_the_c_table():
     assert kernel.optimizers["adam"].states == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     with pytest.raises(AttributeError, match="'state_t' object has no attribute 'blocksize'"):
         state(blocksize=256)
+
+
+@pytest.mark.parametrize("block_size", [32, 256, 1024])
+def test_the_schedulers_chunks_hold_whole_blocks_of_every_state(block_size):
+    """The C's chunks (scheduler.h, chunk_size) are whole blocks of every blockwise state the kernel
+    takes and whole rows of a factored one, as kernel_op.chunk_unit says: 10bit-sr's blocks had been
+    left out, so at block_size 1024, or beside a factored state's 384-element rows, chunks cut its
+    blocks and decoded and stored the wrong ones, with no error."""
+    k = kernel_op.kernel()
+    lib = fused_cpu.library()
+    lib.lowbit_chunk_size.restype = ctypes.c_int64
+    taken = [f for f in FORMATS if kernel_takes(f) and isinstance(f.fmt, type) and issubclass(f.fmt, OptimState)]
+    assert {"8bit", "4bit", "fp8", "10bit-sr", "8bit-log"} <= {f.name for f in taken}
+    for info in taken:
+        for other in (None, FactoredState.zeros((16, 384)), OptimState8bit.zeros(8192, block_size=256)):
+            states = [info.fmt.zeros(8192, block_size=block_size, signed=True), other]
+            param = k.structs["param_t"](numel=8192)
+            for i, state in enumerate(states):
+                if state is not None:
+                    param.state[i] = kernel_op.describe(k, state)
+            size = lib.lowbit_chunk_size(ctypes.byref(param))
+            assert size % kernel_op.chunk_unit([s for s in states if s is not None]) == 0, (info.name, other, size)
+
+
+def test_a_chunk_past_the_buffers_is_refused_by_the_c(monkeypatch):
+    """The C refuses chunks longer than its stack buffers (MAX_CHUNK) itself, stepping nothing, where
+    Python's check (chunks_unsupported) was misled by a limit edited in place: it had overflowed them."""
+    monkeypatch.setitem(kernel_op.kernel().limits, "max_chunk", 1 << 30)
+    p = torch.nn.Parameter(torch.randn(4, 10000))
+    opt = lowbit_optim.AdamW([p], state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, fused=True, min_quantize_numel=0)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="would exceed its buffers of MAX_CHUNK elements"):
+        opt.step()
+    assert torch.equal(p, before)
 
 
 def test_packers_write_what_ctypes_writes():

@@ -85,8 +85,8 @@ static const optimizer_t optimizers[] = {OPTIMIZERS(OPTIMIZER_ROW)};
 #define OPTIMIZER_COUNT ((int64_t)(sizeof(optimizers) / sizeof(optimizers[0])))
 
 /* Steps every parameter once with optimizer number `optimizer` (lowbit_abi_optimizer's order);
- * hyper points to its hyper-parameter struct. Returns 0; 1: out of memory (nothing was stepped);
- * -1: no such optimizer. */
+ * hyper points to its hyper-parameter struct. Returns 0; nothing was stepped where 1: out of memory,
+ * 2: chunks larger than MAX_CHUNK; -1: no such optimizer. */
 int lowbit_step(int64_t optimizer, param_t *params, int64_t count, const void *hyper, int threads) {
     if (optimizer < 0 || optimizer >= OPTIMIZER_COUNT) return -1;
     return step_params(&optimizers[optimizer], params, count, hyper, threads);

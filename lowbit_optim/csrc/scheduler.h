@@ -80,7 +80,8 @@ static int64_t chunk_size(const param_t *t) {
     int64_t unit = 1;
     for (int i = 0; i < MAX_STATES; i++) {
         const state_t *s = &t->state[i];
-        int64_t size = s->kind == KIND_FACTORED ? s->cols : s->kind == KIND_CODEBOOK || s->kind == KIND_E4M3 ? s->block_size : 1;
+        int blocks = s->kind == KIND_CODEBOOK || s->kind == KIND_E4M3 || s->kind == KIND_BLOCK_FLOAT;
+        int64_t size = s->kind == KIND_FACTORED ? s->cols : blocks ? s->block_size : 1;
         if (size > 0) unit = unit / gcd(unit, size) * size;
     }
     return unit * (unit < CHUNK_ELEMENTS ? CHUNK_ELEMENTS / unit : 1);
@@ -169,8 +170,13 @@ static void keep_scratch(scratch_t *s) {
     free(old);
 }
 
-/* Steps every parameter once with optimizer o; returns 0 (1: out of memory, nothing stepped). */
+/* Steps every parameter once with optimizer o; returns 0 (nothing stepped: 1, out of memory; 2, a
+ * parameter whose chunks would not fit the MAX_CHUNK buffers, which the op refuses before this) */
 static int step_params(const optimizer_t *o, param_t *params, int64_t count, const void *hyper, int threads) {
+    for (int64_t j = 0; j < count; j++) {
+        int64_t size = chunk_size(&params[j]);
+        if (size <= 0 || size > MAX_CHUNK) return 2;  /* (<= 0: an lcm past int64) */
+    }
     threads = threads > 1 ? threads : 1;  /* end_of_grab divides by it */
     size_t stride = (o->scalars_size + 15) / 16 * 16;  /* each parameter's scalars, aligned for any member */
     int64_t *first_task = malloc((count + 1) * sizeof(int64_t));

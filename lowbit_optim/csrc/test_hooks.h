@@ -1,5 +1,8 @@
 /* Entry points for the tests (test_fused_cpu.py): the codecs and the division on their own. */
 
+/* The elements of each chunk the scheduler cuts t into (chunk_size). */
+int64_t lowbit_chunk_size(const param_t *t) { return chunk_size(t); }
+
 /* The values of a state's first n elements as load_state decodes them. */
 void lowbit_decode(const state_t *s, int64_t n, float *out) {
     float *values = load_state(s, 0, n, out);
