@@ -582,6 +582,13 @@ _LIBRARY.impl("fused_step_cpu", fused_step_cpu, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("lowbit_optim::fused_step_cpu", lib=_LIBRARY)
 def _fused_step_cpu_fake(optimizer, hyper, params, grads, steps, state_tensors, state_formats, corrections, addends) -> None:
+    # FakeTensors (a trace) report their fake device; a real meta tensor among CPU ones dispatches
+    # here too, where the step would silently not happen
+    given = dict(params=params, grads=grads, steps=steps, state_tensors=state_tensors, corrections=corrections, addends=addends)
+    for name, tensors in given.items():
+        where = next((i for i, t in enumerate(tensors) if t.is_meta), None)
+        if where is not None:
+            raise ValueError(f"the fused CPU kernel cannot step tensors on the meta device: {name}[{where}] is one (nothing was stepped)")
     return None
 
 

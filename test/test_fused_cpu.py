@@ -1411,6 +1411,17 @@ def test_a_state_with_odd_metadata_neither_stands_for_nor_passes_as_valid_ones()
         opt.step()
 
 
+@pytest.mark.parametrize("which", ["params", "grads", "state_tensors"])
+def test_op_refuses_tensors_on_the_meta_device(which):
+    """A meta tensor among the op's CPU tensors dispatches the call to its fake kernel, which had
+    returned without stepping anything or saying so (a state's codes replaced by a meta tensor)."""
+    arguments = list(op_arguments("8bit"))
+    index = {"params": 2, "grads": 3, "state_tensors": 5}[which]
+    arguments[index] = [arguments[index][0].to("meta"), *arguments[index][1:]]
+    with pytest.raises(ValueError, match=rf"on the meta device: {which}\[0\] is one \(nothing was stepped\)"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+
+
 def test_op_refuses_a_state_without_its_addend():
     """A state that keeps a part of its values outside its codes (8bit-lowrank's matrix) is stepped
     only with that part given as an addend of its size: the C would otherwise decode the codes alone,
