@@ -699,8 +699,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state = self.state[p] if has_states or p in self.state else {}
             if has_states and not state:
                 self._init_state(p, group, state)
-            elif extra and extra not in state:  # a parameter cast to bf16 after its first step: from zero error, as a load
-                state[extra] = self._new_state(p, group, extra)
+            elif extra and extra not in state or not declared <= state.keys():
+                # a parameter cast to bf16 after its first step, amsgrad turned on: from zero, as a load
+                for name in self._state_names(p, group):
+                    if name not in state:
+                        state[name] = self._new_state(p, group, name)
             # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
             step = state.get("step") if has_states else None
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2

@@ -361,6 +361,29 @@ def test_foreach_choice(monkeypatch, foreach, device, grouped):
         assert calls == []
 
 
+SWITCHED_STATES = [pytest.param(o, state, id=f"{o.name}-{state.when}") for o in OPTIMIZERS for state in o.cls.states if state.when is not None]
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["kernel", "eager"])
+@pytest.mark.parametrize("opt_info, state", SWITCHED_STATES)
+def test_a_state_switched_on_after_steps_is_made_as_a_first_step_makes_it(opt_info, state, fused):
+    """A state that exists under an option (amsgrad's max_exp_avg_sq, SGD's momentum buffer) and
+    the option turned on after some steps: the next step makes it as a first step does, in the
+    group's format (it had raised a bare KeyError)."""
+    params = [nn.Parameter(p) for p in initial_params(opt_info)]
+    flag = isinstance(inspect.signature(opt_info.cls).parameters[state.when].default, bool)
+    off, on = (False, True) if flag else (0.0, 0.9)
+    opt = opt_info.make(params, state_format=opt_info.spec(format_info("8bit")), min_quantize_numel=0, fused=fused, compile=fused is None, **{state.when: off})
+    for i, step_grads in enumerate(gradients(opt_info, 3)):
+        if i == 1:
+            opt.param_groups[0][state.when] = on
+        for p, g in zip(params, step_grads):
+            p.grad = g
+        opt.step()
+    for p in params:
+        assert isinstance(opt.state[p][state.name], lowbit_optim.OptimState8bit), state.name
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["per-parameter", "foreach"])
 @all_optimizers
 def test_parameters_on_meta_step_without_a_graph(opt_info, foreach):
