@@ -128,8 +128,9 @@ def packer(cls: type, *names: str) -> Packer:
 
 
 def _number(name: str, value, integral: bool):
-    if integral and not (isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer())):
-        raise ValueError(f"hyper-parameter {name} of the kernel is an integer flag, got {value!r}")
+    # every integer field is a flag: a C int32, which a larger integer would wrap (2**32 to 0)
+    if integral and not (isinstance(value, (bool, int, float)) and value in (0, 1)):
+        raise ValueError(f"hyper-parameter {name} of the kernel is a flag (0 or 1), got {value!r}")
     return int(value) if integral else float(value)
 
 

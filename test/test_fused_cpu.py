@@ -1183,8 +1183,9 @@ def test_hyper_parameters_are_checked_by_name():
     assert len(kernel_op.hyper_values("adam", fields)) == len(fields)
     with pytest.raises(ValueError, match=r"missing \['eps'\], unknown \['epsilon'\]"):
         kernel_op.hyper_values("adam", {**{k: v for k, v in fields.items() if k != "eps"}, "epsilon": 1e-8})
-    with pytest.raises(ValueError, match="maximize of the kernel is an integer flag"):
-        kernel_op.hyper_values("adam", {**fields, "maximize": 0.5})
+    for bad in (0.5, 2, 2**32, -1):  # a flag: C's int32 had wrapped 2**32 to 0
+        with pytest.raises(ValueError, match=r"maximize of the kernel is a flag \(0 or 1\)"):
+            kernel_op.hyper_values("adam", {**fields, "maximize": bad})
     # the structures are shared between calls with the same numbers, zeros' signs included
     assert kernel_op.hyper_values("adam", fields) == kernel_op.hyper_values("adam", dict(fields))
     assert math.copysign(1.0, kernel_op.hyper_values("adam", {**fields, "weight_decay": -0.0})[3]) == -1.0
