@@ -124,6 +124,13 @@ class FormatInfo:
         return torch.unique(values[torch.isfinite(values)]) / self.fmt.scale_max
 
     @property
+    def derived(self) -> bool:
+        """Whether the format's class subclasses another registered format's (nf4 4bit-torchao's,
+        8bit-sr 8bit's): its parent's structure with another codebook or rounding."""
+        others = [f for f in registered_formats().values() if isinstance(f, type) and f is not self.fmt]
+        return isinstance(self.fmt, type) and any(issubclass(self.fmt, f) for f in others)
+
+    @property
     def stochastic(self) -> bool:
         """Whether ``encode`` rounds stochastically between the two code values around a value
         (unbiased, e.g. 4bit) instead of to the nearest one."""
