@@ -581,10 +581,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return [s.name for s in self._declared(group)] + ([extra] if extra else [])
 
     def _init_state(self, param: Tensor, group: dict, state: dict) -> None:
-        if self._declared(group):
+        """Makes each state ``param`` lacks under ``group``'s options (all of them at its first step)
+        as a first step makes it, from its initial value."""
+        if self._declared(group) and "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)  # never the default dtype: bf16 stops counting at 256
         for name in self._state_names(param, group):
-            state[name] = self._new_state(param, group, name)
+            if name not in state:
+                state[name] = self._new_state(param, group, name)
 
     def _signed(self, name: str) -> bool:
         return name == "compensation" or self._state(name).signed
@@ -697,13 +700,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             extra = precision.extra_state_name(mode)
             has_states = bool(declared or extra)  # as _state_names: a parameter without any keeps none (SGD)
             state = self.state[p] if has_states or p in self.state else {}
-            if has_states and not state:
-                self._init_state(p, group, state)
-            elif extra and extra not in state or not declared <= state.keys():
-                # a parameter cast to bf16 after its first step, amsgrad turned on: from zero, as a load
-                for name in self._state_names(p, group):
-                    if name not in state:
-                        state[name] = self._new_state(p, group, name)
+            if has_states and not state or extra and extra not in state or not declared <= state.keys():
+                self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
             # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
             step = state.get("step") if has_states else None
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2

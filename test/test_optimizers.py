@@ -394,6 +394,20 @@ def test_a_state_switched_on_after_steps_is_made_as_a_first_step_makes_it(opt_in
         assert isinstance(opt.state[p][state.name], lowbit_optim.OptimState8bit), state.name
 
 
+@pytest.mark.parametrize("param_update", ["kahan", "int8-correction"])
+def test_momentum_switched_on_beside_a_precision_buffer(param_update):
+    """SGD without momentum keeps only a bf16 parameter's precision buffer, and no step counter:
+    momentum turned on then makes the counter with the buffer (it had stepped a missing counter)."""
+    p = nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+    opt = lowbit_optim.SGD([p], lr=0.1, momentum=0.0, param_update=param_update, state_format="8bit", compile=False)
+    for i in range(3):
+        if i == 1:
+            opt.param_groups[0]["momentum"] = 0.9
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert float(opt.state[p]["step"]) == 2 and isinstance(opt.state[p]["momentum_buffer"], lowbit_optim.OptimState8bit)
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["per-parameter", "foreach"])
 @all_optimizers
 def test_parameters_on_meta_step_without_a_graph(opt_info, foreach):
