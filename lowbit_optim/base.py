@@ -939,6 +939,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     _step_when_missing: float | None = None
 
     def _convert_loaded_state(self, param: Tensor, group: dict, state: dict, index: int) -> None:
+        if not state:  # read before its first step (torch.optim's defaultdict keeps it): its first step makes it
+            return
         declared = self._declared(group)
         expected = {s.name for s in declared} | ({"step"} if declared and self._step_when_missing is None else set())
         missing = expected - state.keys()

@@ -8,6 +8,7 @@ shares the default AdamW graphs of the rest of the suite.
 
 import collections
 import copy
+import functools
 import io
 import pickle
 import subprocess
@@ -24,6 +25,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import all_formats, torch_setting
+from optimizer_info import OPTIMIZERS
 from test_optim import LR, assert_same_bits, make_mlp, moments, regression_data, save_and_load, train
 
 
@@ -534,3 +536,32 @@ def test_namedtuple_group_values():
     assert first["betas"] == Betas(float(np.float32(0.9)), 0.999) and type(first["betas"][0]) is float
     assert type(first["betas"]) is Betas and first["tag"] == Tag("first", 0) and last["tag"] == Tag("last", 2)
     train(model, opt, 1)
+
+
+
+@pytest.mark.parametrize(
+    "make",
+    [functools.partial(lambda info, model: info.make(model.parameters(), state_format="8bit", compile=False), info) for info in OPTIMIZERS]
+    + [lambda model: lowbit_optim.MuonWithAdamW(model, state_format="8bit", min_quantize_numel=0, compile=False)],
+    ids=[info.name for info in OPTIMIZERS] + ["MuonWithAdamW"],
+)
+def test_a_state_entry_read_before_any_step_round_trips(make):
+    """Reading ``opt.state[p]`` of a parameter that has not stepped (a frozen one, or one before its
+    first step) gives ``{}`` and keeps it, as torch.optim's defaultdict does: the checkpoint that
+    saves it loads, and the parameter's first step after the load is a first step in both runs."""
+    model = make_mlp(bias=False)
+    opt = make(model)
+    first, later = list(model.parameters())
+    assert opt.state[first] == {} and first in opt.state
+    later.grad = torch.ones_like(later)
+    opt.step()
+    resumed_model = copy.deepcopy(model)
+    resumed = make(resumed_model)
+    resumed.load_state_dict(save_and_load(opt.state_dict()))
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        for p in m.parameters():
+            p.grad = torch.linspace(-1, 1, p.numel()).view_as(p)
+        o.step()
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    assert float(resumed.state[next(resumed_model.parameters())]["step"]) == 1
