@@ -744,8 +744,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _remember_group(self, group: dict) -> dict:
         """The group's options as built, loaded or last checked, for _check_edits. Not pickled: a
         copy remembers at its first step."""
-        # the state keys deep: a format dict edited in place must show
-        options = {k: copy.deepcopy(v) if isinstance(v, (dict, list)) and k in _STATE_KEYS else v for k, v in group.items() if k != "params"}
+        # the state keys deep: a format dict edited in place must show; a list (betas=[...]) edited in place too
+        options = {k: _remembered_value(k, v) for k, v in group.items() if k != "params"}
         self.__dict__.setdefault("_remembered_groups", {})[id(group)] = (group, options)
         return options
 
@@ -754,7 +754,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         stepped): a state key changed is refused (its states keep the formats they were made in,
         which the group, and state_dict(), would then misname); other options replaced are checked
         as the constructor checks them (betas made 1.0, a misspelt option), lr alone by itself (a
-        scheduler's, every step). A value changed in place (a tensor filled) is not seen."""
+        scheduler's, every step). A list edited in place is seen; a tensor filled in place is not."""
         remembered = self.__dict__.get("_remembered_groups", {})
         for group in groups:
             then = remembered.get(id(group), (None, None))
@@ -1075,6 +1075,13 @@ def _real_value(x) -> float | None:
     if isinstance(x, Tensor):
         return float(x) if x.numel() == 1 and not x.is_complex() else None
     return float(x) if isinstance(x, numbers.Real) else None
+
+
+def _remembered_value(key: str, value):
+    """What _remember_group keeps of a group value: a copy of what can be edited in place."""
+    if isinstance(value, (dict, list)) and key in _STATE_KEYS:
+        return copy.deepcopy(value)
+    return list(value) if isinstance(value, list) else value  # its items compared by identity first: tensors too
 
 
 def _changed_options(then: dict, group: dict) -> set:

@@ -440,6 +440,20 @@ def test_a_refused_edit_steps_no_group():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("where", ["the caller's list", "the group's list"])
+def test_a_list_value_edited_in_place_is_checked(where):
+    """betas given as a list and then edited in place (the caller's list, or the group's) is an edit
+    the next step checks, as a list replaced by another would be."""
+    betas = [0.9, 0.999]
+    p = nn.Parameter(torch.ones(8))
+    opt = lowbit_optim.AdamW([p], lr=LR, betas=betas, compile=False)
+    p.grad = torch.ones(8)
+    opt.step()
+    (betas if where == "the caller's list" else opt.param_groups[0]["betas"])[1] = 1.5
+    with pytest.raises(ValueError, match=r"as edited since it was built: invalid betas \[0.9, 1.5\]"):
+        opt.step()
+
+
 def test_step_in_a_fullgraph_function_with_a_scheduler_attached():
     """A scheduler wraps opt.step in a function dynamo will not trace (README): ``type(opt).step(opt)``
     compiles with fullgraph=True and steps as eager opt.step() does, the scheduler's lr included."""
