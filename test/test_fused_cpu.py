@@ -782,7 +782,7 @@ def test_kernel_encodes_like_the_format(info, signed, flag):
     block's scale being its absmax, but its tables give every fp32 value a code); NaN and infinities
     as the format's tables give them. In every build, in its vector loops
     (a multiple of 16 values) and in its tails (7 values at a time; 23 in the emulated aarch64
-    build, whose calls cost ~1 ms each: 3 left after vectors of 4, 8 or 16 values alike)."""
+    build, whose calls cost ~1 ms each: still a tail, 3 values past NEON's 4-wide vectors, 7 past 8 or 16)."""
     state = info.fmt.zeros(256, signed=signed)
     if kernel_op.kernel_kind(state) not in ("codebook", "e4m3"):
         pytest.skip(f"the kernel's block encoder does not take {info.name} (block floats: test_kernel_stores_block_floats_like_the_format)")
