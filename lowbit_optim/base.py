@@ -487,6 +487,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _check_hyper_parameters(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
+        for key, value in group.items():
+            if key != "params":
+                _check_float_range(key, value)
         _check_lr(group["lr"])
         flags = {*_flag_keys(type(self)), *(k for k, v in self.defaults.items() if isinstance(v, bool))}
         for key in sorted(flags):  # a flag as a string ("False") would be true
@@ -1114,7 +1117,19 @@ def _naming_the_group(context: str):
         raise ValueError(context + str(error)) from None
 
 
+def _check_float_range(key: str, value) -> None:
+    """Raise a ValueError where ``value`` (or an item of it) is an int no float holds: the step
+    computes in floats, and would fail with an OverflowError that names nothing."""
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _FLOAT_MAX:
+            raise ValueError(f"invalid {key}: an integer of {v.bit_length()} bits, beyond the range of a float (about {_FLOAT_MAX:.1e}) in which the step computes")
+
+
+_FLOAT_MAX = torch.finfo(torch.float64).max
+
+
 def _check_lr(lr) -> None:
+    _check_float_range("lr", lr)
     lr_value = _real_value(lr)
     if lr_value is None or not lr_value >= 0:
         raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")

@@ -1061,6 +1061,7 @@ BAD_INPUT = {
     "betas=(0.9, 0.99999999)": with_one_param(betas=(0.9, 0.99999999)),
     "eps=-1": with_one_param(eps=-1),
     "weight_decay=-1": with_one_param(weight_decay=-1),
+    "weight_decay=10**400": with_one_param(weight_decay=10**400),
     'state_format="9bit"': with_one_param(state_format="9bit"),
     "state_format=None": with_one_param(state_format=None),
     "state_format edited between steps": edited_between_steps("state_format", "4bit", state_format="8bit"),
@@ -1125,6 +1126,7 @@ betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0,
 betas=(0.9, 0.99999999): ValueError: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, in which the step computes its bias correction 1 - beta**step (0); it must be below 0.9999999701976776 (1 - 2**-25)
 eps=-1: ValueError: invalid eps -1: eps must be >= 0
 weight_decay=-1: ValueError: invalid weight_decay -1: weight_decay must be >= 0
+weight_decay=10**400: ValueError: invalid weight_decay: an integer of 1329 bits, beyond the range of a float (about 1.8e+308) in which the step computes
 state_format="9bit": ValueError: unknown state format '9bit'; use one of [<registered formats>] or an OptimState subclass that sets a `name`
 state_format=None: ValueError: unknown state format None; use one of [<registered formats>] or an OptimState subclass that sets a `name`
 state_format edited between steps: ValueError: param group 0's state_format from '8bit' to '4bit': a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
