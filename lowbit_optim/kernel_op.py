@@ -135,6 +135,8 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
     if isinstance(state, FactoredState) and state.part:
         return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
     if (_stored_kind(state) if contiguous else kernel_kind(state)) is None:
+        if not isinstance(state, StateTensor):  # a plain state the user swapped in (the kernel's are fp32 or bf16)
+            return f"the {name} state is {describe_tensor(state)} (the kernel's plain states are float32 or bfloat16)"
         return f"the {name} state {type(state).__name__} (a format with its own encoding or block scales)"
     if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
         return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
@@ -170,7 +172,7 @@ def check_inputs(param: Tensor, grad: Tensor, step: Tensor, states: dict, requir
     that must be given."""
     problem = _input_problem(param, grad, step, states, required)
     if problem:
-        raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: {problem}")
+        raise _refused(param, problem)
 
 
 def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, required) -> str | None:
@@ -226,13 +228,19 @@ def check_correction(param: Tensor, correction: Tensor) -> None:
     the C reads and writes one int8 per element."""
     if (
         param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu
-        or correction.numel() != param.numel() or not storage_holds(correction)
+        or correction.numel() != param.numel()
     ):  # fmt: skip
-        raise ValueError(
-            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its int8-correction is "
-            f"{describe_tensor(correction)} for {describe_tensor(param)}; it needs {param.numel()} contiguous int8 values "
-            "on the CPU beside a bfloat16 parameter"
+        raise _refused(
+            param,
+            f"its int8-correction is {describe_tensor(correction)} for {describe_tensor(param)}; it needs {param.numel()} "
+            "contiguous int8 values on the CPU beside a bfloat16 parameter",
         )
+    if not storage_holds(correction):
+        raise _refused(param, f"the storage of its int8-correction {storage_shortfall(correction)}")
+
+
+def _refused(param: Tensor, problem: str) -> ValueError:
+    return ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: {problem}")
 
 
 def _plain_fits(t: Tensor, numel: int) -> bool:
@@ -596,15 +604,13 @@ def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor)
     """``addend`` if it can be the part of a state of ``numel`` elements outside its codes: the C
     reads and writes numel fp32 values there."""
     if addend is None:
-        raise ValueError(
-            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its {name} state keeps a part of its "
-            "values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
+        raise _refused(
+            param, f"its {name} state keeps a part of its values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
-    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel or not storage_holds(addend):
-        raise ValueError(
-            f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: the addend of its {name} state is "
-            f"{describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU"
-        )
+    if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel:
+        raise _refused(param, f"the addend of its {name} state is {describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU")
+    if not storage_holds(addend):
+        raise _refused(param, f"the storage of the addend of its {name} state {storage_shortfall(addend)}")
     return addend
 
 

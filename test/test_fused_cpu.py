@@ -510,6 +510,8 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(self.reason(states={"exp_avg": big}), """block_size 16384 of the exp_avg state (at most 8192)""")
         wide = {"exp_avg": lowbit_optim.OptimState4bit.zeros((3, 8191)), "exp_avg_sq": FactoredState.zeros((3, 8191))}
         self.assertExpectedInline(self.reason(states=wide), """a factored state's rows of 8191 elements and the other states' blocks meet only every 1048448 elements (the kernel's chunks hold at most 8192)""")
+        fp16 = {"exp_avg": torch.zeros(8, dtype=torch.float16)}
+        self.assertExpectedInline(self.reason(states=fp16), """the exp_avg state is a torch.float16 tensor of shape (8,) on cpu (the kernel's plain states are float32 or bfloat16)""")
         part = {"exp_avg_sq": FactoredState.zeros((4, 8))[:2]}
         self.assertExpectedInline(self.reason(states=part), """the exp_avg_sq state is a row slice of a larger factored state (it reads the larger one's columns)""")
 
@@ -1281,6 +1283,28 @@ def test_op_refuses_bad_arguments():
     hyper = dict(zip([name for name, _ in kernel_op.kernel().optimizers["adam"].hyper._fields_], arguments[1]))
     with pytest.raises(ValueError, match=r"shape \(24573,\): a factored state's rows of 8191 elements and the other states' blocks meet only every 1048448"):
         fused_cpu.step("adam", [wide], hyper)
+
+
+
+def resized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage resized in place to half (as FSDP frees memory): its shape kept."""
+    t.untyped_storage().resize_(t.untyped_storage().nbytes() // 2)
+    return t
+
+
+def test_op_names_a_resized_storage_of_a_correction_or_an_addend():
+    """A correction or an addend of the right size whose storage was resized in place is refused as
+    such, not as a tensor of the wrong size."""
+    param = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    opt = lowbit_optim.AdamW([param], state_format="8bit", param_update="int8-correction", fused=True)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    resized(opt.state[param]["param_correction"])
+    with pytest.raises(ValueError, match=r"shape \(64, 64\): the storage of its int8-correction holds 2048 bytes, not the 4096"):
+        opt.step()
+    arguments = op_arguments("8bit-lowrank")
+    with pytest.raises(ValueError, match=r"shape \(71, 64\): the storage of the addend of its exp_avg state holds"):
+        torch.ops.lowbit_optim.fused_step_cpu(*arguments[:-1], [resized(arguments[-1][0])])
 
 
 
