@@ -299,7 +299,7 @@ def test_foreach_is_the_per_parameter_step_in_one_graph(monkeypatch, opt_info, f
     other kinds, as a bf16 one or one with fp32 states, would each fill a chunk of their own:
     a one-parameter graph, which shows nothing of parameters traced together.)"""
     g = torch.Generator().manual_seed(5)
-    shapes = [(64, 96), (96, 64)]
+    shapes = [(64, 96), (96, 80)]  # two sizes in one graph; the second transposed
 
     def make_params():
         values = [torch.randn(shape, generator=g) for shape in shapes]
