@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import kernel_abi, kernel_op
 from .kernel_op import check_inputs, chunk_unit, kernel_kind  # noqa: F401 - part of this module's interface
-from .state import StateTensor
+from .state import StateTensor, not_plain
 
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 _NO_CORRECTION = torch.empty(0, dtype=torch.int8)
@@ -110,7 +110,7 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
             try:
                 state.check_layout()
             except ValueError as error:
-                raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(item[0].shape)}: {error}") from None
+                raise kernel_op.refused(item[0], str(error)) from None
         addends = [s.kernel_addend(buffers[i, : s.numel()]) for i, s in enumerate(added)]
         _call(optimizer, [item], hyper, [correction], addends)
         residuals = [s.kernel_residual(values) for s, values in zip(added, addends)]
@@ -131,7 +131,16 @@ def _call(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Ten
             elif state is not None:
                 tensors.append(state)
     given = [c if c is not None else _NO_CORRECTION for c in corrections] if any(c is not None for c in corrections) else []
-    torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
+    try:
+        torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
+    except RuntimeError:  # the dispatcher's own refusal of a lazily negated tensor it would write, before the op's checks
+        names = kernel_op.kernel().optimizers[optimizer].states
+        for (param, grad, counter, *states), correction in zip(items, [*corrections, *[None] * len(items)]):
+            written = [*kernel_op.tensors_of(param, grad, counter, dict(zip(names, states))), ("int8-correction", correction)]
+            for what, t in written:
+                if what != "gradient" and t is not None and not_plain(t):  # (a negated gradient is read: the dispatcher resolves it)
+                    raise kernel_op.refused(param, f"its {what} is {not_plain(t)}") from None
+        raise
 
 
 def adam_step(items: list[tuple], group: dict, corrections=None) -> None:
@@ -140,7 +149,7 @@ def adam_step(items: list[tuple], group: dict, corrections=None) -> None:
     amsgrad = group["amsgrad"]
     for param, _grad, _step, _m, _v, max_exp_avg_sq in items:
         if amsgrad and max_exp_avg_sq is None:
-            raise ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: its max_exp_avg_sq state is missing (amsgrad=True needs it)")
+            raise kernel_op.refused(param, "its max_exp_avg_sq state is missing (amsgrad=True needs it)")
     hyper = dict(_adam_moment_hyper(group, *group["betas"]), decoupled_weight_decay=group["decoupled_weight_decay"])
     step("adam", [(*item[:5], item[5] if amsgrad else None) for item in items], hyper, corrections)
 

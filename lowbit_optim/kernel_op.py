@@ -172,7 +172,7 @@ def check_inputs(param: Tensor, grad: Tensor, step: Tensor, states: dict, requir
     that must be given."""
     problem = _input_problem(param, grad, step, states, required)
     if problem:
-        raise _refused(param, problem)
+        raise refused(param, problem)
 
 
 def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, required) -> str | None:
@@ -204,14 +204,14 @@ def _input_problem(param: Tensor, grad: Tensor, step: Tensor, states: dict, requ
         problem = state_unsupported(name, state, contiguous=True)
         if problem:
             return problem
-    for what, t in _read_tensors(param, grad, step, states):
+    for what, t in tensors_of(param, grad, step, states):
         if not storage_holds(t):
             return f"the storage of its {what} {storage_shortfall(t)}"
     return chunks_unsupported(given)
 
 
-def _read_tensors(param: Tensor, grad: Tensor, step: Tensor, states: dict):
-    """(what, tensor) for each tensor the C reads or writes of a parameter."""
+def tensors_of(param: Tensor, grad: Tensor, step: Tensor, states: dict):
+    """(what, tensor) for each tensor the C reads or writes of a parameter (``states``: name -> state or None)."""
     yield "values", param
     yield "gradient", grad
     yield "step counter", step
@@ -230,16 +230,17 @@ def check_correction(param: Tensor, correction: Tensor) -> None:
         param.dtype != torch.bfloat16 or correction.dtype != torch.int8 or not correction.is_contiguous() or not correction.is_cpu
         or correction.numel() != param.numel()
     ):  # fmt: skip
-        raise _refused(
+        raise refused(
             param,
             f"its int8-correction is {describe_tensor(correction)} for {describe_tensor(param)}; it needs {param.numel()} "
             "contiguous int8 values on the CPU beside a bfloat16 parameter",
         )
     if not storage_holds(correction):
-        raise _refused(param, f"the storage of its int8-correction {storage_shortfall(correction)}")
+        raise refused(param, f"the storage of its int8-correction {storage_shortfall(correction)}")
 
 
-def _refused(param: Tensor, problem: str) -> ValueError:
+def refused(param: Tensor, problem: str) -> ValueError:
+    """The error that the kernel cannot step ``param``, for ``problem``."""
     return ValueError(f"the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: {problem}")
 
 
@@ -604,13 +605,13 @@ def _checked_addend(addend: Tensor | None, name: str, numel: int, param: Tensor)
     """``addend`` if it can be the part of a state of ``numel`` elements outside its codes: the C
     reads and writes numel fp32 values there."""
     if addend is None:
-        raise _refused(
+        raise refused(
             param, f"its {name} state keeps a part of its values outside its codes, and addends holds none for it (StateTensor.kernel_addend makes it)"
         )
     if addend.dtype != torch.float32 or not addend.is_contiguous() or not addend.is_cpu or addend.numel() != numel:
-        raise _refused(param, f"the addend of its {name} state is {describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU")
+        raise refused(param, f"the addend of its {name} state is {describe_tensor(addend)}, not {numel} contiguous float32 values on the CPU")
     if not storage_holds(addend):
-        raise _refused(param, f"the storage of the addend of its {name} state {storage_shortfall(addend)}")
+        raise refused(param, f"the storage of the addend of its {name} state {storage_shortfall(addend)}")
     return addend
 
 

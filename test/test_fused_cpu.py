@@ -1308,6 +1308,30 @@ def test_op_names_a_resized_storage_of_a_correction_or_an_addend():
 
 
 
+@pytest.mark.parametrize(
+    "negate, options, what",
+    [
+        (lambda s: setattr(s["exp_avg"], "scale", s["exp_avg"].scale._neg_view()), dict(state_format="8bit"), "exp_avg state's scale"),
+        (lambda s: s.__setitem__("exp_avg_sq", s["exp_avg_sq"]._neg_view()), dict(state_format="fp32"), "exp_avg_sq state"),
+        (lambda s: s.__setitem__("param_correction", s["param_correction"]._neg_view()), dict(param_update="int8-correction"), "int8-correction"),
+    ],
+    ids=["a scale", "a plain state", "an int8-correction"],
+)
+def test_a_lazily_negated_tensor_the_kernel_writes_is_named(negate, options, what):
+    """The dispatcher refuses a lazily negated tensor among those the op writes before the op's own
+    checks run: the step names which one, and steps nothing."""
+    param = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    opt = lowbit_optim.AdamW([param], fused=True, **options)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    negate(opt.state[param])
+    before = param.detach().clone()
+    with pytest.raises(ValueError, match=rf"shape \(64, 64\): its {what} is a lazily negated"):
+        opt.step()
+    assert torch.equal(param, before)
+
+
+
 @pytest.fixture
 def checked_shapes(monkeypatch):
     """The shapes of the parameters whose states the op checks (kernel_op.check_inputs), from an
