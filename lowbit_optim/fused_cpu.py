@@ -105,12 +105,15 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
     # an addend per such state, sized for the largest parameter and reused by the others: fresh
     # memory costs a page fault per 4 KiB (the products took twice as long)
     buffers = torch.empty(max(len(added) for *_, added in apart), max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
+    names = kernel_op.kernel().optimizers[optimizer].states
     for item, correction, added in apart:
-        for state in added:  # their factors are read here, before the op checks them with the rest
+        for name, state in zip(names, item[3:]):  # the factors of those are read here, before the op checks them with the rest
+            if state is None or not any(state is s for s in added):
+                continue
             try:
                 state.check_layout()
             except ValueError as error:
-                raise kernel_op.refused(item[0], str(error)) from None
+                raise kernel_op.refused(item[0], f"its {name} state: {error}") from None
         addends = [s.kernel_addend(buffers[i, : s.numel()]) for i, s in enumerate(added)]
         _call(optimizer, [item], hyper, [correction], addends)
         residuals = [s.kernel_residual(values) for s, values in zip(added, addends)]

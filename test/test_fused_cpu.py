@@ -1332,6 +1332,21 @@ def test_a_lazily_negated_tensor_the_kernel_writes_is_named(negate, options, wha
 
 
 
+def test_a_truncated_low_rank_factor_names_its_state():
+    """A low-rank state's factor cut short (read by the products before the op's checks) is refused
+    naming the state and the parameter."""
+    param = torch.nn.Parameter(torch.randn(64, 96))
+    opt = lowbit_optim.AdamW([param], state_format={"exp_avg": "8bit-lowrank", "exp_avg_sq": "8bit"}, fused=True)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    state = opt.state[param]["exp_avg"]
+    assert state.rank > 0, "test setup: the state should hold factors"
+    state.left = state.left[: state.left.numel() // 2]
+    with pytest.raises(ValueError, match=r"shape \(64, 96\): its exp_avg state: OptimState8bitLowRank .* is inconsistent: left has"):
+        opt.step()
+
+
+
 @pytest.fixture
 def checked_shapes(monkeypatch):
     """The shapes of the parameters whose states the op checks (kernel_op.check_inputs), from an
