@@ -867,7 +867,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "Pass what optimizer.state_dict() returned (not model.state_dict())"
             )
         norm = state_dict.get(_LAST_GRAD_NORM)
-        if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and norm.numel() == 1)):
+        if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and _real_value(norm) is not None)):
             raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
         if norm is not None and float(norm) < 0:  # (inf or NaN: what a run saves after an overflowing or poisoned backward)
             raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is >= 0")
@@ -985,7 +985,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state.pop("step", None)
             return
         step = state.setdefault("step", self._step_when_missing)
-        if isinstance(step, bool) or not (isinstance(step, (int, float)) or isinstance(step, Tensor) and step.numel() == 1):
+        if isinstance(step, bool) or not (isinstance(step, (int, float)) or isinstance(step, Tensor) and _real_value(step) is not None and step.dtype != torch.bool):
             raise ValueError(
                 f"{_loaded_state('step', param, index)} is {describe_tensor(step)}: "
                 "it must be a number or a one-element tensor"
@@ -1075,8 +1075,8 @@ def _plain_numbers(value):
 
 def _real_value(x) -> float | None:
     """The value of a real number or a one-element real tensor; None for anything else."""
-    if isinstance(x, Tensor):
-        return float(x) if x.numel() == 1 and not x.is_complex() else None
+    if isinstance(x, Tensor):  # (one on the meta device holds no value)
+        return float(x) if x.numel() == 1 and not x.is_complex() and x.device.type != "meta" else None
     return float(x) if isinstance(x, numbers.Real) else None
 
 

@@ -264,8 +264,9 @@ def test_what_cannot_combine_is_an_error():
         with pytest.raises(ValueError, match="invalid max_grad_norm"):
             lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=bad)
     opt = lowbit_optim.AdamW(params, step_in_backward=True, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
-        opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.ones(3)})
+    for bad in (torch.ones(3), torch.tensor(1 + 1j), torch.tensor(1.0, device="meta")):
+        with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is .* a number or a one-element tensor"):
+            opt.load_state_dict({**opt.state_dict(), "last_grad_norm": bad})
     with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is -5.0: a gradient norm is >= 0"):  # no run makes one
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(-5.0)})
     opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(float("inf"))})  # saved after an overflow: as it was

@@ -166,7 +166,9 @@ def test_errors_name_a_parameter_by_its_place_in_the_checkpoint():
         make()[1].load_state_dict(state_dict)
 
 
-@pytest.mark.parametrize("step", [torch.zeros(0), torch.zeros(2), "1", None, True], ids=["empty", "two", "str", "None", "bool"])
+@pytest.mark.parametrize(
+    "step", [torch.zeros(0), torch.zeros(2), "1", None, True, torch.tensor(1 + 2j), torch.tensor(True)], ids=["empty", "two", "str", "None", "bool", "complex", "bool tensor"]
+)
 def test_checkpoint_step_must_be_a_number(step):
     state_dict = load(checkpoint("8bit"))
     state_dict["state"][1]["step"] = step
@@ -237,6 +239,7 @@ BAD_HYPER_PARAMETERS = {
     "weight decay a str": ("weight_decay", "0.1", "invalid weight_decay '0.1'"),
     "maximize a str": ("maximize", "False", r"maximize must be True or False \(or 1 or 0\), got 'False'"),  # (a str is true)
     "amsgrad 2": ("amsgrad", 2, r"amsgrad must be True or False \(or 1 or 0\), got 2"),
+    "lr on the meta device": ("lr", torch.tensor(0.1, device="meta"), r"invalid learning rate tensor\(\.\.\., device='meta', size=\(\)\): lr must be a number >= 0"),
 }
 
 
