@@ -100,15 +100,24 @@ _BNB_UNREADABLE = {
 # bitsandbytes' param-group keys that are hyper-parameters (the others, e.g. a scheduler's
 # "initial_lr", are kept as saved)
 _BNB_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3")
+_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"}  # what torch's LR schedulers add to a group
 
 
 def is_bitsandbytes_state_dict(state_dict: dict, own_states) -> bool:
     """Whether ``state_dict`` (already known to have "state") was written by a bitsandbytes
     optimizer: some parameter's state holds bitsandbytes' key names (``own_states``: the state names
-    of the optimizer loading it, which never count as bitsandbytes')."""
+    of the optimizer loading it, which never count as bitsandbytes'), or, saved before any step, its
+    param groups hold bitsandbytes' keys alone, and an LR scheduler's (betas and eps among them, where
+    torch.optim's and torchao's have flags such as maximize or amsgrad, and lowbit_optim's their state
+    formats)."""
     states = state_dict["state"].values() if isinstance(state_dict["state"], dict) else ()
     keys = {"state1", BITSANDBYTES_WRAPPER} - set(own_states)
-    return any(isinstance(s, dict) and not keys.isdisjoint(s) for s in states)
+    if any(isinstance(s, dict) and not keys.isdisjoint(s) for s in states):
+        return True
+    groups = state_dict.get("param_groups")
+    unstepped = not any(states) and isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)
+    return bool(unstepped) and all({"betas", "eps"} <= g.keys() - _SCHEDULER_KEYS <= {"params", *_BNB_HYPERPARAMETERS} for g in groups)
+
 
 
 def from_bitsandbytes(state_dict: dict, optimizer) -> dict:

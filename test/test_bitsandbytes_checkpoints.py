@@ -182,6 +182,32 @@ def test_switching_from_bitsandbytes_is_an_import_change(name, eager_step):
     assert max(relative_change_error(resumed_model, model, start)) < RELATIVE_CHANGE_TOL_8BIT
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_a_checkpoint_saved_before_the_first_step_loads_its_hyper_parameters(name):
+    """bitsandbytes' state_dict() before any step holds no states, so its param groups tell it
+    (bitsandbytes' keys alone, an LR scheduler's beside them): its hyper-parameters load as after a
+    step (SGD's momentum from its betas, Adam's weight decay decoupled), and none of its keys is
+    left in our groups."""
+    (cls, extra), _, _, kwargs = CASES[name]
+    opt = getattr(bnb.optim, cls)(make_mlp().parameters(), **kwargs, **extra)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # adds initial_lr
+    resumed = ours(name, make_mlp().parameters(), "8bit")
+    resumed.load_state_dict(save_and_load(opt.state_dict()))
+    group = resumed.param_groups[0]
+    for key in LOADED_KEYS[name]:
+        assert group[key] == (kwargs | {"decoupled_weight_decay": True})[key], key
+    assert group.keys() == ours(name, make_mlp().parameters(), "8bit").param_groups[0].keys() | {"initial_lr"}
+
+
+def test_unstepped_checkpoints_of_others_are_not_taken_for_bitsandbytes():
+    """torch.optim's and torchao's groups hold flags bitsandbytes' have not (maximize, amsgrad): their
+    checkpoints saved before a step load as themselves (Adam's weight decay stays L2)."""
+    for other in (torch.optim.Adam(make_mlp().parameters(), weight_decay=0.1), pytest.importorskip("torchao.optim").Adam8bit(make_mlp().parameters(), weight_decay=0.1)):
+        resumed = ours("Adam", make_mlp().parameters(), "8bit")
+        resumed.load_state_dict(save_and_load(other.state_dict()))
+        assert resumed.param_groups[0]["decoupled_weight_decay"] is False, type(other)
+
+
 def test_unknown_code_table_loads_as_values():
     """A blockwise 8-bit state whose code table is not our codebook (here: bitsandbytes' table,
     reversed, with the codes mapped along) loads as the values it stands for."""
