@@ -1,7 +1,7 @@
 """Migration aliases: other libraries' class names and arguments on lowbit_optim's optimizers, so that
 switching is an import change: torchao's (Adam8bit ... AdamWFp8), torchdistx's AnyPrecisionAdamW and
-bitsandbytes' (SGD8bit, Lion8bit, AdEMAMix8bit). Arguments that mean something lowbit_optim does not
-do are accepted at their neutral value and refused, with the reason, otherwise.
+bitsandbytes' (AdamW8bit, Adam8bit, SGD8bit, Lion8bit, AdEMAMix8bit). Arguments that mean something
+lowbit_optim does not do are accepted at their neutral value and refused, with the reason, otherwise.
 """
 
 import torch
@@ -76,6 +76,37 @@ def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_o
             state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
         )  # fmt: skip
 
+    def __init_bitsandbytes(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=base.default_weight_decay,
+        amsgrad=False,
+        optim_bits=32,
+        args=None,
+        min_8bit_size=4096,
+        is_paged=False,
+        *,
+        block_size=None,
+        bf16_stochastic_round=False,
+        percentile_clipping=100,
+        block_wise=True,
+        max_unorm=0.0,
+    ):  # torchao's keywords and bitsandbytes' arguments of the same class name, after amsgrad
+        if optim_bits not in (8, 32):  # bitsandbytes' 8-bit classes ignore it (0.50 takes only 32)
+            raise ValueError(f"{name}(optim_bits={optim_bits!r}) is not supported: its states are 8-bit. Leave optim_bits at its default")
+        options = _bitsandbytes_options(name, args, min_8bit_size, is_paged, percentile_clipping, block_wise, max_unorm)
+        base.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad,
+            block_size=block_size, bf16_stochastic_round=bf16_stochastic_round, **options,
+        )  # fmt: skip
+
+    if name in _BITSANDBYTES_NAMES:
+        __init_bitsandbytes.__name__ = "__init__"
+        __init__ = __init_bitsandbytes
+
     def add_param_group(self, param_group: dict) -> None:
         base.add_param_group(self, param_group)
         _lr_as_tensors(self.param_groups[-1:])
@@ -87,7 +118,8 @@ def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_o
     methods = {"__init__": __init__, "add_param_group": add_param_group, "load_state_dict": load_state_dict}
     for method in methods.values():
         method.__qualname__ = f"{name}.{method.__name__}"  # what a TypeError names
-    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}."
+    doc = f"{base.__name__} with {state_format} state; same signature as torchao.optim.{name}"
+    doc += f", and bitsandbytes.optim.{name}'s arguments." if name in _BITSANDBYTES_NAMES else "."
     return type(name, (base,), {**methods, "__doc__": doc, "__module__": __name__, "whole_blocks_only": whole_blocks_only})
 
 
@@ -97,6 +129,7 @@ def _lr_as_tensors(groups: list[dict]) -> None:
             group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
 
 
+_BITSANDBYTES_NAMES = ("Adam8bit", "AdamW8bit")  # bitsandbytes' class names too: its arguments as well as torchao's
 Adam8bit = _fixed_format_alias(Adam, "8bit", "Adam8bit")
 AdamW8bit = _fixed_format_alias(AdamW, "8bit", "AdamW8bit")
 # the 4-bit aliases take lowbit_optim's 4-bit recipe; state_format="4bit-torchao" is torchao's numerics

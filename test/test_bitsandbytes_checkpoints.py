@@ -208,6 +208,30 @@ def test_unstepped_checkpoints_of_others_are_not_taken_for_bitsandbytes():
         assert resumed.param_groups[0]["decoupled_weight_decay"] is False, type(other)
 
 
+@pytest.mark.parametrize("alias", ["Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit", "AdEMAMix8bit"])
+def test_aliases_take_bitsandbytes_arguments(alias):
+    """Each alias of a bitsandbytes class name takes its arguments: the same names in the same
+    positions, the same defaults where both have one; its positional call builds the same groups as
+    the keywords."""
+    import inspect
+
+    theirs = inspect.signature(getattr(bnb.optim, alias).__init__).parameters
+    ours = inspect.signature(getattr(lowbit_optim, alias).__init__).parameters
+    positional = [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD][: len(positional)] == positional
+    assert theirs.keys() <= ours.keys()
+    for name, p in theirs.items():
+        if p.default is not p.empty and ours[name].default is not p.empty:
+            assert ours[name].default == p.default, name
+    values = {n: p.default for n, p in theirs.items() if n not in ("self", "params") and p.default is not p.empty} | {"lr": 0.1, "min_8bit_size": 16}
+    by_position = getattr(lowbit_optim, alias)(make_mlp().parameters(), *(values[n] for n in positional[2:]))
+    by_keyword = getattr(lowbit_optim, alias)(make_mlp().parameters(), **{n: values[n] for n in positional[2:]})
+    assert [{k: v for k, v in g.items() if k != "params"} for g in by_position.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in by_keyword.param_groups
+    ]
+    assert by_keyword.param_groups[0]["min_quantize_numel"] == 16
+
+
 def test_unknown_code_table_loads_as_values():
     """A blockwise 8-bit state whose code table is not our codebook (here: bitsandbytes' table,
     reversed, with the codes mapped along) loads as the values it stands for."""

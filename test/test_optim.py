@@ -938,13 +938,14 @@ def test_torchao_aliases(alias, eager_step):
     """Adam8bit ... AdamWFp8 take torchao's arguments (same names and kinds), default weight_decay
     like torchao (1e-2 for AdamW, 0 for Adam), and store their states in their format."""
     cls = getattr(lowbit_optim, alias)
-    assert signature_of(cls) == TORCHAO_SIGNATURE
+    torchao_names = {name for name, _ in TORCHAO_SIGNATURE}
+    assert [p for p in signature_of(cls) if p[0] in torchao_names] == TORCHAO_SIGNATURE  # Adam8bit, AdamW8bit: bitsandbytes' too
     try:
         import torchao.optim
     except ImportError:
         pass
     else:
-        assert signature_of(cls) == signature_of(getattr(torchao.optim, alias))
+        assert [p for p in signature_of(cls) if p[0] in torchao_names] == signature_of(getattr(torchao.optim, alias))
 
     is_adamw = alias.startswith("AdamW")
     assert issubclass(cls, lowbit_optim.AdamW if is_adamw else lowbit_optim.Adam)
@@ -980,8 +981,8 @@ def test_torchao_aliases_keep_lr_as_a_tensor(alias):
         runs.append(list(model.parameters()))
     for params in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], params))
-    with pytest.raises(TypeError, match=rf"^{alias}.__init__\(\) got an unexpected keyword argument 'min_8bit_size'"):
-        cls(make_mlp().parameters(), min_8bit_size=16)
+    with pytest.raises(TypeError, match=rf"^{alias}.__init__\(\) got an unexpected keyword argument 'min_size'"):
+        cls(make_mlp().parameters(), min_size=16)
     model = make_mlp()
     opt = cls(model.parameters())
     opt.load_state_dict(lowbit_optim.AdamW(model.parameters(), state_format="8bit").state_dict())  # a float lr
