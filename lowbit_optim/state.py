@@ -72,6 +72,19 @@ def extend_fingerprint(fingerprint: str, text: str) -> str:
 SCALED_AS_THE_KERNEL = ("quantize_", "dequantize", "_normalized_blocks", "_block_scales")
 
 
+_VALUE_TYPES = (type(None), bool, int, float, str, bytes, tuple, list, frozenset, dict, torch.dtype)
+
+
+def _class_values(cls) -> str:
+    """The plain values that ``cls`` and its bases (below StateTensor's own) set as class attributes,
+    as text: what a format's methods may read (``levels``, ``fp8_dtype``, a table), so that a format
+    edited there gets another fingerprint. (Other objects' reprs may hold addresses: left out.)"""
+    values = {}
+    for klass in reversed(cls.__mro__[: cls.__mro__.index(StateTensor)]):
+        values.update({k: v for k, v in vars(klass).items() if not k.startswith("__") and type(v) in _VALUE_TYPES})
+    return repr(sorted(values.items(), key=lambda item: item[0]))
+
+
 def computes_as(cls, base, *methods: str) -> bool:
     """Whether ``cls`` inherits ``methods`` from ``base`` unchanged: only then may it declare
     ``base``'s kernel layout (a subclass with its own encoding must take the compiled step)."""
@@ -346,6 +359,7 @@ class StateTensor(Tensor):
             except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
                 parts.append(fn.__qualname__)
         parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max", "inner_names", "inner_dtypes")))
+        parts.append(_class_values(cls))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def __repr__(self):

@@ -1333,6 +1333,28 @@ def _clear_fingerprints() -> None:
             cls.__dict__["_numerics_fingerprint"].__func__.cache_clear()
 
 
+
+def test_a_format_edited_in_a_class_value_gets_another_fingerprint():
+    """A format whose methods read a class attribute (a number of levels, OptimStateFp8's
+    fp8_dtype) hashes it: the same class edited there must not load graphs that torch.compile's cache
+    keeps from the earlier definition (one process for each, observed: codes up to 254 where 14 was
+    the most, an e4m3 buffer read as e5m2)."""
+
+    def levels_format(levels):
+        def encode(cls, normalized, signed):
+            return (torch.round(normalized * cls.levels).clamp(-cls.levels, cls.levels) + cls.levels).to(torch.uint8)
+
+        def decode(cls, codes, signed):
+            return (codes.float() - cls.levels) / cls.levels
+
+        methods = {"encode": classmethod(encode), "decode": classmethod(decode)}
+        return type("Levels", (lowbit_optim.OptimState,), {"bits": 8, "default_block_size": 256, "levels": levels, **methods})
+
+    assert levels_format(127)._numerics_fingerprint(True) != levels_format(7)._numerics_fingerprint(True)
+    e5m2 = type("E5M2", (lowbit_optim.OptimStateFp8,), {"name": None, "fp8_dtype": torch.float8_e5m2, "scale_max": 448.0})
+    assert e5m2._numerics_fingerprint(True) != lowbit_optim.OptimStateFp8._numerics_fingerprint(True)
+
+
 DRAWING_FORMATS = [i.name for i in FORMATS if i.stochastic or (i.quantized and issubclass(i.fmt, LowRankState))]
 
 
