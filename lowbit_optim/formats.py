@@ -180,6 +180,12 @@ class StochasticRounding:
 
     def __init_subclass__(cls, **kwargs):
         mro = cls.__mro__
+        if OptimState in mro and CodebookState not in mro:  # its neighbouring codes are a sorted codebook's
+            raise TypeError(
+                f"{cls.__name__}: StochasticRounding rounds between neighbouring codes of a codebook format (a CodebookState, "
+                f"whose codes are sorted by value); {cls.__name__} is none (fp8's codes, for one, are not in value order). "
+                "Derive it from a codebook format, e.g. class X(StochasticRounding, OptimState8bit)"
+            )
         if CodebookState in mro and mro.index(StochasticRounding) > mro.index(CodebookState):
             # after the codebook format, its nearest-code encode would win: stochastic in name only
             raise TypeError(f"{cls.__name__}: put StochasticRounding before the codebook format in the bases, e.g. class {cls.__name__}(StochasticRounding, OptimState8bit)")

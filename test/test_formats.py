@@ -1293,14 +1293,19 @@ def test_a_subclass_without_a_name_of_its_own_is_told_so():
     assert type("Base", (OptimState8bit,), {"name": None}).name is None
 
 
-def test_stochastic_rounding_after_the_codebook_format_is_refused():
+def test_stochastic_rounding_after_the_codebook_format_or_without_one_is_refused():
     """StochasticRounding after the codebook format in the bases would leave the codebook's nearest
-    encode in charge while the format claims to be stochastic: refused before it registers."""
+    encode in charge while the format claims to be stochastic, and on a format without a codebook
+    it would take unsorted codes for neighbours: both refused before the format registers."""
     from lowbit_optim.formats import OptimState8bit, StochasticRounding
 
     with pytest.raises(TypeError, match=r"WrongOrder: put StochasticRounding before the codebook format"):
         type("WrongOrder", (OptimState8bit, StochasticRounding), {"name": "wrong-order"})
     assert "wrong-order" not in lowbit_optim.registered_formats()
+    # on a format that is no codebook (fp8's codes are not in value order) it would round with a bias
+    with pytest.raises(TypeError, match=r"Fp8SR: StochasticRounding rounds between neighbouring codes of a codebook format"):
+        type("Fp8SR", (StochasticRounding, lowbit_optim.OptimStateFp8), {"name": "fp8-sr-mine"})
+    assert "fp8-sr-mine" not in lowbit_optim.registered_formats()
 
 
 def test_a_codebook_of_more_than_a_byte_is_refused_where_it_is_defined():
