@@ -240,6 +240,14 @@ class State:
     follows: str | None = None
     decay: Callable[[dict], float] | None = None
 
+    def __post_init__(self):  # refused where it is declared, not at the first step
+        if isinstance(self.initial, bool) or not isinstance(self.initial, numbers.Real):
+            raise TypeError(
+                f"State {self.name!r}: initial must be a number, the same for every group, got {self.initial!r}. For a "
+                "start that depends on the group (as Adagrad's initial_accumulator_value), start at 0 and add it in the "
+                "step function where the step count is 1"
+            )
+
     def too_slow_for(self, fmt, group: dict) -> float | None:
         """This average's decay under ``group`` where ``fmt`` cannot hold it (above its
         max_signed_decay), else None (also for a state that does not exist under the group)."""

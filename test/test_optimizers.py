@@ -780,3 +780,6 @@ def test_an_incomplete_optimizer_class_says_what_it_lacks():
     when = type("When", (lowbit_optim.AdamW,), {"states": (*lowbit_optim.AdamW.states, lowbit_optim.State("extra", signed=True, when="nope"))})
     with pytest.raises(TypeError, match="When's state 'extra' exists when='nope', which is no option of its groups"):
         when(make_mlp().parameters())
+    # a start that depends on the group (as ``decay`` does) crashed in torch.full at the first step
+    with pytest.raises(TypeError, match="State 'sum': initial must be a number, the same for every group"):
+        lowbit_optim.State("sum", signed=False, initial=lambda group: group["initial_accumulator_value"])
