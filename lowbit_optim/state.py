@@ -395,6 +395,17 @@ class OptimState(StateTensor):
     scale: Tensor
     block_size: int
 
+    @classmethod
+    def check_format(cls, signed: bool) -> None:
+        if cls.bits <= 8:  # codes of one byte or less: encode's, unpacked, are uint8 (float ones took 4 bytes each)
+            probe = torch.linspace(-1.0 if signed else 0.0, 1.0, 9) * cls.scale_max
+            codes = cls.encode(probe, signed)
+            if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.shape != probe.shape:
+                raise ValueError(
+                    f"{cls.__name__}.encode gives {describe_tensor(codes)} for {probe.numel()} values: it must give one "
+                    "torch.uint8 code per value (unpacked: the state packs codes of fewer bits)"
+                )
+
     # ---- what a format defines --------------------------------------------------------------
 
     @classmethod
@@ -552,6 +563,7 @@ class CodebookState(OptimState):
     @classmethod
     def check_format(cls, signed: bool) -> None:
         _table_values(cls, signed)
+        super().check_format(signed)
 
     def check_values(self) -> None:
         values = _table_values(type(self), self.signed)["codebook"][0]  # codes past the codebook's decode to NaN

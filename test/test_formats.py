@@ -1331,6 +1331,19 @@ def test_a_codebook_out_of_order_is_named():
         missing.from_float(torch.randn(256), True)
 
 
+def test_an_encode_of_other_codes_than_uint8_is_refused_by_the_optimizer(monkeypatch):
+    """A format whose encode gives int8 or float codes trained (float ones at 4 bytes per value) and
+    its optimizer then refused its own checkpoint as corrupt: the optimizer refuses the format."""
+    monkeypatch.setattr(lowbit_optim.registry, "_REGISTRY", dict(lowbit_optim.registry._REGISTRY))  # registered for this test only
+    for dtype in (torch.int8, torch.float32):
+        encode = classmethod(lambda cls, normalized, signed, dtype=dtype: torch.round(normalized * 127).to(dtype))
+        decode = classmethod(lambda cls, codes, signed: codes.float() / 127)
+        fmt = type("OtherCodes", (lowbit_optim.OptimState,), {"name": f"other-codes-{dtype}", "encode": encode, "decode": decode})
+        with pytest.raises(ValueError, match=rf"OtherCodes.encode gives a {dtype} tensor of shape \(9,\) on cpu for 9 values: it must give one torch.uint8 code"):
+            lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=fmt)
+
+
+
 def _clear_fingerprints() -> None:
     """Forget every registered format's cached numerics fingerprints (its mixins' too)."""
     for cls in {c for i in FORMATS if i.quantized for c in i.fmt.__mro__}:
