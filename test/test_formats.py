@@ -993,7 +993,13 @@ fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   last:  0.988235, 0.992157, 0.996078, 1
 10bit-sr unsigned: n=1024 min=0 max=1 smallest_positive=6.12745e-05
   first: 0, 6.12745e-05, 0.000122549, 0.000183824
-  last:  0.988235, 0.992157, 0.996078, 1""")
+  last:  0.988235, 0.992157, 0.996078, 1
+8bit-log signed: n=255 min=-1 max=1 smallest_positive=0.00396825
+  first: -1, -0.984127, -0.968254, -0.952381
+  last:  0.952381, 0.968254, 0.984127, 1
+8bit-log unsigned: n=256 min=0 max=1 smallest_positive=0.000248016
+  first: 0, 0.000248016, 0.000496032, 0.000744048
+  last:  0.952381, 0.968254, 0.984127, 1""")
 
     def test_4bit_codebooks(self):
         rendered = "\n".join(
@@ -1050,7 +1056,8 @@ OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype
 OptimState4bitLowRank(shape=(3, 100), signed=True, block_size=128, rank=3, dtype=torch.float32, device=cpu)
 OptimState4bitLowRankMuLaw(shape=(3, 100), signed=True, block_size=64, rank=3, dtype=torch.float32, device=cpu)
 StochasticBF16State(shape=(3, 100), signed=True, dtype=torch.float32, device=cpu)
-BlockFloatState(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)""")
+BlockFloatState(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
+LogBlockFloatState(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)""")
 
     def test_builtin_bytes_per_element(self):
         """Memory of the inner tensors (codes + scales, or factors) of a 256 x 256 state with the
@@ -1076,7 +1083,8 @@ factored: 0.03125
 4bit-lowrank: 2.53125
 4bit-lowrank-mulaw: 2.5625
 bf16-sr: 2.0001220703125
-10bit-sr: 1.2657470703125""")
+10bit-sr: 1.2657470703125
+8bit-log: 1.0157470703125""")
 
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:

@@ -409,7 +409,8 @@ class TestStateBytes(expecttest.TestCase):
 4bit-lowrank: 2.3125
 4bit-lowrank-mulaw: 2.3750
 bf16-sr: 4.0001
-10bit-sr: 2.5313""",
+10bit-sr: 2.5313
+8bit-log: 2.0313""",
         )
 
 
