@@ -76,7 +76,10 @@ class BlockFloatState(OptimState):
                 f"{cls.__name__}: a BlockFloatState has bits = 8 or 10 and bits - 6 to bits - 2 mantissa bits (1 to 6 exponent bits), "
                 f"got bits={cls.bits}, mantissa_bits={cls.mantissa_bits}"
             )
-        cls.scale_max = 2.0 - 2.0**-cls.mantissa_bits
+        largest = 2.0 - 2.0**-cls.mantissa_bits
+        if vars(cls).get("scale_max", largest) != largest:  # it was silently replaced
+            raise TypeError(f"{cls.__name__}: a BlockFloatState's scale_max is its largest mantissa, 2 - 2**-mantissa_bits = {largest}: drop scale_max = {cls.scale_max!r}")
+        cls.scale_max = largest
         super().__init_subclass__(**kwargs)
 
     @classmethod

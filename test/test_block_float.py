@@ -137,7 +137,8 @@ def test_subclass_keeps_a_layout_the_kernel_reads(change):
 
 
 def test_subclass_maps_each_block_absmax_to_its_largest_value():
-    """scale_max follows mantissa_bits, so that a block's largest magnitude is stored exactly."""
+    """scale_max follows mantissa_bits, so that a block's largest magnitude is stored exactly; a
+    subclass that sets another is refused."""
     fmt = type("BlockFloat5", (BlockFloatState,), {"name": None, "mantissa_bits": 5})
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     for signed in (True, False):
@@ -146,6 +147,8 @@ def test_subclass_maps_each_block_absmax_to_its_largest_value():
         largest = 2 ** (fmt.exponent_bits(signed) + fmt.mantissa_bits) - 1
         assert float(fmt.decode(torch.tensor([largest]), signed)) == fmt.scale_max == 2 - 2**-5
         assert torch.equal(stored.abs().amax(dim=1), values.abs().amax(dim=1))
+    with pytest.raises(TypeError, match=r"Wider: a BlockFloatState's scale_max is its largest mantissa, .* = 1.96875: drop scale_max = 4.0"):
+        type("Wider", (BlockFloatState,), {"name": None, "mantissa_bits": 5, "scale_max": 4.0})  # was replaced silently
 
 
 @pytest.mark.parametrize("writes", [0, 7, 2**40 + 5, 2**62 + 3])
