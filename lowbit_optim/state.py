@@ -398,7 +398,7 @@ class OptimState(StateTensor):
     @classmethod
     def check_format(cls, signed: bool) -> None:
         if cls.bits <= 8:  # codes of one byte or less: encode's, unpacked, are uint8 (float ones took 4 bytes each)
-            probe = torch.linspace(-1.0 if signed else 0.0, 1.0, 9) * cls.scale_max
+            probe = torch.linspace(-1.0 if signed else 0.0, 1.0, 9, dtype=torch.float32, device="cpu") * cls.scale_max  # (not the default dtype's)
             codes = cls.encode(probe, signed)
             if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.shape != probe.shape:
                 raise ValueError(
