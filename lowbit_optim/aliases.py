@@ -59,53 +59,25 @@ def _dtype_format(dtype) -> str:
 
 
 def _fixed_format_alias(base: type, state_format: str, name: str, whole_blocks_only: bool = False) -> type:
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=base.default_weight_decay,
-        amsgrad=False,
-        *,
-        block_size=None,
-        bf16_stochastic_round=False,
-    ):
-        base.__init__(
-            self, params, lr, betas, eps, weight_decay, amsgrad,
-            state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
-        )  # fmt: skip
+    wd = base.default_weight_decay
+    if name in _BITSANDBYTES_NAMES:  # torchao's keywords, and bitsandbytes' arguments of the same class name after amsgrad
 
-    def __init_bitsandbytes(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=base.default_weight_decay,
-        amsgrad=False,
-        optim_bits=32,
-        args=None,
-        min_8bit_size=4096,
-        is_paged=False,
-        *,
-        block_size=None,
-        bf16_stochastic_round=False,
-        percentile_clipping=100,
-        block_wise=True,
-        max_unorm=0.0,
-    ):  # torchao's keywords and bitsandbytes' arguments of the same class name, after amsgrad
-        if optim_bits not in (8, 32):  # bitsandbytes' 8-bit classes ignore it (0.50 takes only 32)
-            raise ValueError(f"{name}(optim_bits={optim_bits!r}) is not supported: its states are 8-bit. Leave optim_bits at its default")
-        options = _bitsandbytes_options(name, args, min_8bit_size, is_paged, percentile_clipping, block_wise, max_unorm)
-        base.__init__(
-            self, params, lr, betas, eps, weight_decay, amsgrad,
-            block_size=block_size, bf16_stochastic_round=bf16_stochastic_round, **options,
-        )  # fmt: skip
+        def __init__(
+            self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, amsgrad=False, optim_bits=32, args=None, min_8bit_size=4096,
+            is_paged=False, *, block_size=None, bf16_stochastic_round=False, percentile_clipping=100, block_wise=True, max_unorm=0.0,
+        ):  # fmt: skip
+            if optim_bits not in (8, 32):  # bitsandbytes' 8-bit classes ignore it (0.50 takes only 32)
+                raise ValueError(f"{name}(optim_bits={optim_bits!r}) is not supported: its states are 8-bit. Leave optim_bits at its default")
+            options = _bitsandbytes_options(name, args, min_8bit_size, is_paged, percentile_clipping, block_wise, max_unorm)
+            base.__init__(self, params, lr, betas, eps, weight_decay, amsgrad, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round, **options)
 
-    if name in _BITSANDBYTES_NAMES:
-        __init_bitsandbytes.__name__ = "__init__"
-        __init__ = __init_bitsandbytes
+    else:
+
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, amsgrad=False, *, block_size=None, bf16_stochastic_round=False):
+            base.__init__(
+                self, params, lr, betas, eps, weight_decay, amsgrad,
+                state_format=state_format, block_size=block_size, bf16_stochastic_round=bf16_stochastic_round,
+            )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
         base.add_param_group(self, param_group)
