@@ -136,7 +136,7 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
         return f"the {name} state is a row slice of a larger factored state (it reads the larger one's columns)"
     if (_stored_kind(state) if contiguous else kernel_kind(state)) is None:
         if not isinstance(state, StateTensor):  # a plain state the user swapped in (the kernel's are fp32 or bf16)
-            return f"the {name} state is {describe_tensor(state)} (the kernel's plain states are float32 or bfloat16)"
+            return f"the {name} state is {describe_tensor(state)} (the kernel's plain states are contiguous float32 or bfloat16)"
         return f"the {name} state {type(state).__name__} (a format with its own encoding or block scales)"
     if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
         return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"

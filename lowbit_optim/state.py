@@ -72,17 +72,35 @@ def extend_fingerprint(fingerprint: str, text: str) -> str:
 SCALED_AS_THE_KERNEL = ("quantize_", "dequantize", "_normalized_blocks", "_block_scales")
 
 
-_VALUE_TYPES = (type(None), bool, int, float, str, bytes, tuple, list, frozenset, dict, torch.dtype)
+_SCALAR_TYPES = (type(None), bool, int, float, str, bytes, torch.dtype)
+
+
+def _plain_text(value) -> str | None:
+    """A text of ``value`` that is the same in every process, where it is made of plain values
+    (numbers, strings, dtypes, and tuples, lists, sets and dicts of them), else None."""
+    if type(value) in _SCALAR_TYPES:
+        return repr(value)
+    if type(value) in (tuple, list):
+        items = [_plain_text(v) for v in value]
+        return None if None in items else f"{type(value).__name__}({', '.join(items)})"
+    if type(value) in (set, frozenset):  # in sorted order: a set's own order follows the hash seed
+        items = [_plain_text(v) for v in value]
+        return None if None in items else f"set({', '.join(sorted(items))})"
+    if type(value) is dict:
+        items = [(_plain_text(k), _plain_text(v)) for k, v in value.items()]
+        return None if any(None in pair for pair in items) else f"dict({', '.join(sorted(f'{k}: {v}' for k, v in items))})"
+    return None
 
 
 def _class_values(cls) -> str:
-    """The plain values that ``cls`` and its bases (below StateTensor's own) set as class attributes,
-    as text: what a format's methods may read (``levels``, ``fp8_dtype``, a table), so that a format
-    edited there gets another fingerprint. (Other objects' reprs may hold addresses: left out.)"""
+    """The plain values that ``cls`` and its bases (below StateTensor's own) set as public class
+    attributes, as text: what a format's methods may read (``levels``, ``fp8_dtype``, a table), so
+    that a format edited there gets another fingerprint. (Private ones, such as a memo a method
+    fills, and objects whose text may hold addresses are left out.)"""
     values = {}
     for klass in reversed(cls.__mro__[: cls.__mro__.index(StateTensor)]):
-        values.update({k: v for k, v in vars(klass).items() if not k.startswith("__") and type(v) in _VALUE_TYPES})
-    return repr(sorted(values.items(), key=lambda item: item[0]))
+        values.update({k: text for k, v in vars(klass).items() if not k.startswith("_") and (text := _plain_text(v)) is not None})
+    return repr(sorted(values.items()))
 
 
 def computes_as(cls, base, *methods: str) -> bool:

@@ -511,7 +511,7 @@ class TestRefusals(expecttest.TestCase):
         wide = {"exp_avg": lowbit_optim.OptimState4bit.zeros((3, 8191)), "exp_avg_sq": FactoredState.zeros((3, 8191))}
         self.assertExpectedInline(self.reason(states=wide), """a factored state's rows of 8191 elements and the other states' blocks meet only every 1048448 elements (the kernel's chunks hold at most 8192)""")
         fp16 = {"exp_avg": torch.zeros(8, dtype=torch.float16)}
-        self.assertExpectedInline(self.reason(states=fp16), """the exp_avg state is a torch.float16 tensor of shape (8,) on cpu (the kernel's plain states are float32 or bfloat16)""")
+        self.assertExpectedInline(self.reason(states=fp16), """the exp_avg state is a torch.float16 tensor of shape (8,) on cpu (the kernel's plain states are contiguous float32 or bfloat16)""")
         part = {"exp_avg_sq": FactoredState.zeros((4, 8))[:2]}
         self.assertExpectedInline(self.reason(states=part), """the exp_avg_sq state is a row slice of a larger factored state (it reads the larger one's columns)""")
 
