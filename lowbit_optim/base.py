@@ -496,7 +496,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_hyper_parameters(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, for its own groups and a checkpoint's."""
         for key, value in group.items():
-            if key != "params":
+            if key not in ("params", "lr"):  # (lr's own check has it)
                 _check_float_range(key, value)
         _check_lr(group["lr"])
         flags = {*_flag_keys(type(self)), *(k for k, v in self.defaults.items() if isinstance(v, bool))}
