@@ -100,24 +100,32 @@ _BNB_UNREADABLE = {
 # bitsandbytes' param-group keys that are hyper-parameters (the others, e.g. a scheduler's
 # "initial_lr", are kept as saved)
 _BNB_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3")
-_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"}  # what torch's LR schedulers add to a group
+# what any torch optimizer's group may hold beside its own: the parameters' names (built from
+# named_parameters()) and what torch's LR schedulers add
+_ANY_OPTIMIZERS_KEYS = {"param_names", "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"}
+# bitsandbytes' two-state optimizers (Adam, AdamW, AdEMAMix, LAMB) save these since 0.44; its
+# one-state SGD and Lion never do, and save eps=0
+_TWO_STATE_KEYS = ("alpha", "t_alpha", "t_beta3")
+_LOAD_INTO_ITS_OWN = (
+    "it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into "
+    "the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)"
+)
 
 
 def is_bitsandbytes_state_dict(state_dict: dict, own_states) -> bool:
     """Whether ``state_dict`` (already known to have "state") was written by a bitsandbytes
     optimizer: some parameter's state holds bitsandbytes' key names (``own_states``: the state names
     of the optimizer loading it, which never count as bitsandbytes'), or, saved before any step, its
-    param groups hold bitsandbytes' keys alone, and an LR scheduler's (betas and eps among them, where
-    torch.optim's and torchao's have flags such as maximize or amsgrad, and lowbit_optim's their state
-    formats)."""
+    param groups hold bitsandbytes' keys alone, and those any optimizer's may hold (parameter names, an
+    LR scheduler's): betas and eps among them, where torch.optim's and torchao's have flags such as
+    maximize or amsgrad, and lowbit_optim's their state formats."""
     states = state_dict["state"].values() if isinstance(state_dict["state"], dict) else ()
     keys = {"state1", BITSANDBYTES_WRAPPER} - set(own_states)
     if any(isinstance(s, dict) and not keys.isdisjoint(s) for s in states):
         return True
     groups = state_dict.get("param_groups")
     unstepped = not any(states) and isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)
-    return bool(unstepped) and all({"betas", "eps"} <= g.keys() - _SCHEDULER_KEYS <= {"params", *_BNB_HYPERPARAMETERS} for g in groups)
-
+    return bool(unstepped) and all({"betas", "eps"} <= g.keys() - _ANY_OPTIMIZERS_KEYS <= {"params", *_BNB_HYPERPARAMETERS} for g in groups)
 
 
 def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
@@ -138,12 +146,16 @@ def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
 
     bitsandbytes' checkpoints do not name their optimizer: one with as many states as ``optimizer``
     declares is taken as its own (a Lion checkpoint loads into SGD, whose momentum would then be
-    Lion's beta1). Every tensor is checked (type, dtype, shape, block count, table size) before use.
+    Lion's beta1); one saved before a step, if its groups' keys are of the kind (one state or two)
+    ``optimizer`` keeps. Empty states (read before a step) load as torch.optim's do. Every tensor is
+    checked (type, dtype, shape, block count, table size) before use.
     """
     groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
     sizes = [len(g["params"]) for g in groups]
     if not isinstance(saved_groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
         raise ValueError("this bitsandbytes checkpoint's param_groups is not a list of groups with 'params' lists")
+    if not isinstance(state_dict["state"], dict):
+        raise ValueError(f"this bitsandbytes checkpoint's state is a {type(state_dict['state']).__name__}, not a dict of parameter states")
     saved_sizes = [len(g["params"]) for g in saved_groups]
     if saved_sizes != sizes:
         raise ValueError(
@@ -156,9 +168,14 @@ def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
         translated = _bitsandbytes_group(saved, group, optimizer.defaults)
         new_groups.append(translated)
         declared = [(s.name, s.signed) for s in optimizer._declared(translated)]
-        for key, param in zip(saved["params"], group["params"]):
-            if key in state_dict["state"]:
-                states[key] = _bitsandbytes_param_state(state_dict["state"][key], param, declared, index, optimizer._family)
+        saved_states = [state_dict["state"].get(key) for key in saved["params"]]
+        if not any(s for s in saved_states if isinstance(s, dict)):  # nothing to count: the group's keys tell one state from two
+            _check_state_count(saved, declared, len(new_groups) - 1, optimizer._family)
+        for key, param, state in zip(saved["params"], group["params"], saved_states):
+            if isinstance(state, dict) and not state:  # read before a step: loads as torch.optim's does
+                states[key] = {}
+            elif state is not None:
+                states[key] = _bitsandbytes_param_state(state, param, declared, index, optimizer._family)
             index += 1
     return {**state_dict, "state": states, "param_groups": new_groups}
 
@@ -182,6 +199,25 @@ def _bitsandbytes_group(saved: dict, group: dict, defaults: dict) -> dict:
             out["momentum"], out["dampening"] = betas  # bitsandbytes' SGD: betas=(momentum, dampening)
     out["params"] = list(saved["params"])
     return out
+
+
+def _check_state_count(saved: dict, declared: list, index: int, family: str) -> None:
+    """Refuses bitsandbytes' param group ``saved``, of parameters with no state, for an optimizer
+    keeping ``declared`` states if its keys are another kind's: alpha, t_alpha and t_beta3 a
+    two-state optimizer's, eps=0 without them SGD's or Lion's. (Older releases' two-state groups lack
+    alpha: one with eps > 0 may be of either kind.)"""
+    if any(key in saved for key in _TWO_STATE_KEYS):
+        theirs, why = 2, f"it holds {', '.join(_TWO_STATE_KEYS)}, which bitsandbytes' Adam, AdamW, AdEMAMix and LAMB save"
+    elif isinstance(saved.get("eps"), (int, float)) and saved["eps"] == 0:
+        theirs, why = 1, "its eps is 0, as bitsandbytes' SGD and Lion save it"
+    else:
+        return
+    if (len(declared) >= 2) != (theirs == 2):
+        names = ", ".join(name for name, _ in declared) or "none"
+        raise ValueError(
+            f"param group {index} of this bitsandbytes checkpoint is of an optimizer keeping {_count(theirs, 'state')} "
+            f"({why}), and {family} keeps {len(declared)} ({names} under this param group's options): {_LOAD_INTO_ITS_OWN}"
+        )
 
 
 def _bitsandbytes_param_state(state, param: Tensor, declared: list, index: int, family: str) -> dict:
@@ -212,9 +248,7 @@ def _bitsandbytes_param_state(state, param: Tensor, declared: list, index: int, 
         names = [name for name, _ in declared]
         raise ValueError(
             f"{where} holds {_count(len(pieces), 'state tensor')} ({', '.join(key for _, key in pieces)}), and {family} keeps "
-            f"{len(declared)} ({', '.join(names) or 'none'} under this param group's options): it is a "
-            "checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into "
-            "the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)"
+            f"{len(declared)} ({', '.join(names) or 'none'} under this param group's options): {_LOAD_INTO_ITS_OWN}"
         )
     out = {name: _bitsandbytes_state(piece, signed, shape) for (name, signed), (piece, _) in zip(declared, pieces)}
     if "step" in state:

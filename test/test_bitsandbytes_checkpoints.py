@@ -182,21 +182,27 @@ def test_switching_from_bitsandbytes_is_an_import_change(name, eager_step):
     assert max(relative_change_error(resumed_model, model, start)) < RELATIVE_CHANGE_TOL_8BIT
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["parameters", "named_parameters"])
 @pytest.mark.parametrize("name", CASES)
-def test_a_checkpoint_saved_before_the_first_step_loads_its_hyper_parameters(name):
-    """bitsandbytes' state_dict() before any step holds no states, so its param groups tell it
-    (bitsandbytes' keys alone, an LR scheduler's beside them): its hyper-parameters load as after a
-    step (SGD's momentum from its betas, Adam's weight decay decoupled), and none of its keys is
-    left in our groups."""
+def test_a_checkpoint_saved_before_the_first_step_loads_its_hyper_parameters(name, named):
+    """bitsandbytes' state_dict() before any step holds no states (at most an empty one, of a
+    parameter whose state was read), so its param groups tell it (bitsandbytes' keys alone, an LR
+    scheduler's and the parameters' names beside them): its hyper-parameters load as after a step
+    (SGD's momentum from its betas, Adam's weight decay decoupled), and none of its keys is left in
+    our groups."""
     (cls, extra), _, _, kwargs = CASES[name]
-    opt = getattr(bnb.optim, cls)(make_mlp().parameters(), **kwargs, **extra)
+    params = (lambda model: model.named_parameters()) if named else (lambda model: model.parameters())
+    model = make_mlp()
+    opt = getattr(bnb.optim, cls)(params(model), **kwargs, **extra)
+    opt.state[model[0].weight]  # an empty state, as torch.optim's state_dict() then saves
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # adds initial_lr
-    resumed = ours(name, make_mlp().parameters(), "8bit")
+    resumed = ours(name, params(make_mlp()), "8bit")
     resumed.load_state_dict(save_and_load(opt.state_dict()))
     group = resumed.param_groups[0]
     for key in LOADED_KEYS[name]:
         assert group[key] == (kwargs | {"decoupled_weight_decay": True})[key], key
-    assert group.keys() == ours(name, make_mlp().parameters(), "8bit").param_groups[0].keys() | {"initial_lr"}
+    assert group.keys() == ours(name, params(make_mlp()), "8bit").param_groups[0].keys() | {"initial_lr"}
+    assert not any(resumed.state.values())
 
 
 def test_unstepped_checkpoints_of_others_are_not_taken_for_bitsandbytes():
@@ -301,11 +307,16 @@ class TestRefused(expecttest.TestCase):
         adamw, lion, ademamix = (self.checkpoints[(n, 8)] for n in ("AdamW", "Lion", "AdEMAMix"))
         state1 = lion["state"][0]["__bnb_optimizer_quant_state__"]["state1"]
         bad_group = copy.deepcopy(lion)
+        unstepped = {n: save_and_load(getattr(bnb.optim, cls)(make_mlp().parameters(), **kw, **extra).state_dict()) for n, ((cls, extra), _, _, kw) in CASES.items()}
         bad_group["param_groups"][0]["betas"] = (1.5, 0.99)
         cases = {
             "AdamW8bit into Lion": ("Lion", adamw),
             "AdEMAMix8bit into AdamW": ("AdamW", ademamix),
             "Lion8bit into AdEMAMix": ("AdEMAMix", lion),
+            "unstepped AdamW8bit into SGD": ("SGD", unstepped["AdamW"]),
+            "unstepped AdEMAMix8bit into Lion": ("Lion", unstepped["AdEMAMix"]),
+            "unstepped Lion8bit into AdamW": ("AdamW", unstepped["Lion"]),
+            "unstepped SGD8bit into AdEMAMix": ("AdEMAMix", unstepped["SGD"]),
             "state1 of another shape": ("Lion", edited(lion, state1=state1[:10])),
             "state1 of int16 codes": ("Lion", edited(lion, state1=state1.to(torch.int16))),
             "absmax1 missing": ("Lion", edited(lion, absmax1=None)),
@@ -328,6 +339,10 @@ class TestRefused(expecttest.TestCase):
 AdamW8bit into Lion: bitsandbytes state of parameter 0 (shape (64, 96)) holds 2 state tensors (state1, state2), and Lion keeps 1 (exp_avg under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
 AdEMAMix8bit into AdamW: bitsandbytes state of parameter 0 (shape (64, 96)) holds 3 state tensors (state1[0], state1[1], state2), and Adam/AdamW keeps 2 (exp_avg, exp_avg_sq under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
 Lion8bit into AdEMAMix: bitsandbytes state of parameter 0 (shape (64, 96)) holds 1 state tensor (state1), and AdEMAMix keeps 3 (exp_avg, exp_avg_slow, exp_avg_sq under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
+unstepped AdamW8bit into SGD: param group 0 of this bitsandbytes checkpoint is of an optimizer keeping 2 states (it holds alpha, t_alpha, t_beta3, which bitsandbytes' Adam, AdamW, AdEMAMix and LAMB save), and SGD keeps 1 (momentum_buffer under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
+unstepped AdEMAMix8bit into Lion: param group 0 of this bitsandbytes checkpoint is of an optimizer keeping 2 states (it holds alpha, t_alpha, t_beta3, which bitsandbytes' Adam, AdamW, AdEMAMix and LAMB save), and Lion keeps 1 (exp_avg under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
+unstepped Lion8bit into AdamW: param group 0 of this bitsandbytes checkpoint is of an optimizer keeping 1 state (its eps is 0, as bitsandbytes' SGD and Lion save it), and Adam/AdamW keeps 2 (exp_avg, exp_avg_sq under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
+unstepped SGD8bit into AdEMAMix: param group 0 of this bitsandbytes checkpoint is of an optimizer keeping 1 state (its eps is 0, as bitsandbytes' SGD and Lion save it), and AdEMAMix keeps 3 (exp_avg, exp_avg_slow, exp_avg_sq under this param group's options): it is a checkpoint of another optimizer. bitsandbytes' checkpoints do not name their optimizer: load it into the one that saved it (AdamW8bit: AdamW, Lion8bit: Lion, SGD8bit: SGD with momentum, AdEMAMix8bit: AdEMAMix)
 state1 of another shape: bitsandbytes state of parameter 0 (shape (64, 96)): state1 has shape (10, 96), not the parameter's shape (or (2, *shape) for AdEMAMix's first moments): the checkpoint belongs to another model
 state1 of int16 codes: bitsandbytes state of parameter 0 (shape (64, 96)): state1 has dtype torch.int16; bitsandbytes' states are float32 or uint8 (8-bit codes)
 absmax1 missing: bitsandbytes state of parameter 0 (shape (64, 96)): the 8-bit state1 needs absmax1, a float32 tensor of shape (24,) (one scale per block of 256; of 2048 before bitsandbytes 0.44), got missing
