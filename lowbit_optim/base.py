@@ -458,11 +458,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         group["state_format"] = self._format_names(group["state_format"])
         group["compensation_format"] = formats.get_format(group["compensation_format"]).name
         used = self._state_format_names(group)
+        devices = [p.device for p in group["params"] if p.device.type != "meta"]  # (meta: parameters not yet materialized)
         for state in self.states:
             fmt = formats.get_format(used[state.name])
             self._check_signed(state, fmt)
             if formats.is_quantized(fmt):
-                fmt.check_format(state.signed)
+                fmt.check_format(state.signed, devices[0] if devices else torch.device("cpu"))
         self._check_decays(group)
         if group["param_update"] == "kahan":
             compensation = formats.get_format(group["compensation_format"])

@@ -358,10 +358,10 @@ class StateTensor(Tensor):
         return f"{cls.__module__}.{cls.__qualname__}:{cls._numerics_fingerprint(self.signed)}:{meta}:{sizes}"
 
     @classmethod
-    def check_format(cls, signed: bool) -> None:
+    def check_format(cls, signed: bool, device: torch.device = torch.device("cpu")) -> None:
         """Raise a ValueError naming what is wrong with this format for a state of this signedness
-        (a codebook's values): an optimizer calls it when it takes the format, so that a malformed
-        format is refused there rather than at the first step."""
+        (a codebook's values) on ``device``: an optimizer calls it when it takes the format, so that
+        a malformed format is refused there rather than at the first step."""
 
     @classmethod
     @functools.cache
@@ -414,14 +414,21 @@ class OptimState(StateTensor):
     block_size: int
 
     @classmethod
-    def check_format(cls, signed: bool) -> None:
+    def check_format(cls, signed: bool, device: torch.device = torch.device("cpu")) -> None:
         if cls.bits <= 8:  # codes of one byte or less: encode's, unpacked, are uint8 (float ones took 4 bytes each)
-            probe = torch.linspace(-1.0 if signed else 0.0, 1.0, 9, dtype=torch.float32, device="cpu") * cls.scale_max  # (not the default dtype's)
-            codes = cls.encode(probe, signed)
+            # one block as quantize_ passes it (a row), from -scale_max (or 0) to scale_max, in
+            # float32 (not the default dtype)
+            n = cls.default_block_size
+            probe = torch.linspace(-1.0 if signed else 0.0, 1.0, n, dtype=torch.float32, device=device).mul(cls.scale_max).view(1, n)
+            what = f"one block of {n} values from {float(probe[0, 0])} to {cls.scale_max} (float32, on {device})"
+            try:
+                codes = cls.encode(probe, signed)
+            except Exception as e:
+                raise ValueError(f"{cls.__name__}.encode fails on {what}: {type(e).__name__}: {e}") from e
             if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.shape != probe.shape:
                 raise ValueError(
-                    f"{cls.__name__}.encode gives {describe_tensor(codes)} for {probe.numel()} values: it must give one "
-                    "torch.uint8 code per value (unpacked: the state packs codes of fewer bits)"
+                    f"{cls.__name__}.encode gives {describe_tensor(codes)} for {what}: it must give one "
+                    "torch.uint8 code per value, in the values' shape (unpacked: the state packs codes of fewer bits)"
                 )
 
     # ---- what a format defines --------------------------------------------------------------
@@ -579,9 +586,9 @@ class CodebookState(OptimState):
         raise NotImplementedError(f"{cls.__name__} defines no codebook: a CodebookState subclass returns its code values from codebook(signed)")
 
     @classmethod
-    def check_format(cls, signed: bool) -> None:
+    def check_format(cls, signed: bool, device: torch.device = torch.device("cpu")) -> None:
         _table_values(cls, signed)
-        super().check_format(signed)
+        super().check_format(signed, device)
 
     def check_values(self) -> None:
         values = _table_values(type(self), self.signed)["codebook"][0]  # codes past the codebook's decode to NaN

@@ -1347,8 +1347,34 @@ def test_an_encode_of_other_codes_than_uint8_is_refused_by_the_optimizer(monkeyp
         encode = classmethod(lambda cls, normalized, signed, dtype=dtype: torch.round(normalized * 127).to(dtype))
         decode = classmethod(lambda cls, codes, signed: codes.float() / 127)
         fmt = type("OtherCodes", (lowbit_optim.OptimState,), {"name": f"other-codes-{dtype}", "encode": encode, "decode": decode})
-        with pytest.raises(ValueError, match=rf"OtherCodes.encode gives a {dtype} tensor of shape \(9,\) on cpu for 9 values: it must give one torch.uint8 code"):
+        with pytest.raises(ValueError, match=rf"OtherCodes.encode gives a {dtype} tensor of shape \(1, 256\) on cpu for one block of 256 values from -1.0 to 1.0 \(float32, on cpu\): it must give one torch.uint8 code"):
             lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=fmt)
+
+
+def test_the_optimizer_probes_encode_with_a_block_as_quantize_passes_it(monkeypatch):
+    """The optimizer's check of a format's encode passes it one block, a row, as quantizing does: an
+    encode that reads its values in pairs along the block trains; one that raises is refused with
+    its format named, not with its bare error."""
+    monkeypatch.setattr(lowbit_optim.registry, "_REGISTRY", dict(lowbit_optim.registry._REGISTRY))  # registered for this test only
+
+    def encode(cls, normalized, signed):  # reads the block in pairs, as a vector quantizer would (a code per value still)
+        pairs = normalized.unflatten(-1, (-1, 2))
+        return torch.round(pairs * 127 + 128).clamp(0, 255).to(torch.uint8).flatten(-2)
+
+    decode = classmethod(lambda cls, codes, signed: (codes.float() - 128) / 127)
+    paired = type("PairedCodes", (lowbit_optim.OptimState,), {"name": "paired-codes", "encode": classmethod(encode), "decode": decode})
+    param = torch.nn.Parameter(torch.ones(512))
+    opt = lowbit_optim.AdamW([param], state_format=paired, min_quantize_numel=0, compile=False)
+    param.grad = torch.ones(512)
+    opt.step()
+    assert type(opt.state[param]["exp_avg"]) is paired and float(opt.state[param]["exp_avg"].dequantize()[0]) == pytest.approx(0.1, abs=1e-3)
+
+    def failing(cls, normalized, signed):
+        raise RuntimeError("this encode runs on CUDA only")
+
+    broken = type("CudaOnly", (lowbit_optim.OptimState,), {"name": "cuda-only", "encode": classmethod(failing), "decode": decode})
+    with pytest.raises(ValueError, match=r"CudaOnly.encode fails on one block of 256 values from -1.0 to 1.0 \(float32, on cpu\): RuntimeError: this encode runs on CUDA only"):
+        lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=broken)
 
 
 
