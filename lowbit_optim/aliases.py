@@ -19,7 +19,9 @@ class AnyPrecisionAdamW(AdamW):
 
     ``momentum_dtype`` / ``variance_dtype`` / ``compensation_buffer_dtype`` take torch dtypes
     (float32, bfloat16) or any registered state format name ("8bit", "4bit", ...).
-    ``use_kahan_summation`` applies to bf16 parameters (fp32 ones need no compensation).
+    ``use_kahan_summation`` applies to bf16 parameters (fp32 ones need no compensation). A param
+    group may set them too, as torchdistx's groups do; they become its ``state_format``,
+    ``param_update`` and ``compensation_format``.
     """
 
     def __init__(
@@ -35,13 +37,32 @@ class AnyPrecisionAdamW(AdamW):
         compensation_buffer_dtype=torch.bfloat16,
         **kwargs,
     ):
-        super().__init__(
-            params, lr, betas, eps, weight_decay,
-            state_format={"exp_avg": _dtype_format(momentum_dtype), "exp_avg_sq": _dtype_format(variance_dtype)},
-            param_update="kahan" if use_kahan_summation else "nearest",
-            compensation_format=_dtype_format(compensation_buffer_dtype),
-            **kwargs,
-        )  # fmt: skip
+        options = _torchdistx_options(use_kahan_summation, momentum_dtype, variance_dtype, compensation_buffer_dtype)
+        super().__init__(params, lr, betas, eps, weight_decay, **options, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        given = {k: param_group[k] for k in _TORCHDISTX_OPTIONS if k in param_group}
+        if given:
+            ours = sorted({"state_format", "param_update", "compensation_format"} & param_group.keys())
+            if ours:
+                raise ValueError(f"a param group sets {sorted(given)} and {ours}, which they become: set one or the other")
+            d = self.defaults  # the constructor's options, for those the group leaves out
+            built = dict(use_kahan_summation=d["param_update"] == "kahan", momentum_dtype=d["state_format"]["exp_avg"],
+                         variance_dtype=d["state_format"]["exp_avg_sq"], compensation_buffer_dtype=d["compensation_format"])  # fmt: skip
+            param_group = {k: v for k, v in param_group.items() if k not in given} | _torchdistx_options(**(built | given))
+        super().add_param_group(param_group)
+
+
+_TORCHDISTX_OPTIONS = ("use_kahan_summation", "momentum_dtype", "variance_dtype", "compensation_buffer_dtype")
+
+
+def _torchdistx_options(use_kahan_summation, momentum_dtype, variance_dtype, compensation_buffer_dtype) -> dict:
+    """torchdistx's options as lowbit_optim's."""
+    return dict(
+        state_format={"exp_avg": _dtype_format(momentum_dtype), "exp_avg_sq": _dtype_format(variance_dtype)},
+        param_update="kahan" if use_kahan_summation else "nearest",
+        compensation_format=_dtype_format(compensation_buffer_dtype),
+    )
 
 
 def _dtype_format(dtype) -> str:

@@ -157,6 +157,24 @@ def test_any_precision_adamw_maps_torchdistx_arguments():
         lowbit_optim.AnyPrecisionAdamW(model.parameters(), momentum_dtype=torch.float16)
 
 
+def test_any_precision_adamw_takes_torchdistx_options_per_group():
+    """torchdistx reads its options from each group: a group's own apply to its states, the
+    constructor's to the options it leaves out; one also setting what they become is refused."""
+    model = _bf16_model()
+    first, second = model[0].weight, model[1].weight
+    opt = lowbit_optim.AnyPrecisionAdamW(
+        [{"params": [first], "momentum_dtype": torch.bfloat16}, {"params": [second], "use_kahan_summation": True, "variance_dtype": "8bit"}],
+        momentum_dtype="8bit", min_quantize_numel=0,
+    )  # fmt: skip
+    _train(model, opt, 1)
+    assert not isinstance(opt.state[first]["exp_avg"], lowbit_optim.OptimState) and opt.state[first]["exp_avg"].dtype == torch.bfloat16
+    assert "compensation" not in opt.state[first]
+    assert [type(opt.state[second][n]) for n in ("exp_avg", "exp_avg_sq")] == [lowbit_optim.OptimState8bit] * 2
+    assert opt.state[second]["compensation"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"a param group sets \['momentum_dtype'\] and \['state_format'\], which they become"):
+        opt.add_param_group({"params": [model[0].bias], "momentum_dtype": torch.bfloat16, "state_format": "8bit"})
+
+
 def test_precision_buffers_only_for_bf16_params():
     fp32 = torch.nn.Parameter(torch.randn(80))
     bf16 = torch.nn.Parameter(torch.randn(80, dtype=torch.bfloat16))
