@@ -1243,6 +1243,10 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
     if not floating and value.dtype != torch.int8:
         raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
     if isinstance(local(value), StateTensor):
+        held = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it)
+        if type(held) is bool and held != signed:  # its codes would be read in the other table (an unsigned momentum's as nonnegative)
+            held, kept = ("a signed", "a nonnegative") if held else ("an unsigned (nonnegative)", "a signed")
+            raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
         _check_state_tensor(where, local(value))
         return
     if foreign.is_torchao_state(local(value)):  # read by foreign.from_foreign, the state it makes checked as ours

@@ -107,6 +107,7 @@ CORRUPTIONS = {
     "wrong block_size": (_bad_metadata, "elements|part is 'yes'"),
     "signed not a bool": (lambda s: setattr(s, "signed", 1), "signed is 1, not a bool"),
     "signed missing": (lambda s: delattr(s, "signed"), "signed is None, not a bool"),
+    "signed flipped": (lambda s: setattr(s, "signed", not s.signed), "a signed state, where it holds a nonnegative one"),
     # memory that does not hold the values as read: inductor's code and the kernel read it directly
     "a state as codes": (lambda s: setattr(s, _inner(s, 0), state_dressed_as(getattr(s, _inner(s, 0)))), "is a OptimState8bit, not a plain tensor"),
     "a negated view as scale": (lambda s: setattr(s, _inner(s, 1), (-getattr(s, _inner(s, 1)))._neg_view()), "lazily negated"),
