@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -101,6 +102,19 @@ def _class_values(cls) -> str:
     for klass in reversed(cls.__mro__[: cls.__mro__.index(StateTensor)]):
         values.update({k: text for k, v in vars(klass).items() if not k.startswith("_") and (text := _plain_text(v)) is not None})
     return repr(sorted(values.items()))
+
+
+def _global_values(fn) -> str:
+    """The plain values of the module globals that function ``fn`` (and the functions defined in
+    it) reads, as text: a format's method may read a module constant as well as a class value."""
+    names, codes = set(), [getattr(fn, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    namespace = getattr(fn, "__globals__", {})
+    return repr(sorted((n, text) for n in names if n in namespace and (text := _plain_text(namespace[n])) is not None))
 
 
 def computes_as(cls, base, *methods: str) -> bool:
@@ -376,6 +390,7 @@ class StateTensor(Tensor):
                 parts.append(inspect.getsource(fn))
             except (OSError, TypeError):  # defined where no source is kept (e.g. an interactive session)
                 parts.append(fn.__qualname__)
+            parts.append(_global_values(fn))
         parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max", "inner_names", "inner_dtypes")))
         parts.append(_class_values(cls))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import itertools
 import math
+import sys
 
 import expecttest
 import pytest
@@ -1405,6 +1406,29 @@ def test_a_format_edited_in_a_class_value_gets_another_fingerprint():
     assert levels_format(127)._numerics_fingerprint(True) != levels_format(7)._numerics_fingerprint(True)
     e5m2 = type("E5M2", (lowbit_optim.OptimStateFp8,), {"name": None, "fp8_dtype": torch.float8_e5m2, "scale_max": 448.0})
     assert e5m2._numerics_fingerprint(True) != lowbit_optim.OptimStateFp8._numerics_fingerprint(True)
+
+
+LEVELS = 127  # a module constant the format below reads
+
+
+def test_a_format_edited_in_a_module_constant_gets_another_fingerprint(monkeypatch):
+    """A format whose methods read a module constant hashes its value as a class value's: the format
+    edited there must not load graphs compiled with the earlier value."""
+
+    def encode(cls, normalized, signed):
+        return (torch.round(normalized * LEVELS).clamp(-LEVELS, LEVELS) + LEVELS).to(torch.uint8)
+
+    def decode(cls, codes, signed):
+        return (codes.float() - LEVELS) / LEVELS
+
+    def fingerprint() -> str:
+        fmt = type("ModuleLevels", (lowbit_optim.OptimState,), {"bits": 8, "encode": classmethod(encode), "decode": classmethod(decode)})
+        return fmt._numerics_fingerprint(True)
+
+    before = fingerprint()
+    assert fingerprint() == before
+    monkeypatch.setattr(sys.modules[__name__], "LEVELS", 7)
+    assert fingerprint() != before
 
 
 DRAWING_FORMATS = [i.name for i in FORMATS if i.stochastic or (i.quantized and issubclass(i.fmt, LowRankState))]
