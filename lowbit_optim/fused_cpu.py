@@ -105,7 +105,7 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
     # an addend per such state, sized for the largest parameter and reused by the others: fresh
     # memory costs a page fault per 4 KiB (the products took twice as long)
     buffers = torch.empty(max(len(added) for *_, added in apart), max(item[0].numel() for item, *_ in apart), dtype=torch.float32)
-    names = kernel_op.kernel().optimizers[optimizer].states
+    names = _state_names(optimizer)
     for item, correction, added in apart:
         for name, state in zip(names, item[3:]):  # the factors of those are read here, before the op checks them with the rest
             if state is None or not any(state is s for s in added):
@@ -118,6 +118,11 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
         _call(optimizer, [item], hyper, [correction], addends)
         residuals = [s.kernel_residual(values) for s, values in zip(added, addends)]
         _call("assign", [(values, values, torch.zeros(1, dtype=torch.float32), codes) for codes, values in residuals], {})  # a counter it needs, unused
+
+
+def _state_names(optimizer: str) -> tuple[str, ...]:
+    """The names of the kernel's ``optimizer``'s states, in the order its items hold them."""
+    return kernel_op.kernel().optimizers[optimizer].states
 
 
 def _call(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] = (), addends: list[Tensor] = ()) -> None:
@@ -137,7 +142,7 @@ def _call(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Ten
     try:
         torch.ops.lowbit_optim.fused_step_cpu(optimizer, kernel_op.hyper_values(optimizer, hyper), params, grads, steps, tensors, keys, given, list(addends))
     except RuntimeError:  # the dispatcher's own refusal of a lazily negated tensor it would write, before the op's checks
-        names = kernel_op.kernel().optimizers[optimizer].states
+        names = _state_names(optimizer)
         for (param, grad, counter, *states), correction in zip(items, [*corrections, *[None] * len(items)]):
             written = [*kernel_op.tensors_of(param, grad, counter, dict(zip(names, states))), ("int8-correction", correction)]
             for what, t in written:
