@@ -368,7 +368,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
         self._step_op_key = step_op.register(self)
-        super().__init__(params, defaults)
+        self._constructed = False
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            in_backward.disown(self)  # its groups added before the one refused: the optimizers before it keep them
+            raise
+        self._constructed = True
+        in_backward.own(self, [p for group in self.param_groups for p in group["params"]], stacklevel=3)
 
     # ---- what an optimizer declares ---------------------------------------------------------------
 
@@ -382,6 +389,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__} defines no _step_arguments(group): return (numbers, flags), the numbers its step_function "
             "takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does"
         )
+
+    # it takes over parameters that another optimizer steps in backward when it is built, so that
+    # its step() need not be refused (in_backward._refuse_a_step_of_another)
+    owns_in_backward = True
 
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
     # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its FP8 aliases
@@ -417,8 +428,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
             self._step_op_key = step_op.register(self)
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
-                for index, group in enumerate(self.param_groups):
-                    in_backward.hook_params(self, group, index)
+                for group in self.param_groups:
+                    in_backward.hook_params(self, group)
+            in_backward.own(self, [p for group in self.param_groups for p in group["params"]], stacklevel=3)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -432,10 +444,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         try:
             self._check_new_group(self.param_groups[-1], block_size_given)
             if self._step_in_backward:  # checks every parameter before it hooks any
-                in_backward.hook_params(self, self.param_groups[-1], len(self.param_groups) - 1)
+                in_backward.hook_params(self, self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()  # a refused group must not be stepped (torch.optim refuses before adding)
             raise
+        if self.__dict__.get("_constructed", True):  # (the constructor owns its groups' parameters once it is done)
+            in_backward.own(self, self.param_groups[-1]["params"], stacklevel=2)
 
     def _check_new_group(self, group: dict, block_size_given: bool) -> None:
         """Validates and normalizes the group add_param_group has just added (the last one)."""
@@ -936,8 +950,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for hook in hooks:
                 hook.remove()
         norm = state_dict.get(_LAST_GRAD_NORM)
+        in_backward.begin_step(self)
         if norm is not None and self._max_grad_norm is not None:  # the next step in backward clips with it
             in_backward.set_last_grad_norm(self, norm)
+        else:  # the checkpoint's step had none: this optimizer's own last one is not its
+            self.last_grad_norm = None
 
     def state_dict(self) -> dict:
         state_dict = super().state_dict()

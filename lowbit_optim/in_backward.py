@@ -14,7 +14,8 @@ a first step, or a spike, is clipped as soon as it shows). ``last_grad_norm`` re
 norm, as clip_grad_norm_ returns it, when backward ends (not with reentrant activation checkpointing,
 ``use_reentrant=True``, whose inner backward passes end the count early). Gradients the last backward
 did not reach (accumulated for a branch its micro-batch did not take) are stepped by step(), clipped
-by the step's norm with theirs added (``clip_left_over``). Under FSDP2 a hook sees its rank's shard:
+by the step's norm with theirs added (``clip_left_over``), which also ends the count where no
+callback did (compiled autograd runs none). Under FSDP2 a hook sees its rank's shard:
 the norm so far is this rank's (still a lower bound of the step's), and the step's global norm is
 summed over the ranks once, when backward ends.
 """
@@ -26,6 +27,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -35,9 +37,9 @@ from .distributed import is_dtensor, local
 _CLIP_EPS = 1e-6
 
 
-def hook_params(optimizer, group: dict, index: int) -> None:
-    """Step each parameter of param group ``index`` in backward."""
-    owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
+def hook_params(optimizer, group: dict) -> None:
+    """Step each parameter of param group ``group`` in backward (once ``own`` makes the optimizer
+    their owner)."""
     for p in group["params"]:  # every check before any hook: a refused group leaves none behind
         if optimizer._max_grad_norm is not None and is_dtensor(p) and p.device_mesh.ndim != 1:
             raise ValueError(
@@ -58,41 +60,106 @@ def hook_params(optimizer, group: dict, index: int) -> None:
             "step_in_backward=False with DDP (this warning does not apply to a pipeline stage or a per-rank model)",
             stacklevel=4,
         )
-    others = {id(o): o for o in (_owner(p) for p in group["params"]) if o is not None and o is not optimizer}
-    if others:
-        warnings.warn(
-            f"step_in_backward=True: parameters that {', '.join(sorted({type(o).__name__ for o in others.values()}))} "
-            f"stepped in backward are now stepped by this {type(optimizer).__name__}, built later; the earlier one, still "
-            "alive (held by a name being reassigned, a scheduler, a Trainer), no longer steps them",
-            stacklevel=4,
-        )
+    owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
     for p in group["params"]:
-        _OWNERS[p] = owner
-        p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner, index))
+        p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner))
+    _refuse_steps_of_others()
 
 
-# Each parameter's optimizer stepping it in backward, the last one built: the hooks of earlier ones,
-# which would take and free its gradient first (so that the new one would never step), do nothing.
+# Each parameter's optimizers that step it in backward, or after it where one of those had it
+# before, in the order they were built: the last one alive steps it. The hooks of earlier ones,
+# which would take and free its gradient first (so that the new one would never step), do nothing;
+# when the new one is dropped (or its constructor fails), the one before it steps again.
 _OWNERS = WeakIdKeyDictionary()
 
 
 def _owner(param: Tensor):
-    owner = _OWNERS.get(param)
-    return None if owner is None else owner()
+    owners = _OWNERS.get(param, [])
+    while owners and owners[-1]() is None:
+        owners.pop()
+    return owners[-1]() if owners else None
+
+
+def own(optimizer, params: list[Tensor], stacklevel: int) -> None:
+    """Make ``optimizer`` (built, or its param group added) the owner of ``params``: all of them
+    where it steps in backward, else those an optimizer stepping in backward has (whose hooks then
+    leave them to it); an earlier owner still alive is warned of."""
+    owner = weakref.ref(optimizer)
+    others = {}
+    for p in params:
+        previous = _owner(p)
+        if previous is not None and previous is not optimizer:
+            others[id(previous)] = previous
+        if optimizer._step_in_backward or previous is not None:
+            _OWNERS.setdefault(p, []).append(owner)
+    if others:
+        warnings.warn(
+            f"parameters that {', '.join(sorted({type(o).__name__ for o in others.values()}))} stepped in backward "
+            f"(step_in_backward=True) are now stepped by this {type(optimizer).__name__}, built later; the earlier one, "
+            "still alive (held by a name being reassigned, a scheduler, a Trainer), no longer steps them",
+            stacklevel=stacklevel + 1,
+        )
+
+
+def disown(optimizer) -> None:
+    """Forget ``optimizer`` as an owner (its constructor failed): the owners before it step again."""
+    for group in optimizer.__dict__.get("param_groups", []):
+        for p in group["params"]:
+            owners = _OWNERS.get(p, [])
+            owners[:] = [o for o in owners if o() is not optimizer]
+
+
+_REFUSING = []  # the handle of the global step pre-hook below, once registered
+
+
+def _refuse_steps_of_others() -> None:
+    """Once an optimizer steps in backward: any other optimizer's step() (torch.optim's: it cannot
+    take the parameters over when built) over parameters it owns is refused, since their gradients
+    are gone."""
+    if not _REFUSING:
+        _REFUSING.append(register_optimizer_step_pre_hook(_refuse_a_step_of_another))
+
+
+def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
+    if torch.compiler.is_compiling() or getattr(type(optimizer), "owns_in_backward", False):
+        return  # (lowbit_optim's own take parameters over when built, and warn)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = _owner(p)
+            if owner is not None and owner is not optimizer:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} that an optimizer "
+                    f"built with step_in_backward=True ({type(owner).__name__}) steps in backward, freeing its gradient "
+                    "first; that optimizer is still alive (held by a name, a scheduler, a Trainer): drop every "
+                    "reference to it, or build it with step_in_backward=False"
+                )
+
+
+def _group_of(optimizer, param: Tensor) -> dict | None:
+    """``param``'s group in ``optimizer`` as its param groups are now (None: none holds it any
+    more); the map is made again when a group or a group's parameters list changes."""
+    shape = [(id(g), id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
+    cached = optimizer.__dict__.get("_groups_by_param")
+    if cached is None or cached[0] != shape:
+        cached = optimizer.__dict__["_groups_by_param"] = (shape, {id(p): g for g in optimizer.param_groups for p in g["params"]})
+    return cached[1].get(id(param))
 
 
 @torch.compiler.disable  # called by backward inside a torch.compile'd function: the step is not traced
 @torch.no_grad()
-def _step_in_backward(owner: weakref.ref, index: int, param: Tensor) -> None:
+def _step_in_backward(owner: weakref.ref, param: Tensor) -> None:
     """The hook on each parameter: step it with the gradient backward has just accumulated, then
     free that gradient."""
     optimizer = owner()
     if optimizer is None or _owner(param) is not optimizer or optimizer.__dict__.get("_accumulating") or param.grad is None:
         return
+    group = _group_of(optimizer, param)
+    if group is None:  # taken out of the optimizer's groups: not stepped, as by torch.optim
+        return
     grad = param.grad
     if optimizer._max_grad_norm is not None:
         grad.mul_(_clip_coefficient(optimizer, param, grad))  # as clip_grads_with_norm_ does, also by 1
-    optimizer._step_one(optimizer.param_groups[index], param, grad)
+    optimizer._step_one(group, param, grad)
     param.grad = None
 
 
@@ -116,13 +183,21 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     return torch.clamp(optimizer._max_grad_norm / (estimate + _CLIP_EPS), max=1.0)
 
 
+@torch.compiler.disable  # run by a backward inside a torch.compile'd function: traced, its writes were lost
 def _end_of_backward(owner: weakref.ref) -> None:
     """The global norm of this step's gradients (as torch.nn.utils.get_total_norm gives it: the norm
     of the parameters' norms, in param-group order) and the coefficient that clips the next step."""
     optimizer = owner()
-    if optimizer is None:
+    if optimizer is not None:
+        end_backward(optimizer)
+
+
+def end_backward(optimizer) -> None:
+    """_end_of_backward's work, also for step(), where a backward's callback never ran (compiled
+    autograd runs none); nothing where it did."""
+    if "_backward_norms" not in optimizer.__dict__:
         return
-    norms = optimizer.__dict__.pop("_backward_norms", {})
+    norms = optimizer.__dict__.pop("_backward_norms")
     optimizer.__dict__.pop("_backward_square_sum", None)
     norm = _global_norm(optimizer, norms)
     if norm is not None:
@@ -142,6 +217,7 @@ def clip_left_over(optimizer, params: list[Tensor], grads: list[Tensor]) -> list
     that micro-batch did not take). Their norm joins the step's (``last_grad_norm``), and they are
     clipped by its coefficient, exact by now, as clip_grads_with_norm_ would: returned clipped, new
     tensors (the step op, inside a compiled function, may not write its gradient arguments)."""
+    end_backward(optimizer)  # (where no callback ended the last backward)
     this_steps = optimizer.__dict__.pop("_norm_is_this_steps", False)  # else last_grad_norm is an earlier step's
     if optimizer._max_grad_norm is None or not grads:
         return grads

@@ -56,6 +56,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     and ``opt.adamw`` are the two.
     """
 
+    owns_in_backward = True  # its parts own their parameters (in_backward.own)
+
     def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | None = None, **options):
         if any((part or {}).get("max_grad_norm") is not None for part in (options, muon, adamw)):
             raise ValueError(
@@ -68,8 +70,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._built = False
         with _suggesting_inside("muon", given=options.keys() | (muon or {}).keys()):
             self.muon = Muon(matrices, **{**options, **(muon or {})})
-        with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
-            self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+        try:
+            with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
+                self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+        except BaseException:
+            in_backward.disown(self.muon)  # built, but no optimizer of the user's: the optimizers before it keep its parameters
+            raise
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
 

@@ -10,6 +10,8 @@ test_fsdp.py (its 2-rank job).
 
 import contextlib
 import copy
+import functools
+import gc
 import io
 import pickle
 import warnings
@@ -324,6 +326,108 @@ def test_a_compiled_training_step_steps_in_backward():
         train_step(models[0], opts[0], step)
         compiled(models[1], opts[1], step)
     _assert_same(models, opts)
+
+
+@pytest.mark.parametrize("how", ["torch.compile'd step", "compiled autograd"])
+def test_max_grad_norm_counts_the_norm_of_a_compiled_backward(how):
+    """The end-of-backward callback that records the step's norm ran traced inside a compiled
+    training step (its write lost) and never under compiled autograd: last_grad_norm stayed None
+    and each step clipped with its norm so far only. Both loops now clip as the eager one."""
+    from torch._dynamo import compiled_autograd
+
+    models = [SGD_INFO.mlp() for _ in range(2)]
+    opts = [SGD_INFO.make(m.parameters(), state_format="fp32", step_in_backward=True, max_grad_norm=0.05) for m in models]
+
+    def train_step(model, opt, step):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for step in range(3):
+        train_step(models[0], opts[0], step)
+        if how == "compiled autograd":
+            with compiled_autograd._enable(functools.partial(torch.compile, backend="eager")):
+                _loss(models[1], step).backward()
+            opts[1].step()
+        else:
+            compiled(models[1], opts[1], step)
+        torch.testing.assert_close(opts[1].last_grad_norm, opts[0].last_grad_norm, rtol=1e-6, atol=0)
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_loading_a_checkpoint_without_a_norm_forgets_the_last_one():
+    """A checkpoint saved before any clipped step holds no last_grad_norm: loading it (a roll-back
+    past a spike) leaves none, as a fresh optimizer loading it has, not the spike's."""
+    model = SGD_INFO.mlp()
+    opt = SGD_INFO.make(model.parameters(), state_format="fp32", step_in_backward=True, max_grad_norm=0.05)
+    checkpoint = opt.state_dict()
+    _loss(model, 0).backward()
+    assert opt.last_grad_norm is not None
+    opt.load_state_dict(checkpoint)
+    assert opt.last_grad_norm is None
+
+
+def test_an_optimizer_stepping_after_backward_takes_the_parameters_over():
+    """An optimizer built later on the parameters of one stepping in backward (still alive: its
+    scheduler holds it) would find no gradient, the old one's hooks having stepped and freed them: a
+    lowbit_optim one takes the parameters over (warned of), and torch.optim's step() is refused.
+    Once the new one is dropped, the old one steps them again."""
+    model = OPTIMIZERS[0].mlp()
+    first = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)
+    with pytest.warns(UserWarning, match=r"now stepped by this SGD, built later"):
+        second = lowbit_optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _loss(model, 0).backward()
+    assert all(p.grad is not None and not first.state[p] for p in model.parameters())  # left to the new one
+    second.step()
+    assert all(float(second.state[p]["step"]) == 1 for p in model.parameters())
+    theirs = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"this SGD steps a parameter of shape \(\d+, \d+\) that an optimizer built with step_in_backward=True \(AdamW\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lowbit_optim.AdamW(model.parameters(), step_in_backward=True)  # dropped at once: the first owns them again
+        del second
+        gc.collect()
+        theirs.step()
+    model.zero_grad()
+    _loss(model, 1).backward()
+    assert all(p.grad is None and float(first.state[p]["step"]) == 1 for p in model.parameters())
+
+
+def test_a_constructor_that_fails_leaves_the_parameters_to_their_optimizer():
+    """A constructor refusing a later param group had taken the earlier groups' parameters from the
+    optimizer stepping them in backward (and warned that it stepped them): they are left to it."""
+    model = OPTIMIZERS[0].mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    first, *rest = model.parameters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of a take-over that did not happen
+        with pytest.raises(ValueError, match="invalid learning rate"):
+            lowbit_optim.AdamW([{"params": [first]}, {"params": rest, "lr": -1.0}], step_in_backward=True)
+    _loss(model, 0).backward()
+    assert all(p.grad is None and float(opt.state[p]["step"]) == 1 for p in model.parameters())
+
+
+def test_hooks_follow_the_param_groups_as_edited():
+    """torch.optim reads param_groups at each step: a parameter taken out of its group is no longer
+    stepped, and one whose group moved is stepped with its group's options (a hook once held a
+    group's index: the removed one trained on, another group's lr applied, or an IndexError)."""
+    model = OPTIMIZERS[0].mlp()
+    params = list(model.parameters())
+    opt = lowbit_optim.SGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.0}], step_in_backward=True)
+    removed = params[0]
+    opt.param_groups[0]["params"].remove(removed)
+    opt.param_groups.reverse()
+    before = [p.detach().clone() for p in params]
+    _loss(model, 0).backward()
+    assert removed.grad is not None and torch.equal(removed, before[0])  # not stepped, its gradient kept
+    assert not torch.equal(params[1], before[1]) and all(torch.equal(p, b) for p, b in zip(params[2:], before[2:]))
+    del opt.param_groups[0]
+    model.zero_grad()
+    _loss(model, 1).backward()  # the lr-0 group's parameters are in no group now: not stepped
+    assert all(p.grad is not None for p in params[2:])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inside torch.compile"])
