@@ -36,9 +36,10 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       the same split for GPT-2, BERT or Llama, not for, e.g., T5's 2-D ``relative_attention_bias``
       (decayed here) or a 1-D layer scale (not decayed here). An optimizer whose constructor takes no
       ``weight_decay``, by name or through ``**kwargs``, gets none of it. Frozen parameters are left out.
-    - ``step_in_backward=True`` is refused where Trainer would act on gradients after backward:
-      gradient accumulation (Trainer runs several backward passes per step without telling the
-      optimizer) and its clipping (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
+    - ``step_in_backward=True`` (here or in a ``functools.partial``) needs ``args`` and is refused
+      where Trainer would act on gradients after backward: gradient accumulation (Trainer runs several
+      backward passes per step without telling the optimizer) and its clipping
+      (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
     - MuonWithAdamW, which splits a model itself, is built with ``Trainer(optimizers=(opt, None))``.
     """
     cls = optimizer_cls.func if isinstance(optimizer_cls, functools.partial) else optimizer_cls
@@ -51,7 +52,8 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the nn.Module to train, got {type(model).__name__}")
-    if args is not None and kwargs.get("step_in_backward"):
+    bound = optimizer_cls.keywords if isinstance(optimizer_cls, functools.partial) else {}
+    if {**bound, **kwargs}.get("step_in_backward"):
         _check_step_in_backward(args)
     parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
     takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -59,7 +61,6 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
         if issubclass(cls, Adam):
             from_args.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-        bound = optimizer_cls.keywords if isinstance(optimizer_cls, functools.partial) else {}
         kwargs = {**{k: v for k, v in from_args.items() if k not in bound}, **kwargs}  # the partial's own win, as kwargs do
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
     return functools.partial(_OptimizerFactory, optimizer_cls, overrides, takes_decay), kwargs
@@ -95,6 +96,12 @@ def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[d
 
 
 def _check_step_in_backward(args) -> None:
+    if args is None:
+        raise ValueError(
+            "step_in_backward=True needs args, the TrainingArguments, to check what Trainer does with gradients after "
+            "backward (accumulation, clipping, fp16's scaler), which the step in backward has already used and freed: "
+            "pass optimizer_cls_and_kwargs(model, args, ...)"
+        )
     if args.gradient_accumulation_steps > 1:
         raise ValueError(
             f"step_in_backward=True steps at every backward, and Trainer runs gradient_accumulation_steps="

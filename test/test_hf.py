@@ -4,6 +4,7 @@ The Trainer tests run examples/hf_trainer.py's tiny GPT-2 (2 layers, d_model 64,
 The FSDP2 test runs this file as a 2-process job (gloo), see ``_fsdp2_job``.
 """
 
+import functools
 import gc
 import os
 import subprocess
@@ -112,6 +113,12 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "max_grad_norm": 1.0}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"fp16=True\) scales the loss with a GradScaler .* use bf16=True"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "fp16": True}), step_in_backward=True)
+    # the flag in a partial, or no args to check: refused too (Trainer stepped at every micro-batch)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 backward passes per step"):
+        partial = functools.partial(lowbit_optim.AdamW, step_in_backward=True)
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "gradient_accumulation_steps": 4}), optimizer_cls=partial)
+    with pytest.raises(ValueError, match="step_in_backward=True needs args, the TrainingArguments"):
+        optimizer_cls_and_kwargs(model, step_in_backward=True)
 
 
 @pytest.mark.parametrize("cls", [lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix])
@@ -157,7 +164,6 @@ def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
 def test_trainer_with_model_init_steps_the_model_it_trains(tmp_path):
     """Trainer(model_init=...) builds its model in train(): the helper's groups are that model's (a
     factory Trainer calls with it), not those of the model the helper was given."""
-    import functools
 
     trainer = _trainer(tmp_path, "--steps", "2")
     model_init = functools.partial(copy_of, trainer.model)
@@ -180,7 +186,6 @@ def copy_of(model):
 
 
 def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
-    import functools
     from types import SimpleNamespace
 
     model = torch.nn.Linear(4, 4)
