@@ -71,6 +71,10 @@ class FactoredState(StateTensor):
     def _meta(self) -> tuple:
         return (self.signed, self.part)
 
+    def _same_layout(self, other: Tensor) -> bool:
+        # a row slice's col holds its parent's column sums: a write replaces its share of them (quantize_)
+        return not self.part and super()._same_layout(other)
+
     def _check_sizes(self) -> None:
         if not isinstance(self.part, bool):
             raise ValueError(f"part is {self.part!r}, not a bool")

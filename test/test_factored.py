@@ -118,6 +118,22 @@ def test_row_slices_assemble_the_whole(destination):
             torch.testing.assert_close(state.col.double(), col, rtol=1e-5, atol=0)
 
 
+def test_row_slices_reshard_chunks_of_other_ranks():
+    """DCP loading 3 ranks' chunks on 2 (9 rows: 3 + 3 + 3 into 5 + 4) writes a slice of a saved
+    chunk into a slice of a new one: each new state then holds the row and column sums of the saved
+    values of its rows (a slice's column sums were copied raw: the whole saved chunk's replaced the
+    new state's)."""
+    saved = [FactoredState.from_float(nonnegative((3, 64), seed=i)) for i in range(3)]
+    values = torch.cat([s.dequantize() for s in saved]).double()
+    writes = {(0, 5): [((0, 3), 0, (0, 3)), ((3, 5), 1, (0, 2))], (5, 9): [((0, 1), 1, (2, 3)), ((1, 4), 2, (0, 3))]}
+    for (start, end), chunks in writes.items():
+        state = FactoredState.zeros((end - start, 64))
+        for (a, b), i, (c, d) in chunks:
+            state.detach()[a:b].copy_(saved[i].detach()[c:d])
+        torch.testing.assert_close(state.row.double(), values[start:end].sum(1), rtol=1e-6, atol=0)
+        torch.testing.assert_close(state.col.double(), values[start:end].sum(0), rtol=1e-5, atol=0)
+
+
 def test_a_series_of_slice_writes_left_unfinished_ends_at_the_next_write_of_the_whole():
     """A load that raised after some slices, then steps: a later slice write takes its
     share from the sums as they are, not from those before the unfinished series."""
