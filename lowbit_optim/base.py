@@ -368,12 +368,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
         self._step_op_key = step_op.register(self)
-        self._constructed = False
-        try:
-            super().__init__(params, defaults)
-        except BaseException:
-            in_backward.disown(self)  # its groups added before the one refused: the optimizers before it keep them
-            raise
+        self._constructed = False  # its parameters are owned once every group is accepted (in_backward.own)
+        super().__init__(params, defaults)
         self._constructed = True
         in_backward.own(self, [p for group in self.param_groups for p in group["params"]], stacklevel=3)
 

@@ -27,8 +27,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .distributed import is_dtensor, local
@@ -102,7 +102,8 @@ def own(optimizer, params: list[Tensor], stacklevel: int) -> None:
 
 
 def disown(optimizer) -> None:
-    """Forget ``optimizer`` as an owner (its constructor failed): the owners before it step again."""
+    """Forget ``optimizer`` as an owner (a part of a composite whose other part failed): the owners
+    before it step again."""
     for group in optimizer.__dict__.get("param_groups", []):
         for p in group["params"]:
             owners = _OWNERS.get(p, [])

@@ -4,6 +4,7 @@ optimizer object (``MuonWithAdamW``) or as the split alone (``muon_split``)."""
 import contextlib
 import fnmatch
 import re
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -68,14 +69,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not matrices:
             raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
         self._built = False
-        with _suggesting_inside("muon", given=options.keys() | (muon or {}).keys()):
-            self.muon = Muon(matrices, **{**options, **(muon or {})})
-        try:
-            with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
-                self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
-        except BaseException:
-            in_backward.disown(self.muon)  # built, but no optimizer of the user's: the optimizers before it keep its parameters
-            raise
+        with warnings.catch_warnings(record=True) as warned:  # (said once both parts are built: a take-over)
+            warnings.simplefilter("always")
+            with _suggesting_inside("muon", given=options.keys() | (muon or {}).keys()):
+                self.muon = Muon(matrices, **{**options, **(muon or {})})
+            try:
+                with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
+                    self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+            except BaseException:
+                in_backward.disown(self.muon)  # built, but no optimizer of the user's: the optimizers before it keep its parameters
+                raise
+        for w in warned:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
 

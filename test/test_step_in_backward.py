@@ -406,6 +406,8 @@ def test_a_constructor_that_fails_leaves_the_parameters_to_their_optimizer():
         warnings.simplefilter("error")  # no warning of a take-over that did not happen
         with pytest.raises(ValueError, match="invalid learning rate"):
             lowbit_optim.AdamW([{"params": [first]}, {"params": rest, "lr": -1.0}], step_in_backward=True)
+        with pytest.raises(ValueError, match="invalid learning rate"):  # its Muon part built, its AdamW part refused
+            lowbit_optim.MuonWithAdamW(model, head="2", step_in_backward=True, adamw=dict(lr=-1.0))
     _loss(model, 0).backward()
     assert all(p.grad is None and float(opt.state[p]["step"]) == 1 for p in model.parameters())
 
