@@ -310,21 +310,24 @@ def test_the_last_optimizer_built_steps_in_backward():
         assert all(float(opt.state[p]["step"]) == 1 for p in model.parameters())
 
 
+def _train_step(model, opt, step):
+    _loss(model, step).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+_compiled_train_step = torch.compile(_train_step, backend="eager")
+
+
 def test_a_compiled_training_step_steps_in_backward():
     """backward inside a torch.compile'd function calls the hooks from the compiled frame: they step
     eagerly (not traced by dynamo), with the numbers of the same loop uncompiled."""
     models = [OPTIMIZERS[0].mlp() for _ in range(2)]
     opts = [lowbit_optim.AdamW(m.parameters(), lr=1e-2, state_format="8bit", min_quantize_numel=0, step_in_backward=True) for m in models]
 
-    def train_step(model, opt, step):
-        _loss(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-
-    compiled = torch.compile(train_step, backend="eager")
     for step in range(2):
-        train_step(models[0], opts[0], step)
-        compiled(models[1], opts[1], step)
+        _train_step(models[0], opts[0], step)
+        _compiled_train_step(models[1], opts[1], step)
     _assert_same(models, opts)
 
 
@@ -338,20 +341,14 @@ def test_max_grad_norm_counts_the_norm_of_a_compiled_backward(how):
     models = [SGD_INFO.mlp() for _ in range(2)]
     opts = [SGD_INFO.make(m.parameters(), state_format="fp32", step_in_backward=True, max_grad_norm=0.05) for m in models]
 
-    def train_step(model, opt, step):
-        _loss(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-
-    compiled = torch.compile(train_step, backend="eager")
     for step in range(3):
-        train_step(models[0], opts[0], step)
+        _train_step(models[0], opts[0], step)
         if how == "compiled autograd":
             with compiled_autograd._enable(functools.partial(torch.compile, backend="eager")):
                 _loss(models[1], step).backward()
             opts[1].step()
         else:
-            compiled(models[1], opts[1], step)
+            _compiled_train_step(models[1], opts[1], step)
         torch.testing.assert_close(opts[1].last_grad_norm, opts[0].last_grad_norm, rtol=1e-6, atol=0)
     for p, q in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
