@@ -126,8 +126,8 @@ def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
         return  # (lowbit_optim's own take parameters over when built, and warn)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            owner = _owner(p)
-            if owner is not None and owner is not optimizer:
+            owner = _owner(p)  # (a wrapper, e.g. timm's Lookahead, holds its owner's group dicts: it steps through it)
+            if owner is not None and owner is not optimizer and not any(group is g for g in owner.param_groups):
                 raise RuntimeError(
                     f"this {type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} that an optimizer "
                     f"built with step_in_backward=True ({type(owner).__name__}) steps in backward, freeing its gradient "

@@ -392,6 +392,16 @@ def test_an_optimizer_stepping_after_backward_takes_the_parameters_over():
     _loss(model, 1).backward()
     assert all(p.grad is None and float(first.state[p]["step"]) == 1 for p in model.parameters())
 
+    class Lookahead(torch.optim.Optimizer):  # a wrapper on the owner's own groups (timm's builds so) steps through it
+        def __init__(self, inner):
+            super().__init__(inner.param_groups, {})
+            self.inner = inner
+
+        def step(self, closure=None):
+            return self.inner.step(closure)
+
+    Lookahead(first).step()
+
 
 def test_a_constructor_that_fails_leaves_the_parameters_to_their_optimizer():
     """A constructor refusing a later param group had taken the earlier groups' parameters from the
