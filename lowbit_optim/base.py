@@ -335,7 +335,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         differentiable: bool = False,
         step_in_backward: bool = False,
         max_grad_norm: float | None = None,
+        **unknown,
     ):
+        if unknown:  # (Python's own error would name LowBitOptimizer.__init__, not the class called)
+            raise TypeError(
+                f"{type(self).__name__} got an unexpected keyword argument {next(iter(unknown))!r}; it takes "
+                f"{', '.join(_keywords(type(self)))}"
+            )
         if bf16_stochastic_round:
             if param_update not in ("nearest", "stochastic"):
                 raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
@@ -1017,6 +1023,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         count = float(state["step"])
         if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
             raise ValueError(f"{_loaded_state('step', param, index)} is {count}: it must count steps, a finite number >= 0")
+
+
+def _keywords(cls: type) -> list[str]:
+    """The keywords ``cls``'s constructor takes: its own and LowBitOptimizer's options."""
+    own = [n for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    base = [n for n, p in inspect.signature(LowBitOptimizer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    return [n for n in dict.fromkeys(own + base) if n not in ("self", "params", "hyperparameters")]
 
 
 @functools.cache

@@ -15,32 +15,72 @@ from .base import StateFormatError
 from .optim import AdamW, Muon
 
 
-def muon_split(model: nn.Module, head: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
-    """``(matrices for Muon, the rest for AdamW)`` of ``model``'s trainable parameters, by the usual
-    rule: Muon takes the weights of the hidden ``nn.Linear`` layers; AdamW takes embeddings, the
-    output head, biases, norms and everything else (convolutions included, which torch.optim.Muon
-    refuses). The head is the module named by ``head`` (a glob over qualified names, e.g.
-    ``"lm_head"``), by default the last ``nn.Linear`` of ``model.modules()``; a weight tied to an
-    embedding stays with AdamW too (so a model that registers its head before its blocks needs
-    ``head=``). Only ``nn.Linear`` (and its subclasses) counts: Hugging Face GPT-2's ``Conv1D`` and
-    ``nn.MultiheadAttention``'s ``in_proj_weight`` do not, so pass such weights yourself. Each list can get its own optimizer and format::
+def muon_split(model: nn.Module, head: str | bool | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """``(matrices for Muon, the rest for AdamW)`` of ``model``'s parameters (frozen ones included,
+    as ``model.parameters()`` holds them: they train once unfrozen), by the usual rule: Muon takes
+    the weights of the ``nn.Linear`` layers but the head; AdamW takes embeddings, the output head,
+    biases, norms and everything else (convolutions included, which torch.optim.Muon refuses). The
+    head is the module named by ``head`` (a glob over qualified names, e.g. ``"lm_head"``; False:
+    none, for a model whose output uses its embedding's weight through ``F.linear``), by default the
+    last ``nn.Linear`` of ``model.modules()``, with a warning where that one looks hidden (it maps to
+    an embedding's width); a weight tied to an embedding stays with AdamW too (so a model that
+    registers its head before its blocks needs ``head=``). Only ``nn.Linear`` (and its subclasses)
+    with a weight of its own counts: Hugging Face GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s
+    ``in_proj_weight`` and a parametrized weight (``weight_norm``, ``spectral_norm``: warned of) do
+    not, so pass such weights yourself. Each list can get its own optimizer and format::
 
         matrices, rest = muon_split(model)
         muon = Muon(matrices, lr=0.02, state_format="8bit")
         adamw = AdamW(rest, lr=3e-4, state_format="8bit")
     """
-    named = [(name, m) for name, m in model.named_modules()]
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"muon_split and MuonWithAdamW take the model (an nn.Module: they split it by module type), got "
+            f"{type(model).__name__}; to choose the matrices yourself, build Muon and AdamW over your own lists"
+        )
+    if not (head is None or head is False or isinstance(head, str)):
+        raise TypeError(f"head must be a name glob of the model's modules (e.g. 'lm_head') or False (no nn.Linear head), got {type(head).__name__}")
+    named = list(model.named_modules())
     linears = [(name, m) for name, m in named if isinstance(m, nn.Linear)]
+    computed = [name for name, m in linears if m._parameters.get("weight") is None]  # parametrized: its weight is made at each access
+    if computed:
+        warnings.warn(
+            f"the weights of {computed} are parametrized (weight_norm, spectral_norm, parametrize): their parameters go to "
+            "AdamW; pass them to Muon yourself (muon_split's lists) if they are matrices for it",
+            stacklevel=3,
+        )
+    linears = [(name, m) for name, m in linears if name not in computed]
     if head is None:
         heads = {linears[-1][0]} if linears else set()
+        _warn_if_hidden(named, linears)
+    elif head is False:
+        heads = set()
     else:
         heads = {name for name, _ in linears if fnmatch.fnmatchcase(name, head)}
-    if head is not None and not heads:
-        raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
+        if not heads:
+            raise ValueError(f"head={head!r} names no nn.Linear of the model; its Linear layers are {[n for n, _ in linears]}")
     embedded = {id(m.weight) for _, m in named if isinstance(m, nn.Embedding)}
     matrices = {id(m.weight): m.weight for name, m in linears if name not in heads and id(m.weight) not in embedded}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [p for p in trainable if id(p) in matrices], [p for p in trainable if id(p) not in matrices]
+    params = list(model.parameters())
+    return [p for p in params if id(p) in matrices], [p for p in params if id(p) not in matrices]
+
+
+def _warn_if_hidden(named: list, linears: list) -> None:
+    """Warn where the last nn.Linear, the default head, maps to an embedding's width (as a hidden
+    layer does) and no nn.Linear maps to its entries: the output likely uses the embedding's weight."""
+    embeddings = [(name, m) for name, m in named if isinstance(m, nn.Embedding)]
+    if not linears or not embeddings:
+        return
+    last, layer = linears[-1]
+    widths = {m.embedding_dim: name for name, m in embeddings}
+    if layer.out_features in widths and not any(m.out_features == e.num_embeddings for _, m in linears for _, e in embeddings):
+        warnings.warn(
+            f"the last nn.Linear, {last!r}, taken as the output head (AdamW), maps to the width of the embedding "
+            f"{widths[layer.out_features]!r} ({layer.out_features}), as a hidden layer does: if the model's output uses the "
+            f"embedding's weight (tied, through F.linear), it has no nn.Linear head: pass head=False ({last!r} then goes "
+            "to Muon), or head='...' naming the head",
+            stacklevel=4,
+        )
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -59,15 +99,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     owns_in_backward = True  # its parts own their parameters (in_backward.own)
 
-    def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | None = None, **options):
+    def __init__(self, model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None, head: str | bool | None = None, **options):
+        for name, part in (("muon", muon), ("adamw", adamw)):
+            if part is not None and not isinstance(part, dict):
+                raise TypeError(f"{name} must be a dict of its optimizer's keywords (e.g. {name}=dict(lr=0.02)), got {type(part).__name__}")
         if any((part or {}).get("max_grad_norm") is not None for part in (options, muon, adamw)):
             raise ValueError(
                 "max_grad_norm on MuonWithAdamW would clip Muon's and AdamW's gradients against two separate norms: "
                 "build Muon and AdamW yourself (muon_split) if you want that, or drop max_grad_norm"
             )
         matrices, rest = muon_split(model, head)
+        if any((part or {}).get("step_in_backward") for part in (options, muon, adamw)):  # which refuses frozen parameters
+            matrices, rest = [p for p in matrices if p.requires_grad], [p for p in rest if p.requires_grad]
         if not matrices:
-            raise ValueError("the model has no hidden nn.Linear weight for Muon: use AdamW alone (or name the head with head=)")
+            raise ValueError(
+                "the model has no nn.Linear weight for Muon but its head (parametrized ones do not count): use AdamW alone, "
+                "or pass head=False if its output uses the embedding's weight"
+            )
         self._built = False
         with warnings.catch_warnings(record=True) as warned:  # (said once both parts are built: a take-over)
             warnings.simplefilter("always")
@@ -153,9 +201,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not torch.compiler.is_compiling():  # traced, it would guard on every lr; each part's op checks its own
             for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
                 optimizer._check_edits(optimizer.param_groups)
+            self._check_parts_disjoint()
         for optimizer in self.optimizers:
             optimizer.step()
         return loss
+
+    def _check_parts_disjoint(self) -> None:
+        """A parameter added to both parts (opt.muon.add_param_group of one AdamW holds) would be
+        stepped twice: refused, as one torch.optim optimizer refuses a parameter in two groups."""
+        if self.adamw is None:
+            return
+        in_adamw = {id(p) for group in self.adamw.param_groups for p in group["params"]}
+        twice = [p for group in self.muon.param_groups for p in group["params"] if id(p) in in_adamw]
+        if twice:
+            raise ValueError(
+                f"a parameter of shape {tuple(twice[0].shape)} is in both opt.muon's and opt.adamw's param groups, and "
+                "each would step it: add a parameter to one part only"
+            )
 
     def state_dict(self) -> dict:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():

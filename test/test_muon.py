@@ -5,6 +5,7 @@ and ``muon_split``, the usual recipe's split of a model between Muon and AdamW."
 import copy
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -82,14 +83,77 @@ class TinyLM(nn.Module):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_muon_split(tied):
     """Hidden Linear weights go to Muon; the embedding, the head (tied or not), biases and norms to
-    AdamW; frozen parameters to neither; each parameter once."""
+    AdamW; frozen parameters too, by the same rule (as model.parameters() holds them: unfrozen
+    later, they train); each parameter once."""
     model = TinyLM(tied)
     model.blocks[3].bias.requires_grad_(False)
+    model.blocks[2].weight.requires_grad_(False)
     matrices, rest = lowbit_optim.muon_split(model)
     assert [id(p) for p in matrices] == [id(model.blocks[0].weight), id(model.blocks[2].weight)]
-    expected = {id(p) for p in model.parameters() if p.requires_grad} - {id(p) for p in matrices}
+    expected = {id(p) for p in model.parameters()} - {id(p) for p in matrices}
     assert [id(p) for p in rest] == [id(p) for p in model.parameters() if id(p) in expected]
     assert id(model.lm_head.weight) in expected and id(model.embed.weight) in expected
+
+
+def test_muon_split_of_a_model_whose_output_uses_its_embedding():
+    """A model computing its logits with F.linear(h, embed.weight) has no nn.Linear head: the default
+    takes its last hidden layer for one (silently, to AdamW), so that is warned of; head=False gives
+    every nn.Linear to Muon."""
+
+    class FunctionalHead(TinyLM):
+        def __init__(self):
+            super().__init__()
+            del self.lm_head
+
+        def forward(self, tokens):
+            return nn.functional.linear(self.blocks(self.embed(tokens)), self.embed.weight)
+
+    model = FunctionalHead()
+    with pytest.warns(UserWarning, match=r"the last nn.Linear, 'blocks.2', taken as the output head .* pass head=False"):
+        matrices, _ = lowbit_optim.muon_split(model)
+    assert [id(p) for p in matrices] == [id(model.blocks[0].weight)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        matrices, _ = lowbit_optim.muon_split(model, head=False)
+        lowbit_optim.muon_split(TinyLM())  # a head to the vocabulary: no warning
+    assert [id(p) for p in matrices] == [id(model.blocks[0].weight), id(model.blocks[2].weight)]
+
+
+def test_muon_split_warns_of_parametrized_weights():
+    """A parametrized weight (spectral_norm here) is made at each access, never a parameter of the
+    model: its parameters go to AdamW, warned of (they went silently)."""
+    model = TinyLM()
+    torch.nn.utils.parametrizations.spectral_norm(model.blocks[2])
+    with pytest.warns(UserWarning, match=r"the weights of \['blocks.2'\] are parametrized .* pass them to Muon yourself"):
+        matrices, rest = lowbit_optim.muon_split(model)
+    assert [id(p) for p in matrices] == [id(model.blocks[0].weight)]
+    assert any(p is model.blocks[2].parametrizations.weight.original for p in rest)
+
+
+def test_mistakes_are_named():
+    """Plausible mistakes give errors that name the fix (they were AttributeErrors, or TypeErrors
+    naming LowBitOptimizer.__init__)."""
+    model = TinyLM()
+    cases = [
+        (lambda: lowbit_optim.MuonWithAdamW(model.parameters()), TypeError, "take the model \\(an nn.Module.* got generator"),
+        (lambda: lowbit_optim.MuonWithAdamW(model, muon=0.02), TypeError, "muon must be a dict of its optimizer's keywords"),
+        (lambda: lowbit_optim.MuonWithAdamW(model, head=model.lm_head), TypeError, "head must be a name glob"),
+        (lambda: lowbit_optim.Muon([model.blocks[0].weight], betas=(0.9, 0.95)), TypeError, "Muon got an unexpected keyword argument 'betas'; it takes lr, weight_decay, momentum"),
+    ]
+    for make, error, match in cases:
+        with pytest.raises(error, match=match):
+            make()
+
+
+def test_a_parameter_in_both_parts_is_refused():
+    """opt.muon.add_param_group of a parameter opt.adamw holds: each part would step it (one
+    torch.optim optimizer refuses a parameter in two groups)."""
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, compile=False)
+    opt.muon.add_param_group({"params": [model.lm_head.weight]})
+    model(torch.randint(0, 50, (2, 5))).square().mean().backward()
+    with pytest.raises(ValueError, match=r"a parameter of shape \(50, 16\) is in both opt.muon's and opt.adamw's param groups"):
+        opt.step()
 
 
 def test_muon_split_head_by_name():
