@@ -486,7 +486,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if formats.is_quantized(compensation) and not compensation.holds_signed:
                 raise ValueError(
                     f"compensation_format {compensation.name!r} holds nonnegative values only, and Kahan's compensation "
-                    "(the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16' (the default) or '8bit'"
+                    f"(the rounding error of each bf16 weight) is signed: use a signed format, e.g. {_COMPENSATION_FORMATS}"
+                )
+            kept = _negative_extreme_kept(compensation) if formats.is_quantized(compensation) else 1.0
+            if kept < 0.999:
+                raise ValueError(
+                    f"compensation_format {compensation.name!r} reads a block whose largest value is negative back as "
+                    f"{kept:.5f} of it (its signed codes stop short of -1): Kahan's compensation, written back every step, "
+                    f"would shrink by that each step and stall the weights that move down; use {_COMPENSATION_FORMATS}"
                 )
         else:
             del used["compensation"]
@@ -503,11 +510,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             raise ValueError("a param group lists a parameter more than once: list each once (model.parameters() does)")
         for p in group["params"]:
             _check_param(p, self.torch_name)
-        if group["param_update"] != "nearest" and any(p.dtype == torch.float16 for p in group["params"]):
-            raise ValueError(
-                f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
-                "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
-            )
+        _check_fp16_update(group, group["params"])
         self._remember_group(group)
 
     def _check_hyper_parameters(self, group: dict) -> None:
@@ -686,7 +689,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         items = {id(group): [] for group in self.param_groups}
         for i, tensor, grad in zip(positions, params, grads):
             group, p = owners[i]
-            self._check_stepped(p, grad)
+            self._check_stepped(p, grad, group)
             items[id(group)].append((p, tensor, grad))
         for group in self.param_groups:
             self._step_group(group, items[id(group)])
@@ -696,7 +699,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
         """Step one parameter of ``group`` (the step in backward's hook)."""
         self._check_edits([group])
-        self._check_stepped(param, grad)
+        self._check_stepped(param, grad, group)
         self._step_group(group, [(param, param, grad)])
 
     @contextlib.contextmanager
@@ -761,13 +764,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if fused:
             self._fused_step(fused, group, corrections)
 
-    def _check_stepped(self, p: Tensor, grad: Tensor) -> None:
-        """What the constructor checked of ``p`` may have changed through ``.data``, and autograd does
-        not check a gradient assigned through it: each step checks them, where it begins (_step_params,
-        _step_one), before any group is stepped and whatever a subclass's _step_group does."""
+    def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
+        """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``
+        after it), and autograd does not check a gradient assigned through it: each step checks them,
+        where it begins (_step_params, _step_one), before any group is stepped and whatever a
+        subclass's _step_group does."""
         _check_grad_shape(p, grad)
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
+        _check_fp16_update(group, [p])
 
     def _remember_group(self, group: dict) -> dict:
         """The group's options as built, loaded or last checked, for _check_edits. Not pickled: a
@@ -1023,6 +1028,28 @@ class LowBitOptimizer(torch.optim.Optimizer):
         count = float(state["step"])
         if not (math.isfinite(count) and count >= 0):  # a NaN or negative count would spoil every element's bias correction
             raise ValueError(f"{_loaded_state('step', param, index)} is {count}: it must count steps, a finite number >= 0")
+
+
+_COMPENSATION_FORMATS = "'bf16-sr' (2 bytes), '8bit-log' (1) or 'fp32'"
+
+
+@functools.cache
+def _negative_extreme_kept(fmt: type) -> float:
+    """What a signed state of ``fmt`` keeps of a block's negative extreme, relative to its positive
+    one (1.0: as much; bitsandbytes' signed 8-bit table stops at -0.99297)."""
+    block = torch.linspace(-0.5, 0.5, fmt.default_block_size or 256, dtype=torch.float32)
+    block[0] = 1.0
+    read = [float(fmt.from_float(sign * block, True).dequantize()[0]) * sign for sign in (1.0, -1.0)]
+    return read[1] / read[0]
+
+
+def _check_fp16_update(group: dict, params: list[Tensor]) -> None:
+    """fp16 parameters are rounded to nearest: another param_update would be dropped."""
+    if group["param_update"] != "nearest" and any(p.dtype == torch.float16 for p in params):
+        raise ValueError(
+            f"param_update={group['param_update']!r} applies to bf16 parameters; fp16 ones are rounded to nearest, where "
+            "small updates vanish. Keep fp16 weights in fp32 (torch.amp trains fp16 activations with fp32 weights) or convert them to bf16"
+        )
 
 
 def _keywords(cls: type) -> list[str]:

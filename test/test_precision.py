@@ -120,6 +120,48 @@ def test_small_lr_bf16_training_tracks_fp32_master(mode, state_format, fp32_mast
         assert decrease > 0.75 * fp32_master_decrease
 
 
+def _kahan_movement(sign: float, dtype=torch.bfloat16, **kwargs) -> float:
+    """How far 300 AdamW steps of lr 1e-5 move 512 weights of 1.0 (norm gains) with gradients of
+    ``sign``: the mean |weight + compensation - 1|."""
+    p = torch.nn.Parameter(torch.ones(512, dtype=dtype))
+    opt = lowbit_optim.AdamW([p], lr=1e-5, weight_decay=0.0, min_quantize_numel=0, compile=False, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        p.grad = (sign * (torch.randn(512, generator=g) * 0.1 + 1)).to(dtype)
+        opt.step()
+    compensation = opt.state[p].get("compensation")
+    held = torch.zeros(512) if compensation is None else compensation.float()
+    return float((p.detach().float() + held - 1).abs().mean())
+
+
+@pytest.mark.parametrize("compensation_format", ["fp32", "bf16-sr", "8bit-log", "4bit"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["down", "up"])
+def test_kahan_weights_move_as_fp32_ones_either_way(sign, compensation_format):
+    """Weights of 1.0 at lr 1e-5 (each step a tenth of half an ulp) move as fp32 weights do, down as
+    up, with a compensation in these formats (an '8bit' one, refused now, stalled those moving down:
+    its signed codes stop at -0.99297, so the buffer shrank every write)."""
+    exact = _kahan_movement(sign, torch.float32)
+    assert _kahan_movement(sign, param_update="kahan", compensation_format=compensation_format) == pytest.approx(exact, rel=0.03)
+
+
+@pytest.mark.parametrize("compensation_format", ["8bit", "8bit-sr", "4bit-torchao"])
+def test_a_compensation_format_that_shrinks_negative_blocks_is_refused(compensation_format):
+    with pytest.raises(ValueError, match=rf"compensation_format '{compensation_format}' reads a block whose largest value is negative back as 0.\d+ of it"):
+        lowbit_optim.AdamW([torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))], param_update="kahan", compensation_format=compensation_format)
+
+
+@pytest.mark.parametrize("mode", [m for m in lowbit_optim.PARAM_UPDATES if m != "nearest"])
+def test_fp16_weights_made_after_the_constructor_are_refused_at_the_step(mode):
+    """model.half() after building: the mode, which fp16 weights cannot take, was dropped silently
+    (rounded to nearest, small updates vanishing); the step refuses as the constructor does."""
+    model = torch.nn.Linear(4, 4)
+    opt = lowbit_optim.AdamW(model.parameters(), param_update=mode, compile=False)
+    model.half()
+    model(torch.randn(2, 4, dtype=torch.float16)).float().sum().backward()
+    with pytest.raises(ValueError, match=rf"param_update='{mode}' applies to bf16 parameters; fp16 ones are rounded to nearest"):
+        opt.step()
+
+
 # ---- API ----------------------------------------------------------------------------------------------
 
 
@@ -200,7 +242,7 @@ def test_flag_conflict_and_unknown_mode_are_errors():
         lowbit_optim.AdamW(params(), param_update="exact")
 
 
-@pytest.mark.parametrize("mode,compensation", [("kahan", "8bit"), ("kahan", "bf16"), ("int8-correction", "bf16")])
+@pytest.mark.parametrize("mode,compensation", [("kahan", "8bit-log"), ("kahan", "bf16"), ("int8-correction", "bf16")])
 def test_checkpoint_resumes_exactly(mode, compensation):
     model = _bf16_model()
     kwargs = dict(lr=1e-3, param_update=mode, compensation_format=compensation, state_format="4bit", min_quantize_numel=0)
