@@ -92,6 +92,8 @@ def own(optimizer, params: list[Tensor], stacklevel: int) -> None:
             others[id(previous)] = previous
         if optimizer._step_in_backward or previous is not None:
             _OWNERS.setdefault(p, []).append(owner)
+    if optimizer._step_in_backward:
+        _STEPPING_IN_BACKWARD.add(optimizer)
     if others:
         warnings.warn(
             f"parameters that {', '.join(sorted({type(o).__name__ for o in others.values()}))} stepped in backward "
@@ -111,6 +113,7 @@ def disown(optimizer) -> None:
 
 
 _REFUSING = []  # the handle of the global step pre-hook below, once registered
+_STEPPING_IN_BACKWARD = weakref.WeakSet()  # the live owners stepping in backward: none, and the hook has nothing to do
 
 
 def _refuse_steps_of_others() -> None:
@@ -122,7 +125,7 @@ def _refuse_steps_of_others() -> None:
 
 
 def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
-    if torch.compiler.is_compiling() or getattr(type(optimizer), "owns_in_backward", False):
+    if torch.compiler.is_compiling() or not _STEPPING_IN_BACKWARD or getattr(type(optimizer), "owns_in_backward", False):
         return  # (lowbit_optim's own take parameters over when built, and warn)
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -137,12 +140,13 @@ def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
 
 
 def _group_of(optimizer, param: Tensor) -> dict | None:
-    """``param``'s group in ``optimizer`` as its param groups are now (None: none holds it any
-    more); the map is made again when a group or a group's parameters list changes."""
-    shape = [(id(g), id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
+    """``param``'s group in ``optimizer`` as its param groups are in this backward (None: none holds
+    it any more): the map is made once per backward (autograd's graph task), so any edit between
+    backwards shows."""
+    task = torch._C._current_graph_task_id()
     cached = optimizer.__dict__.get("_groups_by_param")
-    if cached is None or cached[0] != shape:
-        cached = optimizer.__dict__["_groups_by_param"] = (shape, {id(p): g for g in optimizer.param_groups for p in g["params"]})
+    if cached is None or cached[0] != task or task == -1:
+        cached = optimizer.__dict__["_groups_by_param"] = (task, {id(p): g for g in optimizer.param_groups for p in g["params"]})
     return cached[1].get(id(param))
 
 

@@ -27,12 +27,18 @@ def muon_split(model: nn.Module, head: str | bool | None = None) -> tuple[list[T
     registers its head before its blocks needs ``head=``). Only ``nn.Linear`` (and its subclasses)
     with a weight of its own counts: Hugging Face GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s
     ``in_proj_weight`` and a parametrized weight (``weight_norm``, ``spectral_norm``: warned of) do
-    not, so pass such weights yourself. Each list can get its own optimizer and format::
+    not, so pass such weights yourself. Each list can get its own optimizer and format (with
+    ``step_in_backward=True``, which refuses frozen parameters, pass the trainable ones)::
 
         matrices, rest = muon_split(model)
         muon = Muon(matrices, lr=0.02, state_format="8bit")
         adamw = AdamW(rest, lr=3e-4, state_format="8bit")
     """
+    return _muon_split(model, head)
+
+
+def _muon_split(model: nn.Module, head) -> tuple[list[Tensor], list[Tensor]]:
+    # muon_split's work, called by it and by MuonWithAdamW alike: its warnings' stacklevel names their caller
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"muon_split and MuonWithAdamW take the model (an nn.Module: they split it by module type), got "
@@ -108,9 +114,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 "max_grad_norm on MuonWithAdamW would clip Muon's and AdamW's gradients against two separate norms: "
                 "build Muon and AdamW yourself (muon_split) if you want that, or drop max_grad_norm"
             )
-        matrices, rest = muon_split(model, head)
-        if any((part or {}).get("step_in_backward") for part in (options, muon, adamw)):  # which refuses frozen parameters
-            matrices, rest = [p for p in matrices if p.requires_grad], [p for p in rest if p.requires_grad]
+        matrices, rest = _muon_split(model, head)
+        if {**options, **(muon or {})}.get("step_in_backward"):  # which refuses frozen parameters
+            matrices = [p for p in matrices if p.requires_grad]
+        if {**options, **(adamw or {})}.get("step_in_backward"):
+            rest = [p for p in rest if p.requires_grad]
         if not matrices:
             raise ValueError(
                 "the model has no nn.Linear weight for Muon but its head (parametrized ones do not count): use AdamW alone, "

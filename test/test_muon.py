@@ -124,8 +124,9 @@ def test_muon_split_warns_of_parametrized_weights():
     model: its parameters go to AdamW, warned of (they went silently)."""
     model = TinyLM()
     torch.nn.utils.parametrizations.spectral_norm(model.blocks[2])
-    with pytest.warns(UserWarning, match=r"the weights of \['blocks.2'\] are parametrized .* pass them to Muon yourself"):
+    with pytest.warns(UserWarning, match=r"the weights of \['blocks.2'\] are parametrized .* pass them to Muon yourself") as warned:
         matrices, rest = lowbit_optim.muon_split(model)
+    assert warned[0].filename == __file__  # the line that called muon_split
     assert [id(p) for p in matrices] == [id(model.blocks[0].weight)]
     assert any(p is model.blocks[2].parametrizations.weight.original for p in rest)
 

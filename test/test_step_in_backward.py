@@ -437,6 +437,13 @@ def test_hooks_follow_the_param_groups_as_edited():
     model.zero_grad()
     _loss(model, 1).backward()  # the lr-0 group's parameters are in no group now: not stepped
     assert all(p.grad is not None for p in params[2:])
+    group = opt.param_groups[0]
+    assert group["params"][0] is params[1]
+    group["params"][0] = params[2]  # an edit that keeps the list and its length
+    model.zero_grad()
+    before = [p.detach().clone() for p in params]
+    _loss(model, 2).backward()
+    assert params[1].grad is not None and torch.equal(params[1], before[1]) and not torch.equal(params[2], before[2])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inside torch.compile"])
