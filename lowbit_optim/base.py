@@ -377,7 +377,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._constructed = False  # its parameters are owned once every group is accepted (in_backward.own)
         super().__init__(params, defaults)
         self._constructed = True
-        in_backward.own(self, [p for group in self.param_groups for p in group["params"]], stacklevel=3)
+        in_backward.own(self, self._params(), stacklevel=3)
 
     # ---- what an optimizer declares ---------------------------------------------------------------
 
@@ -403,6 +403,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     whole_blocks_only = False
 
     # ---- copies ---------------------------------------------------------------------------------
+
+    def _params(self) -> list[Tensor]:
+        """Every parameter, in param-group order."""
+        return [p for group in self.param_groups for p in group["params"]]
 
     @property
     def _groups(self) -> list[dict]:
@@ -432,7 +436,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
                 for group in self.param_groups:
                     in_backward.hook_params(self, group)
-            in_backward.own(self, [p for group in self.param_groups for p in group["params"]], stacklevel=3)
+            in_backward.own(self, self._params(), stacklevel=3)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -666,7 +670,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_params(*step_op.with_grads([p for group in self.param_groups for p in group["params"]]))
+        self._step_params(*step_op.with_grads(self._params()))
         return loss
 
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: bool = False) -> None:
@@ -1296,9 +1300,9 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
     if not floating and value.dtype != torch.int8:
         raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
     if isinstance(local(value), StateTensor):
-        held = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it)
-        if type(held) is bool and held != signed:  # its codes would be read in the other table (an unsigned momentum's as nonnegative)
-            held, kept = ("a signed", "a nonnegative") if held else ("an unsigned (nonnegative)", "a signed")
+        saved_signed = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it)
+        if type(saved_signed) is bool and saved_signed != signed:  # its codes would be read in the other table (an unsigned momentum's as nonnegative)
+            held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
             raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
         _check_state_tensor(where, local(value))
         return

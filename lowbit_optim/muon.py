@@ -115,9 +115,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 "build Muon and AdamW yourself (muon_split) if you want that, or drop max_grad_norm"
             )
         matrices, rest = _muon_split(model, head)
-        if {**options, **(muon or {})}.get("step_in_backward"):  # which refuses frozen parameters
+        muon_options, adamw_options = {**options, **(muon or {})}, {**options, **(adamw or {})}
+        if muon_options.get("step_in_backward"):  # which refuses frozen parameters
             matrices = [p for p in matrices if p.requires_grad]
-        if {**options, **(adamw or {})}.get("step_in_backward"):
+        if adamw_options.get("step_in_backward"):
             rest = [p for p in rest if p.requires_grad]
         if not matrices:
             raise ValueError(
@@ -127,11 +128,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._built = False
         with warnings.catch_warnings(record=True) as warned:  # (said once both parts are built: a take-over)
             warnings.simplefilter("always")
-            with _suggesting_inside("muon", given=options.keys() | (muon or {}).keys()):
-                self.muon = Muon(matrices, **{**options, **(muon or {})})
+            with _suggesting_inside("muon", given=muon_options.keys()):
+                self.muon = Muon(matrices, **muon_options)
             try:
-                with _suggesting_inside("adamw", given=options.keys() | (adamw or {}).keys()):
-                    self.adamw = AdamW(rest, **{**options, **(adamw or {})}) if rest else None
+                with _suggesting_inside("adamw", given=adamw_options.keys()):
+                    self.adamw = AdamW(rest, **adamw_options) if rest else None
             except BaseException:
                 in_backward.disown(self.muon)  # built, but no optimizer of the user's: the optimizers before it keep its parameters
                 raise

@@ -1340,30 +1340,40 @@ def test_a_codebook_out_of_order_is_named():
         missing.from_float(torch.randn(256), True)
 
 
-def test_an_encode_of_other_codes_than_uint8_is_refused_by_the_optimizer(monkeypatch):
+@pytest.fixture
+def private_registry(monkeypatch):
+    """Formats defined in the test are registered for it only."""
+    monkeypatch.setattr(lowbit_optim.registry, "_REGISTRY", dict(lowbit_optim.registry._REGISTRY))
+
+
+def encoded_format(class_name: str, encode, decode, **attributes) -> type:
+    """An OptimState of the user's own ``encode`` and ``decode`` (functions of cls, values, signed)."""
+    return type(class_name, (lowbit_optim.OptimState,), {"encode": classmethod(encode), "decode": classmethod(decode), **attributes})
+
+
+def test_an_encode_of_other_codes_than_uint8_is_refused_by_the_optimizer(private_registry):
     """A format whose encode gives int8 or float codes trained (float ones at 4 bytes per value) and
     its optimizer then refused its own checkpoint as corrupt: the optimizer refuses the format."""
-    monkeypatch.setattr(lowbit_optim.registry, "_REGISTRY", dict(lowbit_optim.registry._REGISTRY))  # registered for this test only
     for dtype in (torch.int8, torch.float32):
-        encode = classmethod(lambda cls, normalized, signed, dtype=dtype: torch.round(normalized * 127).to(dtype))
-        decode = classmethod(lambda cls, codes, signed: codes.float() / 127)
-        fmt = type("OtherCodes", (lowbit_optim.OptimState,), {"name": f"other-codes-{dtype}", "encode": encode, "decode": decode})
+        encode = lambda cls, normalized, signed, dtype=dtype: torch.round(normalized * 127).to(dtype)  # noqa: E731
+        fmt = encoded_format("OtherCodes", encode, lambda cls, codes, signed: codes.float() / 127, name=f"other-codes-{dtype}")
         with pytest.raises(ValueError, match=rf"OtherCodes.encode gives a {dtype} tensor of shape \(1, 256\) on cpu for one block of 256 values from -1.0 to 1.0 \(float32, on cpu\): it must give one torch.uint8 code"):
             lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=fmt)
 
 
-def test_the_optimizer_probes_encode_with_a_block_as_quantize_passes_it(monkeypatch):
+def test_the_optimizer_probes_encode_with_a_block_as_quantize_passes_it(private_registry):
     """The optimizer's check of a format's encode passes it one block, a row, as quantizing does: an
     encode that reads its values in pairs along the block trains; one that raises is refused with
     its format named, not with its bare error."""
-    monkeypatch.setattr(lowbit_optim.registry, "_REGISTRY", dict(lowbit_optim.registry._REGISTRY))  # registered for this test only
 
     def encode(cls, normalized, signed):  # reads the block in pairs, as a vector quantizer would (a code per value still)
         pairs = normalized.unflatten(-1, (-1, 2))
         return torch.round(pairs * 127 + 128).clamp(0, 255).to(torch.uint8).flatten(-2)
 
-    decode = classmethod(lambda cls, codes, signed: (codes.float() - 128) / 127)
-    paired = type("PairedCodes", (lowbit_optim.OptimState,), {"name": "paired-codes", "encode": classmethod(encode), "decode": decode})
+    def decode(cls, codes, signed):
+        return (codes.float() - 128) / 127
+
+    paired = encoded_format("PairedCodes", encode, decode, name="paired-codes")
     param = torch.nn.Parameter(torch.ones(512))
     opt = lowbit_optim.AdamW([param], state_format=paired, min_quantize_numel=0, compile=False)
     param.grad = torch.ones(512)
@@ -1373,10 +1383,9 @@ def test_the_optimizer_probes_encode_with_a_block_as_quantize_passes_it(monkeypa
     def failing(cls, normalized, signed):
         raise RuntimeError("this encode runs on CUDA only")
 
-    broken = type("CudaOnly", (lowbit_optim.OptimState,), {"name": "cuda-only", "encode": classmethod(failing), "decode": decode})
+    broken = encoded_format("CudaOnly", failing, decode, name="cuda-only")
     with pytest.raises(ValueError, match=r"CudaOnly.encode fails on one block of 256 values from -1.0 to 1.0 \(float32, on cpu\): RuntimeError: this encode runs on CUDA only"):
         lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=broken)
-
 
 
 def _clear_fingerprints() -> None:
@@ -1384,7 +1393,6 @@ def _clear_fingerprints() -> None:
     for cls in {c for i in FORMATS if i.quantized for c in i.fmt.__mro__}:
         if "_numerics_fingerprint" in cls.__dict__:
             cls.__dict__["_numerics_fingerprint"].__func__.cache_clear()
-
 
 
 def test_a_format_edited_in_a_class_value_gets_another_fingerprint():
@@ -1400,8 +1408,7 @@ def test_a_format_edited_in_a_class_value_gets_another_fingerprint():
         def decode(cls, codes, signed):
             return (codes.float() - cls.levels) / cls.levels
 
-        methods = {"encode": classmethod(encode), "decode": classmethod(decode)}
-        return type("Levels", (lowbit_optim.OptimState,), {"bits": 8, "default_block_size": 256, "levels": levels, **methods})
+        return encoded_format("Levels", encode, decode, bits=8, default_block_size=256, levels=levels)
 
     assert levels_format(127)._numerics_fingerprint(True) != levels_format(7)._numerics_fingerprint(True)
     e5m2 = type("E5M2", (lowbit_optim.OptimStateFp8,), {"name": None, "fp8_dtype": torch.float8_e5m2, "scale_max": 448.0})
@@ -1422,8 +1429,7 @@ def test_a_format_edited_in_a_module_constant_gets_another_fingerprint(monkeypat
         return (codes.float() - LEVELS) / LEVELS
 
     def fingerprint() -> str:
-        fmt = type("ModuleLevels", (lowbit_optim.OptimState,), {"bits": 8, "encode": classmethod(encode), "decode": classmethod(decode)})
-        return fmt._numerics_fingerprint(True)
+        return encoded_format("ModuleLevels", encode, decode, bits=8)._numerics_fingerprint(True)
 
     before = fingerprint()
     assert fingerprint() == before
