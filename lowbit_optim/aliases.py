@@ -40,6 +40,8 @@ class AnyPrecisionAdamW(AdamW):
         options = _torchdistx_options(use_kahan_summation, momentum_dtype, variance_dtype, compensation_buffer_dtype)
         super().__init__(params, lr, betas, eps, weight_decay, **options, **kwargs)
 
+    _refuses_unused_compensation = False  # torchdistx ignores compensation_buffer_dtype without Kahan summation
+
     def add_param_group(self, param_group: dict) -> None:
         given = {k: param_group[k] for k in _TORCHDISTX_OPTIONS if k in param_group}
         if given:

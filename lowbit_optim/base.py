@@ -268,7 +268,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
       Parameters with fewer than ``min_quantize_numel`` elements keep fp32 state; every larger one
       is quantized, padded to whole blocks (``block_size``: the format's default unless given).
     - ``param_update``: how updates land in bf16 parameters: "nearest", "stochastic", "kahan"
-      (compensation buffer in ``compensation_format``) or "int8-correction" (precision.py).
+      (compensation buffer in ``compensation_format``, bf16 unless given; given without "kahan" it
+      is refused) or "int8-correction" (precision.py).
       ``bf16_stochastic_round=True`` is torchao's spelling of ``param_update="stochastic"``.
     - ``compile=False`` runs the same step function eagerly (slow; for debugging).
     - ``fused`` (as in torch.optim): for optimizers with an update in the fused CPU kernel (Adam,
@@ -326,7 +327,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         block_size: int | None = None,
         min_quantize_numel: int = 4096,
         param_update: str = "nearest",
-        compensation_format="bf16",
+        compensation_format=None,
         bf16_stochastic_round: bool = False,
         compile: bool = True,
         fused: bool | None = None,
@@ -347,6 +348,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
             param_update = "stochastic"
         _check_torch_keywords(fused, foreach, capturable, differentiable)
+        if compensation_format is not None and self._refuses_unused_compensation and param_update != "kahan":
+            params = list(params)  # (torch.optim lists them too) a group of its own may choose Kahan summation
+            if not any(isinstance(g, dict) and g.get("param_update") == "kahan" for g in params):
+                raise ValueError(_unused_compensation(compensation_format, param_update))
         if fused and not compile:
             raise ValueError("fused=True contradicts compile=False (the eager reference step); pass one of them")
         defaults = dict(
@@ -355,7 +360,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             block_size=block_size,
             min_quantize_numel=min_quantize_numel,
             param_update=param_update,
-            compensation_format=compensation_format,
+            compensation_format="bf16" if compensation_format is None else compensation_format,  # torchdistx's
             foreach=foreach,
             capturable=capturable,
             differentiable=differentiable,
@@ -395,6 +400,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # it takes over parameters that another optimizer steps in backward when it is built, so that
     # its step() need not be refused (in_backward._refuse_a_step_of_another)
     owns_in_backward = True
+
+    # a compensation_format given without param_update="kahan" is refused (it would do nothing);
+    # AnyPrecisionAdamW ignores it, as torchdistx does its compensation_buffer_dtype
+    _refuses_unused_compensation = True
 
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
     # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its FP8 aliases
@@ -446,9 +455,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         # a group that names its own formats inherits the constructor's block_size without using it
         block_size_given = "block_size" in param_group or "state_format" not in param_group
+        compensation_given = "compensation_format" in param_group and self._refuses_unused_compensation
         super().add_param_group(param_group)
         try:
             self._check_new_group(self.param_groups[-1], block_size_given)
+            group = self.param_groups[-1]
+            if compensation_given and group["param_update"] != "kahan":
+                raise ValueError(_unused_compensation(group["compensation_format"], group["param_update"], "a param group's "))
             if self._step_in_backward:  # checks every parameter before it hooks any
                 in_backward.hook_params(self, self.param_groups[-1])
         except BaseException:
@@ -498,6 +511,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     f"compensation_format {compensation.name!r} reads a block whose largest value is negative back as "
                     f"{kept:.5f} of it (its signed codes stop short of -1): Kahan's compensation, written back every step, "
                     f"would shrink by that each step and stall the weights that move down; use {_COMPENSATION_FORMATS}"
+                )
+            kept = _small_additions_kept(compensation) if formats.is_quantized(compensation) else 1.0
+            if kept < 0.5:
+                raise ValueError(
+                    f"compensation_format {compensation.name!r} kept {max(kept, 0.0):.0%} of 64 additions of 1/1024 of a block's "
+                    "largest value, each written back: Kahan's compensation grows by such additions every step, and rounding to the "
+                    f"nearest code swallows one below half a code gap (weights would lag fp32 ones); use {_COMPENSATION_FORMATS}, "
+                    "which round stochastically"
                 )
         else:
             del used["compensation"]
@@ -1045,6 +1066,29 @@ def _negative_extreme_kept(fmt: type) -> float:
     block[0] = 1.0
     read = [float(fmt.from_float(sign * block, True).dequantize()[0]) * sign for sign in (1.0, -1.0)]
     return read[1] / read[0]
+
+
+@functools.cache
+def _small_additions_kept(fmt: type) -> float:
+    """The share of 64 additions of 2**-10 of its block's largest value that a signed state of ``fmt``
+    keeps when written back after each, as Kahan's compensation is every step (the worse sign): about
+    1 when it rounds stochastically, about 0 where nearest rounding swallows each addition."""
+    start = torch.linspace(-0.5, 0.5, fmt.default_block_size or 256, dtype=torch.float32)
+    shares = []
+    for sign in (1.0, -1.0):
+        start[0] = sign
+        state = fmt.from_float(start.clone(), True)
+        for _ in range(64):
+            state.copy_(state.dequantize() + sign * 2.0**-10)
+        shares.append(float(((state.dequantize() - start)[1:] * sign).mean()) / (64 * 2.0**-10))
+    return min(shares)
+
+
+def _unused_compensation(name, param_update: str, whose: str = "") -> str:
+    return (
+        f"{whose}compensation_format={name!r} is the buffer of param_update='kahan', but its param_update is "
+        f"{param_update!r}, which keeps none: pass param_update='kahan' too, or drop compensation_format"
+    )
 
 
 def _check_fp16_update(group: dict, params: list[Tensor]) -> None:
