@@ -378,7 +378,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._step_in_backward = step_in_backward
         self._max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
-        self._step_op_key = step_op.register(self)
+        self._step_op_key, self._option_places = step_op.register(self)
         self._constructed = False  # its parameters are owned once every group is accepted (in_backward.own)
         super().__init__(params, defaults)
         self._constructed = True
@@ -441,7 +441,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state.setdefault(key, self.__dict__.get(key, value))
         super().__setstate__(state)
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
-            self._step_op_key = step_op.register(self)
+            self._step_op_key, self._option_places = step_op.register(self)
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
                 for group in self.param_groups:
                     in_backward.hook_params(self, group)
@@ -677,7 +677,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             # self.param_groups (a new graph for each lr), not on what is read through an alias
             params = [p for group in self._groups for p in group["params"]]
             if closure is None and not any(is_dtensor(p) for p in params):
-                return step_op.step(self._step_op_key, params)
+                return step_op.step(self._step_op_key, params, self._groups, self._option_places)
             return _step_outside_graph(self, closure)  # a closure runs backward: a graph break either way
         return self._step_eagerly(closure)
 

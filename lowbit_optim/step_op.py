@@ -8,11 +8,14 @@ optimizer's ordinary step (its own compiled step or the fused kernel) on the ten
 Learning rates and other options are read when it runs: changing them recompiles nothing. Dynamo
 writes back edits of Python objects only after its graph has run, so param_groups edited inside the
 compiled function before ``step()`` would be seen a step late: there the step breaks the graph
-(refused under fullgraph=True), and runs after the edits.
+(refused under fullgraph=True), and runs after the edits. Tensor options (a tensor lr) are the op's
+inputs, so that one filled in place before ``step()`` in the graph reaches it.
 """
 
+import contextlib
 import itertools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -23,22 +26,75 @@ _OPTIMIZERS: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref
 _KEYS = itertools.count()
 
 
-def register(optimizer) -> int:
-    """A key for ``optimizer`` (each copy needs its own), to be stored on it when it is made:
-    registering while dynamo traces would break the graph."""
+def register(optimizer) -> tuple[int, Callable[[], tuple[int, tuple]]]:
+    """A key for ``optimizer`` (each copy needs its own) and the function that tells where its
+    tensor options are, to be stored on it when it is made: registering while dynamo traces would
+    break the graph. The function runs at trace time, not traced (reading every option would make
+    dynamo guard on each float: a new graph for each lr); one per optimizer, since dynamo may make
+    the key a symbolic int."""
     key = next(_KEYS)
     _OPTIMIZERS[key] = optimizer
-    return key
+    this = weakref.ref(optimizer)
+    return key, torch._dynamo.assume_constant_result(lambda: _option_places(this().__dict__["param_groups"]))
 
 
 @torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
-def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
-    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions, traced=True)
+def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int], options: list[Tensor], places: int) -> None:
+    optimizer = _OPTIMIZERS[optimizer_id]
+    with _options_as_given(optimizer.param_groups, _PLACES[places], options):
+        optimizer._step_params(params, grads, positions, traced=True)
 
 
 @_step.register_fake
-def _step_fake(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int]) -> None:
+def _step_fake(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int], options: list[Tensor], places: int) -> None:
     return None
+
+
+# where the groups' tensor options were when a graph was traced, a tuple of (group index, key, item
+# index or -1) each; the op finds them by their index here
+_PLACES: list[tuple] = []
+
+
+def _option_places(groups: list[dict]) -> tuple[int, tuple]:
+    """Where the groups' tensor options (a tensor lr, tensor betas) are now, and the index of that in
+    _PLACES."""
+    places = tuple(
+        (g, key, i)
+        for g, group in enumerate(groups)
+        for key, value in group.items() if key != "params"
+        for i, item in ([(-1, value)] if isinstance(value, Tensor) else enumerate(value) if isinstance(value, (tuple, list)) else [])
+        if isinstance(item, Tensor)
+    )  # fmt: skip
+    if places not in _PLACES:
+        _PLACES.append(places)
+    return _PLACES.index(places), places
+
+
+def _option_at(groups: list[dict], place: tuple):
+    """The option at ``place``, or None where there is none now."""
+    g, key, i = place
+    value = groups[g].get(key) if g < len(groups) else None
+    if i != -1:
+        value = value[i] if isinstance(value, (tuple, list)) and i < len(value) else None
+    return value
+
+
+@contextlib.contextmanager
+def _options_as_given(groups: list[dict], places: tuple, given: list[Tensor]):
+    """The groups' tensor options at ``places`` replaced by those the op was given, for the step:
+    an in-place edit traced before step() (``lr.fill_(...)``) is written back to the group's
+    tensor only after the graph has run, and reaches the op through its input. (An option that
+    became a tensor after the graph was traced, which it cannot have edited, is read as it is.)"""
+    swaps = [(place, tensor) for place, tensor in zip(places, given) if isinstance(_option_at(groups, place), Tensor) and _option_at(groups, place) is not tensor]
+    saved = [(groups[g], key, groups[g][key]) for (g, key, _), _ in swaps]
+    for (g, key, i), tensor in swaps:
+        value = groups[g][key]
+        groups[g][key] = tensor if i == -1 else type(value)(tensor if j == i else v for j, v in enumerate(value))
+    try:
+        yield
+    finally:
+        for group, key, value in reversed(saved):
+            group[key] = value
 
 
 def with_grads(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[int]]:
@@ -77,8 +133,11 @@ def _break_if_groups_edited(ctx) -> None:
                 ctx.graph_break(GROUPS_EDITED_IN_GRAPH.format(name=type(optimizer).__name__))
 
 
-def step(key: int, params: list[Tensor]) -> None:
+def step(key: int, params: list[Tensor], groups: list[dict], option_places) -> None:
     """The step of the optimizer registered as ``key`` over ``params`` (all of its parameters, in
-    param-group order) as one op of the graph being traced."""
+    param-group order; ``groups``: its param_groups; ``option_places``: what register gave) as one
+    op of the graph being traced."""
     comptime(_break_if_groups_edited)
-    torch.ops.lowbit_optim.step(key, *with_grads(params))
+    index, places = option_places()
+    options = [groups[g][key] if i == -1 else groups[g][key][i] for g, key, i in places]
+    torch.ops.lowbit_optim.step(key, *with_grads(params), options, index)

@@ -419,6 +419,36 @@ def test_groups_edited_inside_torch_compile_before_the_step():
     assert opt.param_groups[0]["lr"] == LR / 2
 
 
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+def test_tensor_options_filled_inside_torch_compile_before_the_step(fused):
+    """The fix the refusal above names: a tensor lr (and tensor betas) fill_()ed in the compiled
+    function before opt.step(), under fullgraph=True. Dynamo writes the fill back only after its
+    graph has run; the step op takes the tensors as inputs, so each step uses the values just set,
+    as eager does (it used the previous step's: the first step ran at lr 0). Edits after the step
+    and new values recompile nothing."""
+    x, y = regression_data()
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=torch.tensor(0.0), betas=(torch.tensor(0.0), 0.999), state_format="8bit", fused=fused)
+        group = opt.param_groups[0]
+
+        def set_and_step(lr, beta1):
+            group["lr"].fill_(lr)
+            group["betas"][0].fill_(beta1)
+            opt.step()
+
+        compiles = CompileCounterWithBackend("inductor")
+        step = torch.compile(set_and_step, fullgraph=True, backend=compiles) if compiled else set_and_step
+        for lr, beta1 in ((LR, 0.9), (LR / 2, 0.5), (2 * LR, 0.8)):
+            (model(x) - y).square().mean().backward()
+            step(torch.tensor(lr), torch.tensor(beta1))
+            opt.zero_grad()
+        assert not compiled or compiles.frame_count == 1
+        runs.append((model, opt))
+    assert_same_training(*runs[0], *runs[1])
+
+
 def test_a_refused_edit_steps_no_group():
     """An edit a step refuses (a group's lr made negative) is found before any group is stepped,
     MuonWithAdamW's two optimizers' too: fixed and stepped again, nothing is stepped twice."""
