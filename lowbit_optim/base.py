@@ -549,6 +549,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if key in group and not _is_flag(group[key]):
                 raise ValueError(f"{key} must be True or False (or 1 or 0), got {group[key]!r}")
         self._check_group(group)
+        for key, value in group.items():  # after the optimizer's own checks, whose messages say more
+            if key != "params":
+                _check_finite(key, value)
 
     def _format_keys(self) -> list[str]:
         """The states a per-state ``state_format`` dict names: those that follow no other."""
@@ -1238,11 +1241,21 @@ def _check_float_range(key: str, value) -> None:
 _FLOAT_MAX = torch.finfo(torch.float64).max
 
 
+def _check_finite(key: str, value) -> None:
+    """Raise a ValueError where ``value`` (or an item of it) is a NaN or infinite number: one step
+    would make every parameter of the group non-finite (weight_decay=inf, dampening=nan)."""
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        number = _real_value(v) if not isinstance(v, bool) else None
+        if number is not None and not math.isfinite(number):
+            raise ValueError(f"invalid {key} {value!r}: {key} must be finite")
+
+
 def _check_lr(lr) -> None:
     _check_float_range("lr", lr)
     lr_value = _real_value(lr)
     if lr_value is None or not lr_value >= 0:
         raise ValueError(f"invalid learning rate {lr!r}: lr must be a number >= 0")
+    _check_finite("lr", lr)
 
 
 def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> None:
@@ -1343,15 +1356,19 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
         raise ValueError(f"{where} has dtype {value.dtype}, not a {'floating-point' if floating else 'integer'} dtype")
     if not floating and value.dtype != torch.int8:
         raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
-    if isinstance(local(value), StateTensor):
-        saved_signed = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it)
+    torchao = foreign.is_torchao_state(local(value))  # read by foreign.from_foreign, the state it makes checked as ours
+    if isinstance(local(value), StateTensor) or torchao:
+        saved_signed = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it; torchao's fp8 keeps none)
         if type(saved_signed) is bool and saved_signed != signed:  # its codes would be read in the other table (an unsigned momentum's as nonnegative)
             held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
             raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
+    if isinstance(local(value), StateTensor):
         _check_state_tensor(where, local(value))
         return
-    if foreign.is_torchao_state(local(value)):  # read by foreign.from_foreign, the state it makes checked as ours
-        values, held = local(value).scale, "scale"  # (the values' sign: its codebook's are nonnegative when unsigned)
+    if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign
+        values, held = local(value).scale, "scale"
+        if bool((values < 0).any()):
+            raise ValueError(f"{where} is corrupt: its scale holds a negative value ({float(values.min())}), where it holds block maxima")
     else:
         problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
         if problem is None and _overlaps(local(value)):
@@ -1376,6 +1393,10 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
         values = getattr(state, name)
         if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
             raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
+    if not state.signed:  # codes that decode below 0 (an fp8 code's sign bit, a bf16-sr value) would make NaN of sqrt(v)
+        values = state.dequantize()
+        if bool((values < 0).any()):
+            raise ValueError(f"{where} is corrupt: a negative value ({float(values.min())}) in its values, where it holds a nonnegative state")
 
 
 def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor], error: Exception) -> None:

@@ -58,6 +58,8 @@ def from_foreign(state: Tensor, signed: bool) -> Tensor:
         table = state.qmap
         if table.dtype != torch.float32 or table.shape != (2**bits,):
             raise ValueError(f"{what} has a code table of dtype {table.dtype} and shape {tuple(table.shape)}, not {2**bits} float32 values")
+        if not bool(table.isfinite().all()):  # each of its codes would decode to NaN or inf
+            raise ValueError(f"{what} has a code table with a non-finite value: it is corrupt")
         ours = fmt.decode(torch.arange(2**bits, dtype=torch.uint8, device=table.device), signed)
         exact = torch.equal(table, ours)
     if exact and _valid_block_size(block_size, bits):
@@ -296,6 +298,10 @@ def _bitsandbytes_pieces(state: dict, i: int, shape: tuple, where: str) -> list:
     absmax = absmax.reshape(stacked, -1)  # AdEMAMix: (2, blocks)
     if not isinstance(qmap, Tensor) or qmap.dtype != torch.float32 or tuple(qmap.shape) != (256,):
         raise ValueError(f"{where}: the 8-bit {key} needs qmap{i}, a float32 table of 256 code values, got {_describe(qmap)}")
+    if not bool(qmap.isfinite().all()):  # each of its codes would decode to NaN or inf
+        raise ValueError(f"{where}: qmap{i} holds a non-finite value: it is corrupt")
+    if bool((absmax < 0).any()):  # block maxima; a negative one would flip its block's values
+        raise ValueError(f"{where}: absmax{i} holds a negative value ({float(absmax.min())}), where it holds block maxima: it is corrupt")
     return [((h, s, qmap, block_size), name) for h, s, name in zip(halves, absmax.unbind(0), label)]
 
 

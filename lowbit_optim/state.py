@@ -346,6 +346,13 @@ class StateTensor(Tensor):
             # the same codes, read as the format that now holds their old meaning
             self.__class__ = legacy
             attributes["format_version"] = legacy.format_version
+        kept = _instance_attributes(type(self))
+        foreign = sorted(k for k in attributes if isinstance(k, str) and k not in kept) if kept is not None else []
+        if foreign:  # e.g. inner_names or nonnegative: set on the object, they would switch off the checks of a load
+            raise ValueError(
+                f"this checkpoint's {type(self).__name__} ({self.name!r} state format) sets {foreign}, which such a state does "
+                f"not keep (it keeps {sorted(kept)}): the checkpoint is edited or corrupt"
+            )
         torch._utils._set_obj_state(self, state)
 
     @classmethod
@@ -710,6 +717,16 @@ def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 # Shared handlers
 # ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _instance_attributes(cls: type) -> frozenset | None:
+    """The attributes a state of ``cls`` keeps on itself (its inner tensors and metadata), or None
+    where a state cannot be made to tell."""
+    try:
+        return frozenset(vars(cls.zeros((1,), cls.holds_signed)))
+    except Exception:  # noqa: BLE001 - a format of the user's: its checkpoints load unchecked here, as before
+        return None
 
 
 def _format_name(state: StateTensor) -> str:

@@ -305,7 +305,7 @@ class TestRefused(expecttest.TestCase):
 
     def test_messages(self):
         adamw, lion, ademamix = (self.checkpoints[(n, 8)] for n in ("AdamW", "Lion", "AdEMAMix"))
-        state1 = lion["state"][0]["__bnb_optimizer_quant_state__"]["state1"]
+        state1, lion_absmax, lion_qmap = (lion["state"][0]["__bnb_optimizer_quant_state__"][k] for k in ("state1", "absmax1", "qmap1"))
         bad_group = copy.deepcopy(lion)
         unstepped = {n: save_and_load(getattr(bnb.optim, cls)(make_mlp().parameters(), **kw, **extra).state_dict()) for n, ((cls, extra), _, _, kw) in CASES.items()}
         bad_group["param_groups"][0]["betas"] = (1.5, 0.99)
@@ -322,6 +322,8 @@ class TestRefused(expecttest.TestCase):
             "absmax1 missing": ("Lion", edited(lion, absmax1=None)),
             "absmax1 a block short": ("Lion", edited(lion, absmax1=torch.zeros(23))),
             "qmap1 of 255 values": ("Lion", edited(lion, qmap1=torch.zeros(255))),
+            "qmap1 with a NaN": ("Lion", edited(lion, qmap1=lion_qmap.index_fill(0, torch.tensor([3]), float("nan")))),
+            "absmax1 negative, qmap1 not ours": ("Lion", edited(lion, absmax1=torch.full_like(lion_absmax, -0.5), qmap1=lion_qmap * (1 + 2**-20))),
             "state1 missing": ("Lion", edited(lion, state1=None)),
             "state1 a subclass": ("Lion", edited(lion, state1=torch.nn.Parameter(state1.float(), requires_grad=False))),
             "non-blockwise 8-bit (max1)": ("Lion", edited(lion, max1=torch.zeros(1))),
@@ -348,6 +350,8 @@ state1 of int16 codes: bitsandbytes state of parameter 0 (shape (64, 96)): state
 absmax1 missing: bitsandbytes state of parameter 0 (shape (64, 96)): the 8-bit state1 needs absmax1, a float32 tensor of shape (24,) (one scale per block of 256; of 2048 before bitsandbytes 0.44), got missing
 absmax1 a block short: bitsandbytes state of parameter 0 (shape (64, 96)): the 8-bit state1 needs absmax1, a float32 tensor of shape (24,) (one scale per block of 256; of 2048 before bitsandbytes 0.44), got a torch.float32 tensor of shape (23,)
 qmap1 of 255 values: bitsandbytes state of parameter 0 (shape (64, 96)): the 8-bit state1 needs qmap1, a float32 table of 256 code values, got a torch.float32 tensor of shape (255,)
+qmap1 with a NaN: bitsandbytes state of parameter 0 (shape (64, 96)): qmap1 holds a non-finite value: it is corrupt
+absmax1 negative, qmap1 not ours: bitsandbytes state of parameter 0 (shape (64, 96)): absmax1 holds a negative value (-0.5), where it holds block maxima: it is corrupt
 state1 missing: bitsandbytes state of parameter 0 (shape (64, 96)) lacks 'state1' but holds ['absmax1', 'qmap1', 'step']: the checkpoint is truncated or edited
 state1 a subclass: bitsandbytes state of parameter 0 (shape (64, 96)): state1 is a torch.float32 Parameter of shape (64, 96), not a plain tensor
 non-blockwise 8-bit (max1): bitsandbytes state of parameter 0 (shape (64, 96)) holds ['max1'] (non-blockwise 8-bit states (block_wise=False)): lowbit_optim reads bitsandbytes' blockwise 8-bit and 32-bit states (step, state1, state2, absmax1, absmax2, qmap1, qmap2)

@@ -514,7 +514,7 @@ def test_step_op_refuses_positions_that_are_no_parameters(positions):
     opt = lowbit_optim.AdamW(params)
     tensors = [params[i % 2] for i in positions]
     with pytest.raises(RuntimeError, match="the parameters of this optimizer changed after a torch.compile'd function"):
-        torch.ops.lowbit_optim.step(opt._step_op_key, tensors, [torch.ones(4) for _ in positions], positions)
+        torch.ops.lowbit_optim.step(opt._step_op_key, tensors, [torch.ones(4) for _ in positions], positions, [], opt._option_places()[0])
 
 
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])

@@ -175,6 +175,9 @@ def test_foreign_code_table_is_decoded_with_it():
         # read into our state over the same codes and scales, then checked as ours
         pytest.param(lambda s: setattr(s, "scale", -s.scale), "its scale holds a negative value", id="negative-scale"),
         pytest.param(lambda s: setattr(s, "scale", torch.stack([s.scale, s.scale], -1).select(-1, 0)), "scale must be a 1-D contiguous", id="scale-strided"),
+        # a table not ours: decoded with it, where a negative scale flipped its blocks' signs silently
+        pytest.param(lambda s: (setattr(s, "scale", -s.scale), setattr(s, "qmap", s.qmap * (1 + 2**-20))), "its scale holds a negative value", id="negative-scale-foreign-table"),
+        pytest.param(lambda s: s.qmap.__setitem__(3, float("nan")), "has a code table with a non-finite value", id="code-table-nan"),
     ],
 )
 def test_invalid_torchao_state_is_refused(corrupt, message):
@@ -182,4 +185,15 @@ def test_invalid_torchao_state_is_refused(corrupt, message):
     model, _, checkpoint = torchao_run("AdamW8bit")
     corrupt(checkpoint["state"][0]["exp_avg"])
     with pytest.raises(ValueError, match=message):
+        lowbit_optim.AdamW8bit(model.parameters(), lr=LR).load_state_dict(checkpoint)
+
+
+def test_torchao_states_swapped_are_refused():
+    """exp_avg and exp_avg_sq swapped: torchao's states record their signedness, which used to be
+    kept, so the momentum loaded nonnegative and half the second moment clamped to 0, silently.
+    Refused as the same swap in our own checkpoint is."""
+    model, _, checkpoint = torchao_run("AdamW8bit")
+    state = checkpoint["state"][0]
+    state["exp_avg"], state["exp_avg_sq"] = state["exp_avg_sq"], state["exp_avg"]
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 .* is corrupt: an unsigned \(nonnegative\) state, where it holds a signed one"):
         lowbit_optim.AdamW8bit(model.parameters(), lr=LR).load_state_dict(checkpoint)

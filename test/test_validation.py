@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 
@@ -307,9 +308,70 @@ def test_a_negative_second_moment_is_refused_in_any_layout(saved, into):
         state = TorchaoState8bit.zeros(v.shape, False, 128)  # (torchao takes whole blocks only: 4480 = 35 x 128)
         state.copy_(v.abs())
         state_dict["state"][0]["exp_avg_sq"] = TorchaoState8bit(state.codes, -state.scale, state.qmap, False)
-    message = "in its values" if saved == "plain" else "in its scale"
-    with pytest.raises(ValueError, match=rf"'exp_avg_sq' of parameter 0 .* is corrupt: a negative value \(.*\) {message}, where it holds a nonnegative state"):
+    message = r"a negative value \(.*\) in its values, where it holds a nonnegative state" if saved == "plain" else r"its scale holds a negative value \(.*\), where it holds block maxima"
+    with pytest.raises(ValueError, match=rf"'exp_avg_sq' of parameter 0 .* is corrupt: {message}"):
         fresh_optimizer(into)[1].load_state_dict(load(save(state_dict)))
+
+
+@quantized_formats
+def test_a_nonnegative_state_that_decodes_negative_is_refused(info):
+    """A second moment whose codes decode below 0 made NaN of the next step (sqrt of a negative):
+    bf16-sr's values and fp8's sign bits loaded so, where a plain state's negative value was
+    refused. A signed state's negative values marked nonnegative: refused where its format then
+    decodes them negative, loaded and stepped finitely where its unsigned reading is nonnegative."""
+    state_dict = load(checkpoint(info.spec))
+    saved = state_dict["state"][0][CHECKED]
+    negative = type(saved).from_float(-saved.dequantize().abs() - 1e-3, info.fmt.holds_signed, saved.block_size)
+    negative.signed = False
+    state_dict["state"][0][CHECKED] = negative
+    decodes_negative = float(negative.dequantize().min()) < 0
+    assert decodes_negative or info.name not in ("fp8", "bf16-sr")  # (the review's cases)
+    params, opt = fresh_optimizer(info.spec)
+    try:
+        opt.load_state_dict(load(save(state_dict)))
+    except ValueError as error:
+        assert re.search(rf"'{CHECKED}' of parameter 0 .* is corrupt: ", str(error)), error
+    else:
+        assert not decodes_negative
+        set_grads(params)
+        opt.step()
+        assert all(bool(p.isfinite().all()) for p in params)
+
+
+@pytest.mark.parametrize("attribute", ["inner_names", "inner_dtypes", "nonnegative", "bits", "decode"])
+def test_a_checkpoint_that_sets_what_a_state_class_declares_is_refused(attribute):
+    """torch.load sets a saved state's attributes on it: a file that set the class's declarations
+    (nonnegative={} switched off the negative-scale check, inner_dtypes the codes' dtype check) loaded,
+    then stepped to NaN or wrong numbers. Only what a state keeps on itself loads."""
+    state_dict = load(checkpoint("8bit"))
+    state = state_dict["state"][0][CHECKED]
+    state.__dict__[attribute] = {"inner_names": (), "inner_dtypes": (), "nonnegative": {}, "bits": 4, "decode": 0}[attribute]
+    with pytest.raises(ValueError, match=rf"OptimState8bit \('8bit' state format\) sets \['{attribute}'\], which such a state does not keep"):
+        load(save(state_dict))
+
+
+NON_FINITE_OPTIONS = [
+    ("SGD", {"momentum": 0.9, "dampening": float("nan")}, "dampening"),
+    ("AdamW", {"weight_decay": float("inf")}, "weight_decay"),
+    ("AdamW", {"lr": float("inf")}, "lr"),
+    ("AdamW", {"eps": float("inf")}, "eps"),
+    ("Muon", {"ns_coefficients": (float("nan"), -4.775, 2.0315)}, "ns_coefficients"),
+]
+
+
+@pytest.mark.parametrize("name, options, key", NON_FINITE_OPTIONS, ids=[k for _, _, k in NON_FINITE_OPTIONS])
+def test_non_finite_options_are_refused(name, options, key):
+    """A NaN or infinite option made every parameter of its group non-finite at one step; refused by
+    the constructor and in a checkpoint's param groups."""
+    cls = getattr(lowbit_optim, name)
+    make = lambda **kw: cls([torch.nn.Parameter(torch.randn(8, 8))], compile=False, **kw)  # noqa: E731
+    message = rf"invalid {key} .*: {key} must be finite"
+    with pytest.raises(ValueError, match=message):
+        make(**options)
+    state_dict = make(**{k: v for k, v in options.items() if k != key}).state_dict()
+    state_dict["param_groups"][0].update(options)
+    with pytest.raises(ValueError, match=message):
+        make().load_state_dict(state_dict)
 
 
 def test_states_that_share_memory_are_refused():
