@@ -9,7 +9,9 @@ Learning rates and other options are read when it runs: changing them recompiles
 writes back edits of Python objects only after its graph has run, so param_groups edited inside the
 compiled function before ``step()`` would be seen a step late: there the step breaks the graph
 (refused under fullgraph=True), and runs after the edits. Tensor options (a tensor lr) are the op's
-inputs, so that one filled in place before ``step()`` in the graph reaches it.
+inputs, so that one filled in place before ``step()`` in the graph reaches it. The op does not
+declare the states it writes (their subclasses and the states a first step makes would cost guards
+and recompiles): where the graph has used them before ``step()``, the step breaks it too.
 """
 
 import contextlib
@@ -113,31 +115,54 @@ GROUPS_EDITED_IN_GRAPH = (
 )
 
 
-def _break_if_groups_edited(ctx) -> None:
+STATES_USED_IN_GRAPH = (
+    "{name}'s states are used inside this torch.compile'd function before its step(): the step writes them as "
+    "it runs, which the graph does not see (an edit before it would be lost, a read after it would give the "
+    "values before it). Use opt.state outside the compiled function, or compile without fullgraph=True (the "
+    "step then runs after a graph break)"
+)
+
+
+def _break_if_edited(ctx) -> None:
     """At trace time: a graph break where the traced code has edited, and not yet written back, the
     param_groups list, a group or a group's params list of the optimizer stepped (the local
-    ``key``; where dynamo made it symbolic, of any optimizer). Dynamo's record of edits is internal:
-    where it is not as read here, nothing is checked."""
+    ``key``; where dynamo made it symbolic, of any optimizer), or has taken one of its states (or a
+    state's inner tensor) into the graph. Dynamo's records are internal: where they are not as read
+    here, nothing is checked."""
     try:
-        edits = ctx._ComptimeContext__tx.output.side_effects
+        output = ctx._ComptimeContext__tx.output
+        edits, nodes = output.side_effects, output.graph.nodes
         tracked = edits.id_to_variable
     except AttributeError:
         return
     key = ctx.get_local("key")
     stepped = [_OPTIMIZERS[key.as_python_constant()]] if key.is_python_constant() else list(_OPTIMIZERS.values())
+    inputs = {id(example) for example in (getattr(node.meta.get("grapharg"), "example", None) for node in nodes if node.op == "placeholder") if example is not None}
     for optimizer in stepped:
+        name = type(optimizer).__name__
         groups = optimizer.__dict__.get("param_groups", [])
         for edited in (groups, *groups, *(group["params"] for group in groups)):
             variable = tracked.get(id(edited))
             if variable is not None and edits.is_modified(variable):
-                ctx.graph_break(GROUPS_EDITED_IN_GRAPH.format(name=type(optimizer).__name__))
+                ctx.graph_break(GROUPS_EDITED_IN_GRAPH.format(name=name))
+        if any(id(t) in inputs for states in optimizer.state.values() for value in states.values() for t in _tensors_of(value)):
+            ctx.graph_break(STATES_USED_IN_GRAPH.format(name=name))
+
+
+def _tensors_of(value) -> list:
+    """A state and, for a tensor subclass (a quantized state), its inner tensors."""
+    if not isinstance(value, Tensor):
+        return []
+    flatten = getattr(value, "__tensor_flatten__", None)
+    inner = [getattr(value, n) for n in flatten()[0]] if flatten is not None and type(value) is not Tensor else []
+    return [value, *inner]
 
 
 def step(key: int, params: list[Tensor], groups: list[dict], option_places) -> None:
     """The step of the optimizer registered as ``key`` over ``params`` (all of its parameters, in
     param-group order; ``groups``: its param_groups; ``option_places``: what register gave) as one
     op of the graph being traced."""
-    comptime(_break_if_groups_edited)
+    comptime(_break_if_edited)
     index, places = option_places()
     options = [groups[g][key] if i == -1 else groups[g][key][i] for g, key, i in places]
     torch.ops.lowbit_optim.step(key, *with_grads(params), options, index)

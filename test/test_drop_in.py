@@ -449,6 +449,55 @@ def test_tensor_options_filled_inside_torch_compile_before_the_step(fused):
     assert_same_training(*runs[0], *runs[1])
 
 
+def test_states_used_inside_torch_compile_around_the_step():
+    """The step op does not declare the states it writes: a momentum edited in the compiled function
+    before opt.step() was lost, and a read after it gave the value before it (a logged update of 0).
+    Where the graph has taken a state before the step, the step breaks the graph (refused under
+    fullgraph=True); a read after the step only, in a new graph input, sees the stepped state."""
+    x, y = regression_data()
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+        weight = model[0].weight
+
+        def damp_step_and_measure():
+            momentum = opt.state[weight]["exp_avg"]
+            before = momentum.dequantize()
+            momentum.mul_(0.5)
+            opt.step()
+            return (opt.state[weight]["exp_avg"].dequantize() - before).norm()
+
+        def step_and_read():
+            opt.step()
+            return opt.state[weight]["exp_avg_sq"].dequantize().sum()
+
+        changes, reads = [], []
+        for fn, out in ((damp_step_and_measure, changes), (step_and_read, reads), (damp_step_and_measure, changes)):
+            (model(x) - y).square().mean().backward()
+            if fn is damp_step_and_measure and not opt.state:  # the first step makes the states
+                opt.step()
+                opt.zero_grad()
+                (model(x) - y).square().mean().backward()
+            out.append((torch.compile(fn) if compiled else fn)())
+            opt.zero_grad()
+        runs.append((model, opt, changes, reads))
+    (model, opt, changes, reads), (c_model, c_opt, c_changes, c_reads) = runs
+    assert all(float(c) > 0 for c in c_changes)
+    torch.testing.assert_close(c_changes, changes, rtol=1e-5, atol=0)  # (norms and sums: compiled reductions)
+    torch.testing.assert_close(c_reads, reads, rtol=1e-5, atol=0)
+    assert_same_training(model, opt, c_model, c_opt)
+
+    @torch.compile(fullgraph=True)
+    def damp_and_step():
+        opt.state[model[0].weight]["exp_avg"].mul_(0.5)
+        opt.step()
+
+    (model(x) - y).square().mean().backward()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"AdamW's states are used inside this torch.compile'd function before its step\(\)"):
+        damp_and_step()
+
+
 def test_a_refused_edit_steps_no_group():
     """An edit a step refuses (a group's lr made negative) is found before any group is stepped,
     MuonWithAdamW's two optimizers' too: fixed and stepped again, nothing is stepped twice."""
