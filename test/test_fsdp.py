@@ -60,7 +60,9 @@ def _gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+# one worker runs this file under `--dist loadgroup` (the README's command): its 2-rank job runs once
+# without another worker waiting on the lock that shares it otherwise
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"), pytest.mark.xdist_group("test_fsdp")]
 needs_gloo = pytest.mark.skipif(not _gloo_available(), reason="needs torch.distributed with the gloo backend")
 
 

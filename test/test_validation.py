@@ -35,6 +35,11 @@ OPTIONS = dict(lr=1e-2, amsgrad=True, min_quantize_numel=256)
 CHECKED = "exp_avg_sq"  # quantized in every quantized format's spec (factored holds only this one)
 
 
+# the fuzz runs once, in a child process a module fixture starts: under `--dist loadgroup` (the README's
+# command) every test of this file runs in one worker, which starts it once
+pytestmark = pytest.mark.xdist_group("test_validation")
+
+
 def make_params() -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
