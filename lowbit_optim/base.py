@@ -348,7 +348,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
             param_update = "stochastic"
         _check_torch_keywords(fused, foreach, capturable, differentiable)
-        if compensation_format is not None and self._refuses_unused_compensation and param_update != "kahan":
+        if _names_a_compensation(compensation_format) and self._refuses_unused_compensation and param_update != "kahan":
             params = list(params)  # (torch.optim lists them too) a group of its own may choose Kahan summation
             if not any(isinstance(g, dict) and g.get("param_update") == "kahan" for g in params):
                 raise ValueError(_unused_compensation(compensation_format, param_update))
@@ -455,7 +455,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         # a group that names its own formats inherits the constructor's block_size without using it
         block_size_given = "block_size" in param_group or "state_format" not in param_group
-        compensation_given = "compensation_format" in param_group and self._refuses_unused_compensation
+        compensation_given = _names_a_compensation(param_group.get("compensation_format")) and self._refuses_unused_compensation
         super().add_param_group(param_group)
         try:
             self._check_new_group(self.param_groups[-1], block_size_given)
@@ -550,7 +550,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{key} must be True or False (or 1 or 0), got {group[key]!r}")
         self._check_group(group)
         for key, value in group.items():  # after the optimizer's own checks, whose messages say more
-            if key != "params":
+            if key in self.defaults:  # (a key of the user's, kept as torch.optim keeps it, is not ours to check)
                 _check_finite(key, value)
 
     def _format_keys(self) -> list[str]:
@@ -697,11 +697,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._step_params(*step_op.with_grads(self._params()))
         return loss
 
-    def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: bool = False) -> None:
+    def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: tuple | None = None) -> None:
         """Step ``params`` (the parameters that have a gradient, or the tensors the step op was
         given for them) with ``grads``; ``positions``: theirs among all parameters in param-group
-        order (step_op.with_grads). ``traced``: the step op's, whose positions were taken when its
-        graph was compiled, so they are checked against the parameters as they are now."""
+        order (step_op.with_grads). ``traced``: the step op's (where the groups' tensor options
+        are, and its tensors for them), whose positions were taken when its graph was compiled, so
+        they are checked against the parameters as they are now."""
         owners = [(group, p) for group in self.param_groups for p in group["params"]]
         if traced and (
             any(not 0 <= i < len(owners) for i in positions) or len(set(positions)) != len(positions)
@@ -719,8 +720,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             group, p = owners[i]
             self._check_stepped(p, grad, group)
             items[id(group)].append((p, tensor, grad))
-        for group in self.param_groups:
-            self._step_group(group, items[id(group)])
+        # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
+        with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
+            for group in self.param_groups:
+                self._step_group(group, items[id(group)])
 
     # ---- the step in backward -------------------------------------------------------------------
 
@@ -1035,8 +1038,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 fmt = self.state_format_of(param, group, name)
                 block_size = self._block_size(fmt, group)
                 signed = self._signed(name)
+                loaded = local(value)
                 value = map_local(lambda v: formats.convert(fmt, v, signed, block_size), value)
-                if isinstance(local(value), StateTensor):  # made from another library's state (foreign.py): checked as ours
+                if isinstance(local(value), StateTensor) and local(value) is not loaded:  # made from another library's state (foreign.py): checked as ours
                     _check_state_tensor(_loaded_state(name, param, index), local(value))
             # a plain state as saved may be strided (torch.optim's zeros_like of a channels_last weight): the
             # steps write it flat, in place, and the kernel reads it element by element beside the parameter
@@ -1085,6 +1089,12 @@ def _small_additions_kept(fmt: type) -> float:
             state.copy_(state.dequantize() + sign * 2.0**-10)
         shares.append(float(((state.dequantize() - start)[1:] * sign).mean()) / (64 * 2.0**-10))
     return min(shares)
+
+
+def _names_a_compensation(compensation_format) -> bool:
+    """Whether ``compensation_format`` asks for a Kahan buffer other than the default bf16 one (a
+    group copied from an optimizer's param_groups holds that default, with Kahan summation or not)."""
+    return compensation_format is not None and formats.get_format(compensation_format).name != "bf16"
 
 
 def _unused_compensation(name, param_update: str, whose: str = "") -> str:
@@ -1369,6 +1379,9 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
         values, held = local(value).scale, "scale"
         if bool((values < 0).any()):
             raise ValueError(f"{where} is corrupt: its scale holds a negative value ({float(values.min())}), where it holds block maxima")
+        if not signed:  # as it decodes (its table may hold negative values, its fp8 codes sign bits)
+            decoded = foreign.from_foreign(local(value), signed)
+            values, held = decoded.dequantize() if isinstance(decoded, StateTensor) else decoded, "values"
     else:
         problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
         if problem is None and _overlaps(local(value)):
@@ -1386,17 +1399,16 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
     and the compiled step trust (a loaded state, and one converted from it)."""
     try:
         state.check_layout()
-        state.check_values()
     except ValueError as error:
         raise ValueError(f"{where} is corrupt: {error}") from None
     for name, held in state.nonnegative.items():
         values = getattr(state, name)
         if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
             raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
-    if not state.signed:  # codes that decode below 0 (an fp8 code's sign bit, a bf16-sr value) would make NaN of sqrt(v)
-        values = state.dequantize()
-        if bool((values < 0).any()):
-            raise ValueError(f"{where} is corrupt: a negative value ({float(values.min())}) in its values, where it holds a nonnegative state")
+    try:
+        state.check_values()  # (after the scales: a negative one would show as decoded values first)
+    except ValueError as error:
+        raise ValueError(f"{where} is corrupt: {error}") from None
 
 
 def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor], error: Exception) -> None:

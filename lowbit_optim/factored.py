@@ -45,6 +45,9 @@ class FactoredState(StateTensor):
     inner_dtypes = (torch.float32, torch.float32)
     holds_signed = False
     nonnegative = {"row": "sums of squares", "col": "sums of squares"}
+
+    def check_values(self) -> None:
+        pass  # its values are products of the row and column sums, checked nonnegative (no matrix made)
     default_block_size = None  # no blocks: block_size is accepted and ignored
 
     row: Tensor

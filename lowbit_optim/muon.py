@@ -116,6 +116,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         matrices, rest = _muon_split(model, head)
         muon_options, adamw_options = {**options, **(muon or {})}, {**options, **(adamw or {})}
+        if "compensation_format" in options:  # a shared Kahan buffer: for the part (or parts) that sums so
+            kahan = [part for part in (muon_options, adamw_options) if part.get("param_update") == "kahan"]
+            for part, own in ((muon_options, muon), (adamw_options, adamw)):
+                if kahan and part not in kahan and "compensation_format" not in (own or {}):
+                    del part["compensation_format"]
         if muon_options.get("step_in_backward"):  # which refuses frozen parameters
             matrices = [p for p in matrices if p.requires_grad]
         if adamw_options.get("step_in_backward"):

@@ -309,7 +309,15 @@ class StateTensor(Tensor):
 
     def check_values(self) -> None:
         """Raise a ValueError if a loaded state (its layout checked) holds values it cannot have, such
-        as codes outside its codebook; read once, at a load: it may cost a pass over the state."""
+        as codes outside its codebook; read once, at a load: it may cost a pass over the state. Here:
+        a nonnegative state (a second moment) that decodes to a negative value (an fp8 code's sign
+        bit, a bf16-sr value), which would make NaN of the step's sqrt. A format whose decoded sign
+        follows from what the load checks anyway (a nonnegative codebook, ``nonnegative`` inner
+        tensors) may skip that pass."""
+        if not self.signed:
+            values = self.dequantize()
+            if bool((values < 0).any()):
+                raise ValueError(f"a negative value ({float(values.min())}) in its values, where it holds a nonnegative state")
 
     def _inner(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
@@ -613,6 +621,7 @@ class CodebookState(OptimState):
         super().check_format(signed, device)
 
     def check_values(self) -> None:
+        # (a nonnegative state's codebook is nonnegative, its scales are checked: no decoding pass)
         values = _table_values(type(self), self.signed)["codebook"][0]  # codes past the codebook's decode to NaN
         count = sum(not math.isnan(v) for v in values)
         if count == 2**self.bits or not self.codes.numel():  # every code is a value (8bit's, 4bit's): no pass

@@ -37,14 +37,14 @@ def register(optimizer) -> tuple[int, Callable[[], tuple[int, tuple]]]:
     key = next(_KEYS)
     _OPTIMIZERS[key] = optimizer
     this = weakref.ref(optimizer)
-    return key, torch._dynamo.assume_constant_result(lambda: _option_places(this().__dict__["param_groups"]))
+    option_places = torch._dynamo.assume_constant_result(lambda: _option_places(this().__dict__["param_groups"]))
+    option_places.optimizer = this  # how _break_if_edited finds it where dynamo made the key symbolic
+    return key, option_places
 
 
 @torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
 def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int], options: list[Tensor], places: int) -> None:
-    optimizer = _OPTIMIZERS[optimizer_id]
-    with _options_as_given(optimizer.param_groups, _PLACES[places], options):
-        optimizer._step_params(params, grads, positions, traced=True)
+    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions, traced=(_PLACES[places], options))
 
 
 @_step.register_fake
@@ -82,7 +82,7 @@ def _option_at(groups: list[dict], place: tuple):
 
 
 @contextlib.contextmanager
-def _options_as_given(groups: list[dict], places: tuple, given: list[Tensor]):
+def options_as_given(groups: list[dict], places: tuple, given: list[Tensor]):
     """The groups' tensor options at ``places`` replaced by those the op was given, for the step:
     an in-place edit traced before step() (``lr.fill_(...)``) is written back to the group's
     tensor only after the graph has run, and reaches the op through its input. (An option that
@@ -135,8 +135,7 @@ def _break_if_edited(ctx) -> None:
         tracked = edits.id_to_variable
     except AttributeError:
         return
-    key = ctx.get_local("key")
-    stepped = [_OPTIMIZERS[key.as_python_constant()]] if key.is_python_constant() else list(_OPTIMIZERS.values())
+    stepped = _stepped(ctx)
     inputs = {id(example) for example in (getattr(node.meta.get("grapharg"), "example", None) for node in nodes if node.op == "placeholder") if example is not None}
     for optimizer in stepped:
         name = type(optimizer).__name__
@@ -145,8 +144,27 @@ def _break_if_edited(ctx) -> None:
             variable = tracked.get(id(edited))
             if variable is not None and edits.is_modified(variable):
                 ctx.graph_break(GROUPS_EDITED_IN_GRAPH.format(name=name))
+        for edited in (optimizer.state, *optimizer.state.values()):  # a state assigned: written back after the graph
+            variable = tracked.get(id(edited))
+            if variable is not None and edits.is_modified(variable):
+                ctx.graph_break(STATES_USED_IN_GRAPH.format(name=name))
         if any(id(t) in inputs for states in optimizer.state.values() for value in states.values() for t in _tensors_of(value)):
             ctx.graph_break(STATES_USED_IN_GRAPH.format(name=name))
+
+
+def _stepped(ctx) -> list:
+    """The optimizer being stepped, from the traced ``step``'s locals: by its key, or where dynamo made
+    that symbolic, by its option_places function (every optimizer where neither tells)."""
+    key = ctx.get_local("key")
+    if key.is_python_constant():
+        return [_OPTIMIZERS[key.as_python_constant()]]
+    try:
+        function = ctx.get_local("option_places")._i_will_not_complain_if_bc_breaks_VariableTracker().fn
+    except AttributeError:  # (dynamo's internals: where they are not as read here, every optimizer)
+        function = None
+    this = getattr(function, "optimizer", None)
+    optimizer = this() if this is not None else None
+    return [optimizer] if optimizer is not None else list(_OPTIMIZERS.values())
 
 
 def _tensors_of(value) -> list:

@@ -493,9 +493,37 @@ def test_states_used_inside_torch_compile_around_the_step():
         opt.state[model[0].weight]["exp_avg"].mul_(0.5)
         opt.step()
 
+    @torch.compile(fullgraph=True)
+    def reset_and_step():  # an assignment, written back after the graph: it overwrote the step's update
+        opt.state[model[0].weight]["exp_avg"] = torch.zeros_like(model[0].weight)
+        opt.step()
+
     (model(x) - y).square().mean().backward()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"AdamW's states are used inside this torch.compile'd function before its step\(\)"):
-        damp_and_step()
+    for refused in (damp_and_step, reset_and_step):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"AdamW's states are used inside this torch.compile'd function before its step\(\)"):
+            refused()
+
+
+def test_another_optimizers_states_used_before_a_step_break_nothing():
+    """Optimizers given to the compiled function as arguments (dynamo makes their keys symbolic):
+    one's state logged between the two steps is the other's business, under fullgraph=True."""
+    x, y = regression_data()
+    models = [make_mlp(), make_mlp()]
+    first, second = (lowbit_optim.AdamW(m.parameters(), lr=LR, state_format="8bit", compile=False) for m in models)
+
+    def train_step(first, second, weight):
+        first.step()
+        norm = first.state[weight]["exp_avg"].dequantize().norm()
+        second.step()
+        return norm
+
+    compiled = torch.compile(train_step, fullgraph=True, backend="eager", dynamic=True)
+    for step in (lambda *_: first.step() or second.step() or torch.ones(()), compiled, compiled):  # (the first step makes the states)
+        for m in models:
+            (m(x) - y).square().mean().backward()
+        assert float(step(first, second, models[0][0].weight)) > 0
+        first.zero_grad()
+        second.zero_grad()
 
 
 def test_a_refused_edit_steps_no_group():

@@ -190,8 +190,17 @@ def test_a_compensation_format_without_kahan_summation_is_refused():
     # the constructor's buffer for a group that chooses Kahan summation; torchdistx's alias ignores it, as torchdistx does
     opt = lowbit_optim.AdamW([{"params": params, "param_update": "kahan"}], compensation_format="fp32")
     assert opt.param_groups[0]["compensation_format"] == "fp32"
-    assert lowbit_optim.AdamW(params).param_groups[0]["compensation_format"] == "bf16"
+    opt = lowbit_optim.AdamW(params)
+    assert opt.param_groups[0]["compensation_format"] == "bf16"
     lowbit_optim.AnyPrecisionAdamW(params, compensation_buffer_dtype=torch.float32)
+    # a group copied from an optimizer's own holds the default buffer: taken, as it was
+    more = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]
+    opt.add_param_group({**opt.param_groups[0], "params": more})
+    lowbit_optim.AdamW(opt.param_groups)
+    # MuonWithAdamW's shared options: the buffer of the part that sums so
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    both = lowbit_optim.MuonWithAdamW(model, adamw=dict(param_update="kahan"), compensation_format="bf16-sr", compile=False)
+    assert [g["compensation_format"] for g in (both.muon.param_groups[0], both.adamw.param_groups[0])] == ["bf16", "bf16-sr"]
 
 
 @pytest.mark.parametrize("mode", [m for m in lowbit_optim.PARAM_UPDATES if m != "nearest"])

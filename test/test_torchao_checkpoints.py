@@ -197,3 +197,26 @@ def test_torchao_states_swapped_are_refused():
     state["exp_avg"], state["exp_avg_sq"] = state["exp_avg_sq"], state["exp_avg"]
     with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 .* is corrupt: an unsigned \(nonnegative\) state, where it holds a signed one"):
         lowbit_optim.AdamW8bit(model.parameters(), lr=LR).load_state_dict(checkpoint)
+
+
+@pytest.mark.parametrize("into", ["fp8", "fp32", "bf16", "8bit"])
+def test_a_torchao_second_moment_that_decodes_negative_is_refused(into):
+    """A torchao fp8 second moment with negative codes (torchao's fp8 keeps the sign bit) loaded as a
+    plain fp32 or bf16 state (NaN at the next step) or was clamped to 0 into 8bit, silently; refused
+    into any format, as its nonnegative values load."""
+    from torchao.optim.subclass_fp8 import OptimStateFp8 as TorchaoFp8
+
+    for sign in (1.0, -1.0):
+        model = make_mlp(8, bias=False)
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=into, min_quantize_numel=0, compile=False)
+        train(model, opt, 1)
+        state_dict = opt.state_dict()
+        weight = state_dict["state"][0]["exp_avg_sq"]
+        torchao_state = TorchaoFp8.zeros(weight.shape, block_size=256)
+        torchao_state.copy_(torch.rand(weight.shape, generator=torch.Generator().manual_seed(0)) * sign)
+        state_dict["state"][0]["exp_avg_sq"] = torchao_state
+        if sign > 0:
+            opt.load_state_dict(save_and_load(state_dict))
+        else:
+            with pytest.raises(ValueError, match=r"'exp_avg_sq' of parameter 0 .* is corrupt: a negative value .* in its values, where it holds a nonnegative state"):
+                opt.load_state_dict(save_and_load(state_dict))
