@@ -375,7 +375,8 @@ def test_codebook_ties_go_to_larger_code(info, signed):
     values = fmt.decode(torch.arange(len(fmt.codebook(signed)), dtype=torch.uint8), signed).double()
     midpoints = (values[1:] + values[:-1]) / 2
     exact = midpoints.float().double() == midpoints
-    assert exact.any(), "test setup: no midpoint is an fp32 number"
+    if not exact.any():  # (a codebook of irrational steps, a user's log grid spaced by sqrt(2)): no tie to round
+        pytest.skip(f"no midpoint between two of {fmt.name}'s codes is an fp32 number")
     decoded = fmt.decode(fmt.encode(midpoints[exact].float(), signed), signed).double()
     wrong = decoded != values[1:][exact]
     assert not wrong.any(), f"{int(wrong.sum())} of {int(exact.sum())} ties went down, e.g. at {midpoints[exact][wrong][:3].tolist()}"

@@ -12,6 +12,7 @@ instead of killing pytest.
 """
 
 import copy
+import importlib
 import io
 import json
 import os
@@ -25,8 +26,9 @@ import pytest
 import torch
 
 import lowbit_optim
-from conftest import QUANTIZED_FORMATS, ROOT, quantized_formats
+from conftest import QUANTIZED_FORMATS, ROOT, FormatInfo, quantized_formats
 from lowbit_optim import FactoredState, OptimState, OptimState8bit, StateTensor, fused_cpu
+from lowbit_optim.formats import registered_formats
 from test_optim import assert_same_bits
 
 # a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
@@ -528,13 +530,14 @@ def test_check_layout_accepts_what_the_library_makes():
 # ---- the fuzz and the kernel's entry point, in a child process ---------------------------------
 
 
-def run_child() -> tuple[list[dict], dict | None]:
+def run_child(plugins: list[str]) -> tuple[list[dict], dict | None]:
     """Every case's result (one dict each), and if the child did not finish, the case it was
-    running (family, format, case) and a message with its exit status and the end of its stderr."""
+    running (family, format, case) and a message with its exit status and the end of its stderr.
+    ``plugins``: the modules given to pytest with -p (a user's formats), which the child imports."""
     # the package this process tests, and the root (examples.custom_format pickles by reference from it)
     path = [str(pathlib.Path(lowbit_optim.__file__).parent.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]
     # MALLOC_PERTURB_: freed and fresh heap memory filled with junk, so that misreads show
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MALLOC_PERTURB_": "165"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MALLOC_PERTURB_": "165", "LOWBIT_TEST_PLUGINS": ",".join(plugins)}
     child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300, env=env, check=False)
     results, running = [], None
     for line in child.stdout.splitlines():
@@ -549,8 +552,8 @@ def run_child() -> tuple[list[dict], dict | None]:
 
 
 @pytest.fixture(scope="module")
-def child_results():
-    return run_child()
+def child_results(request):
+    return run_child([p for p in request.config.option.plugins or [] if not p.startswith("no:")])
 
 
 def _results(child_results, family: str, name: str) -> list[dict]:
@@ -792,6 +795,9 @@ def fuzz_kernel_entry(info) -> None:
 
 
 if __name__ == "__main__":
+    for plugin in filter(None, os.environ.get("LOWBIT_TEST_PLUGINS", "").split(",")):
+        importlib.import_module(plugin)  # a user's formats, registered as pytest's -p registered them
+    QUANTIZED_FORMATS = [info for info in (FormatInfo(n, f) for n, f in registered_formats().items()) if info.quantized]
     torch.set_num_threads(1)
     for info in QUANTIZED_FORMATS:
         fuzz_checkpoints(info)
