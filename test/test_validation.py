@@ -797,9 +797,8 @@ def fuzz_kernel_entry(info) -> None:
 if __name__ == "__main__":
     for plugin in filter(None, os.environ.get("LOWBIT_TEST_PLUGINS", "").split(",")):
         importlib.import_module(plugin)  # a user's formats, registered as pytest's -p registered them
-    QUANTIZED_FORMATS = [info for info in (FormatInfo(n, f) for n, f in registered_formats().items()) if info.quantized]
     torch.set_num_threads(1)
-    for info in QUANTIZED_FORMATS:
+    for info in (i for i in (FormatInfo(n, f) for n, f in registered_formats().items()) if i.quantized):  # the plugins' too
         fuzz_checkpoints(info)
         if kernel_steps(info.spec):
             fuzz_kernel_entry(info)
