@@ -182,5 +182,5 @@ def step(key: int, params: list[Tensor], groups: list[dict], option_places) -> N
     op of the graph being traced."""
     comptime(_break_if_edited)
     index, places = option_places()
-    options = [groups[g][key] if i == -1 else groups[g][key][i] for g, key, i in places]
+    options = [groups[g][name] if i == -1 else groups[g][name][i] for g, name, i in places]
     torch.ops.lowbit_optim.step(key, *with_grads(params), options, index)
