@@ -1373,6 +1373,8 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
             held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
             raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
     if isinstance(local(value), StateTensor):
+        if getattr(local(value), "part", False) is True:  # a parameter's state is whole: a part's col sums another state's rows
+            raise ValueError(f"{where} is corrupt: a row slice of a larger factored state (part=True), where it holds a whole parameter's")
         _check_state_tensor(where, local(value))
         return
     if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign

@@ -397,6 +397,16 @@ def test_a_load_decodes_no_codebook_state(monkeypatch):
     assert decoded == []
 
 
+def test_a_factored_part_in_a_checkpoint_is_refused():
+    """A state marked a row slice of a larger one (part=True) loaded: fused=True then refused it at
+    the step as a slice, the default stepped it with the compiled step. A parameter's state is whole."""
+    spec = {"exp_avg": "8bit", "exp_avg_sq": "factored"}
+    state_dict = load(checkpoint(spec))
+    state_dict["state"][0][CHECKED].part = True
+    with pytest.raises(ValueError, match=rf"'{CHECKED}' of parameter 0 .* is corrupt: a row slice of a larger factored state \(part=True\)"):
+        fresh_optimizer(spec)[1].load_state_dict(load(save(state_dict)))
+
+
 def test_states_that_share_memory_are_refused():
     """torch.save keeps aliasing: two states over one memory would each overwrite the other's steps.
     States that are disjoint views of one buffer (a flat-buffer optimizer's) load."""
