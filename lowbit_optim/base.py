@@ -499,27 +499,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 fmt.check_format(state.signed, devices[0] if devices else torch.device("cpu"))
         self._check_decays(group)
         if group["param_update"] == "kahan":
-            compensation = formats.get_format(group["compensation_format"])
-            if formats.is_quantized(compensation) and not compensation.holds_signed:
-                raise ValueError(
-                    f"compensation_format {compensation.name!r} holds nonnegative values only, and Kahan's compensation "
-                    f"(the rounding error of each bf16 weight) is signed: use a signed format, e.g. {_COMPENSATION_FORMATS}"
-                )
-            kept = _negative_extreme_kept(compensation) if formats.is_quantized(compensation) else 1.0
-            if kept < 0.999:
-                raise ValueError(
-                    f"compensation_format {compensation.name!r} reads a block whose largest value is negative back as "
-                    f"{kept:.5f} of it (its signed codes stop short of -1): Kahan's compensation, written back every step, "
-                    f"would shrink by that each step and stall the weights that move down; use {_COMPENSATION_FORMATS}"
-                )
-            kept = _small_additions_kept(compensation) if formats.is_quantized(compensation) else 1.0
-            if kept < 0.5:
-                raise ValueError(
-                    f"compensation_format {compensation.name!r} kept {max(kept, 0.0):.0%} of 64 additions of 1/1024 of a block's "
-                    "largest value, each written back: Kahan's compensation grows by such additions every step, and rounding to the "
-                    f"nearest code swallows one below half a code gap (weights would lag fp32 ones); use {_COMPENSATION_FORMATS}, "
-                    "which round stochastically"
-                )
+            _check_compensation_format(formats.get_format(group["compensation_format"]))
         else:
             del used["compensation"]
         for name in used.values():
@@ -1065,6 +1045,33 @@ class LowBitOptimizer(torch.optim.Optimizer):
 _COMPENSATION_FORMATS = "'bf16-sr' (2 bytes), '8bit-log' (1) or 'fp32'"
 
 
+def _check_compensation_format(fmt) -> None:
+    """Raise a ValueError where a quantized ``fmt`` cannot hold Kahan's compensation: a signed
+    running sum, written back every step, that grows by additions far below its values."""
+    if not formats.is_quantized(fmt):
+        return
+    if not fmt.holds_signed:
+        raise ValueError(
+            f"compensation_format {fmt.name!r} holds nonnegative values only, and Kahan's compensation "
+            f"(the rounding error of each bf16 weight) is signed: use a signed format, e.g. {_COMPENSATION_FORMATS}"
+        )
+    kept = _negative_extreme_kept(fmt)
+    if kept < 0.999:
+        raise ValueError(
+            f"compensation_format {fmt.name!r} reads a block whose largest value is negative back as "
+            f"{kept:.5f} of it (its signed codes stop short of -1): Kahan's compensation, written back every step, "
+            f"would shrink by that each step and stall the weights that move down; use {_COMPENSATION_FORMATS}"
+        )
+    kept = _small_additions_kept(fmt)
+    if kept < 0.5:
+        raise ValueError(
+            f"compensation_format {fmt.name!r} kept {max(kept, 0.0):.0%} of 64 additions of 1/1024 of a block's "
+            "largest value, each written back: Kahan's compensation grows by such additions every step, and rounding to the "
+            f"nearest code swallows one below half a code gap (weights would lag fp32 ones); use {_COMPENSATION_FORMATS}, "
+            "which round stochastically"
+        )
+
+
 @functools.cache
 def _negative_extreme_kept(fmt: type) -> float:
     """What a signed state of ``fmt`` keeps of a block's negative extreme, relative to its positive
@@ -1373,8 +1380,6 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
             held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
             raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
     if isinstance(local(value), StateTensor):
-        if getattr(local(value), "part", False) is True:  # a parameter's state is whole: a part's col sums another state's rows
-            raise ValueError(f"{where} is corrupt: a row slice of a larger factored state (part=True), where it holds a whole parameter's")
         _check_state_tensor(where, local(value))
         return
     if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign
@@ -1401,13 +1406,10 @@ def _check_state_tensor(where: str, state: StateTensor) -> None:
     and the compiled step trust (a loaded state, and one converted from it)."""
     try:
         state.check_layout()
-    except ValueError as error:
-        raise ValueError(f"{where} is corrupt: {error}") from None
-    for name, held in state.nonnegative.items():
-        values = getattr(state, name)
-        if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
-            raise ValueError(f"{where} is corrupt: its {name} holds a negative value ({float(values.min())}), where it holds {held}")
-    try:
+        for name, held in state.nonnegative.items():
+            values = getattr(state, name)
+            if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
+                raise ValueError(f"its {name} holds a negative value ({float(values.min())}), where it holds {held}")
         state.check_values()  # (after the scales: a negative one would show as decoded values first)
     except ValueError as error:
         raise ValueError(f"{where} is corrupt: {error}") from None

@@ -45,9 +45,6 @@ class FactoredState(StateTensor):
     inner_dtypes = (torch.float32, torch.float32)
     holds_signed = False
     nonnegative = {"row": "sums of squares", "col": "sums of squares"}
-
-    def check_values(self) -> None:
-        pass  # its values are products of the row and column sums, checked nonnegative (no matrix made)
     default_block_size = None  # no blocks: block_size is accepted and ignored
 
     row: Tensor
@@ -77,6 +74,11 @@ class FactoredState(StateTensor):
     def _same_layout(self, other: Tensor) -> bool:
         # a row slice's col holds its parent's column sums: a write replaces its share of them (quantize_)
         return not self.part and super()._same_layout(other)
+
+    def check_values(self) -> None:
+        # (no decoding pass: its values are products of the row and column sums, checked nonnegative)
+        if self.part:  # a loaded state is a parameter's, whole: a row slice's col sums another state's rows
+            raise ValueError("a row slice of a larger factored state (part=True), where it holds a whole parameter's")
 
     def _check_sizes(self) -> None:
         if not isinstance(self.part, bool):

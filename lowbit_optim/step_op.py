@@ -87,7 +87,8 @@ def options_as_given(groups: list[dict], places: tuple, given: list[Tensor]):
     an in-place edit traced before step() (``lr.fill_(...)``) is written back to the group's
     tensor only after the graph has run, and reaches the op through its input. (An option that
     became a tensor after the graph was traced, which it cannot have edited, is read as it is.)"""
-    swaps = [(place, tensor) for place, tensor in zip(places, given) if isinstance(_option_at(groups, place), Tensor) and _option_at(groups, place) is not tensor]
+    live = [_option_at(groups, place) for place in places]
+    swaps = [(place, tensor) for place, tensor, now in zip(places, given, live) if isinstance(now, Tensor) and now is not tensor]
     saved = [(groups[g], key, groups[g][key]) for (g, key, _), _ in swaps]
     for (g, key, i), tensor in swaps:
         value = groups[g][key]
@@ -172,7 +173,7 @@ def _tensors_of(value) -> list:
     if not isinstance(value, Tensor):
         return []
     flatten = getattr(value, "__tensor_flatten__", None)
-    inner = [getattr(value, n) for n in flatten()[0]] if flatten is not None and type(value) is not Tensor else []
+    inner = [getattr(value, n) for n in flatten()[0]] if flatten is not None else []
     return [value, *inner]
 
 
