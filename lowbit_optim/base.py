@@ -35,7 +35,9 @@ from .state import StateTensor, check_block_size, describe_tensor, not_plain
 # of 8 per function is normal here and must not silently fall back to eager.
 _RECOMPILE_LIMIT = 256
 
-# a state_dict key beside "state" and "param_groups" (max_grad_norm with step_in_backward)
+# the last step's global gradient norm (max_grad_norm with step_in_backward), in each param group of a
+# state_dict: torch.distributed.checkpoint's get_state_dict keeps only states and groups (older
+# checkpoints hold it beside them)
 _LAST_GRAD_NORM = "last_grad_norm"
 
 # group keys fixed by the optimizer's construction: a loaded checkpoint must not change them
@@ -907,11 +909,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
                 "Pass what optimizer.state_dict() returned (not model.state_dict())"
             )
-        norm = state_dict.get(_LAST_GRAD_NORM)
-        if norm is not None and (isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and _real_value(norm) is not None)):
-            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
-        if norm is not None and float(norm) < 0:  # (inf or NaN: what a run saves after an overflowing or poisoned backward)
-            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is >= 0")
+        norm, state_dict = _take_last_grad_norm(state_dict)
         source = "checkpoint"
         if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
             state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
@@ -967,7 +965,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         finally:
             for hook in hooks:
                 hook.remove()
-        norm = state_dict.get(_LAST_GRAD_NORM)
         in_backward.begin_step(self)
         if norm is not None and self._max_grad_norm is not None:  # the next step in backward clips with it
             in_backward.set_last_grad_norm(self, norm)
@@ -977,7 +974,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         state_dict = super().state_dict()
         if self.last_grad_norm is not None:  # the clipping of the next step in backward depends on it
-            state_dict[_LAST_GRAD_NORM] = self.last_grad_norm.clone()
+            for group in state_dict["param_groups"]:  # (torch.optim's state_dict makes new group dicts)
+                group[_LAST_GRAD_NORM] = float(self.last_grad_norm)
         return state_dict
 
     _structural_keys: tuple[str, ...] = ()  # an optimizer's own group keys that a checkpoint must not change
@@ -1201,6 +1199,25 @@ def _plain_numbers(value):
     if all(p is v for p, v in zip(plain, value)):
         return value
     return getattr(value, "_make", type(value))(plain)
+
+
+def _take_last_grad_norm(state_dict: dict) -> tuple[float | None, dict]:
+    """A checkpoint's last gradient norm, checked, and the checkpoint without it (not a group option)."""
+    groups = state_dict["param_groups"]
+    groups = groups if isinstance(groups, list) else []  # (torch.optim's load names what else is wrong)
+    found = [g[_LAST_GRAD_NORM] for g in groups if isinstance(g, dict) and g.get(_LAST_GRAD_NORM) is not None]
+    found += [state_dict[_LAST_GRAD_NORM]] if state_dict.get(_LAST_GRAD_NORM) is not None else []
+    for norm in found:
+        if isinstance(norm, bool) or not (isinstance(norm, (int, float)) or isinstance(norm, Tensor) and _real_value(norm) is not None):
+            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {describe_tensor(norm)}: it must be a number or a one-element tensor")
+        if float(norm) < 0:  # (inf or NaN: what a run saves after an overflowing or poisoned backward)
+            raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} is {float(norm)}: a gradient norm is >= 0")
+    if len({str(float(norm)) for norm in found}) > 1:  # (str: NaN equals NaN)
+        raise ValueError(f"checkpoint {_LAST_GRAD_NORM!r} has different values ({[float(n) for n in found]}) in its param groups: a step has one norm")
+    rest = {k: v for k, v in state_dict.items() if k != _LAST_GRAD_NORM}
+    if isinstance(state_dict["param_groups"], list):
+        rest["param_groups"] = [{k: v for k, v in g.items() if k != _LAST_GRAD_NORM} if isinstance(g, dict) else g for g in groups]
+    return (float(found[0]) if found else None), rest
 
 
 def _real_value(x) -> float | None:

@@ -21,6 +21,7 @@ import torch
 from optimizer_info import OPTIMIZERS
 from test_optim import assert_same_bits, regression_data
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import lowbit_optim
 
@@ -233,13 +234,21 @@ def test_max_grad_norm_clips_with_an_estimate_of_the_steps_norm():
         assert_same_bits(p, q, tuple(p.shape))
 
 
-def test_max_grad_norm_resumes_exactly():
-    """The last norm travels in the state dict: a resumed run clips its next step as the original."""
+@pytest.mark.parametrize("how", ["state_dict", "get_state_dict"])
+def test_max_grad_norm_resumes_exactly(how):
+    """The last norm travels in the state dict, also through torch.distributed.checkpoint's
+    get_optimizer_state_dict (which keeps only states and groups): a resumed run clips its next
+    step as the original."""
     models, opts = _clipped_pair(0.05)
     _train_clipped(models, opts, 0.05, range(2))
     resumed_model = copy.deepcopy(models[1])
     resumed = SGD_INFO.make(resumed_model.parameters(), state_format="8bit", min_quantize_numel=0, step_in_backward=True, max_grad_norm=0.05)
-    resumed.load_state_dict(torch.load(_saved(opts[1].state_dict()), weights_only=True))
+    if how == "state_dict":
+        resumed.load_state_dict(torch.load(_saved(opts[1].state_dict()), weights_only=True))
+    else:
+        saved = torch.load(_saved(get_optimizer_state_dict(models[1], opts[1])), weights_only=True)
+        set_optimizer_state_dict(resumed_model, resumed, saved)
+    assert resumed.last_grad_norm is not None and "last_grad_norm" not in resumed.param_groups[0]  # not a group option
     for step in range(2, 4):
         for model in (models[1], resumed_model):
             _loss(model, step).backward()
@@ -273,6 +282,12 @@ def test_what_cannot_combine_is_an_error():
         opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(-5.0)})
     opt.load_state_dict({**opt.state_dict(), "last_grad_norm": torch.tensor(float("inf"))})  # saved after an overflow: as it was
     assert opt.last_grad_norm == float("inf")
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["last_grad_norm"] == float("inf")  # where get_state_dict keeps it
+    with pytest.raises(ValueError, match="checkpoint 'last_grad_norm' is -5.0: a gradient norm is >= 0"):
+        opt.load_state_dict({**saved, "param_groups": [{**saved["param_groups"][0], "last_grad_norm": -5.0}]})
+    with pytest.raises(ValueError, match=r"'last_grad_norm' has different values \(\[inf, 2.0\]\)"):
+        opt.load_state_dict({**saved, "last_grad_norm": 2.0})
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["AdamW", "MuonWithAdamW"])
