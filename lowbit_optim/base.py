@@ -919,6 +919,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
         def check_hyper_parameters(optimizer, loaded: dict) -> None:
             # the constructor's checks, before anything is loaded: a step must not run on what it refuses
+            groups = loaded["param_groups"]
+            if isinstance(groups, list) and len(groups) != len(self.param_groups):  # (torch.optim's message names neither)
+                raise ValueError(
+                    f"the {source} has {len(groups)} param groups and this optimizer {len(self.param_groups)}: build it with "
+                    "the param groups of the run that saved it (a Trainer checkpoint of its own optimizer has two, with and "
+                    "without weight decay; lowbit_optim.hf's helper makes those with overrides={})"
+                )
             for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
                 with _naming_the_group(f"param group {i} of this {source}: "):
                     self._check_numbers({**self.defaults, **group, **keep, "params": ours["params"]})

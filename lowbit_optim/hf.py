@@ -28,7 +28,8 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       ``optimizer_cls_and_kwargs`` optimizer Trainer passes only weight decay, so it would run at its
       default lr, betas and eps. ``adam_beta1/2`` and ``adam_epsilon`` are Adam's, so SGD, Lion and
       AdEMAMix keep their own defaults (Lion's betas mean something else). ``kwargs`` (e.g.
-      ``state_format``, ``momentum``) override them.
+      ``state_format``, ``momentum``) override them. They are read when Trainer builds the
+      optimizer, so a hyperparameter search's trials (set on the same ``args``) get their own.
     - ``overrides`` (default: embeddings keep fp32 state, as bitsandbytes does under Trainer) are
       per-module group options, see ``param_groups_by_module``.
     - Parameters of fewer than 2 dims (biases, norm weights) get no weight decay. Trainer's own groups
@@ -38,8 +39,10 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       ``weight_decay``, by name or through ``**kwargs``, gets none of it. Frozen parameters are left out.
     - ``step_in_backward=True`` (here or in a ``functools.partial``) needs ``args`` and is refused
       where Trainer would act on gradients after backward: gradient accumulation (Trainer runs several
-      backward passes per step without telling the optimizer) and its clipping
-      (``args.max_grad_norm``; pass ``max_grad_norm`` here instead).
+      backward passes per step without telling the optimizer), its clipping
+      (``args.max_grad_norm``; pass ``max_grad_norm`` here instead: without step_in_backward it is
+      refused, Trainer clips), fp16's scaler, and several processes without FSDP (DDP averages
+      gradients after the step in backward has used them).
     - MuonWithAdamW, which splits a model itself, is built with ``Trainer(optimizers=(opt, None))``.
     """
     cls = optimizer_cls.func if isinstance(optimizer_cls, functools.partial) else optimizer_cls
@@ -53,33 +56,60 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the nn.Module to train, got {type(model).__name__}")
     bound = optimizer_cls.keywords if isinstance(optimizer_cls, functools.partial) else {}
-    if {**bound, **kwargs}.get("step_in_backward"):
-        _check_step_in_backward(args)
+    chosen = {**bound, **kwargs}
+    if chosen.get("max_grad_norm") is not None and not chosen.get("step_in_backward"):
+        raise ValueError(
+            "max_grad_norm here clips in backward, for step_in_backward=True; stepping after backward, Trainer clips: set "
+            "TrainingArguments(max_grad_norm=...) instead"
+        )
+    if chosen.get("step_in_backward"):
+        _check_step_in_backward(args)  # now, and again when Trainer builds the optimizer (args may change)
     parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
     takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    if args is not None:
-        from_args = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if takes_decay else {})}
-        if issubclass(cls, Adam):
-            from_args.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-        kwargs = {**{k: v for k, v in from_args.items() if k not in bound}, **kwargs}  # the partial's own win, as kwargs do
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
-    return functools.partial(_OptimizerFactory, optimizer_cls, overrides, takes_decay), kwargs
+    return _Factory(_OptimizerFactory, optimizer_cls, overrides, takes_decay, args), kwargs
+
+
+class _Factory(functools.partial):
+    """The first element of the pair, which Trainer calls: not an optimizer itself."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"{name!r}: this is the optimizer factory of optimizer_cls_and_kwargs(...)'s pair, not an optimizer: pass the "
+            "pair as Trainer(optimizer_cls_and_kwargs=...), not as optimizers=, or build the optimizer with "
+            "factory, kwargs = optimizer_cls_and_kwargs(model, args); opt = factory()(model, **kwargs)"
+        )
 
 
 class _OptimizerFactory:
     """What Trainer calls with the model it trains: the optimizer over that model's param groups."""
 
-    def __init__(self, optimizer_cls, overrides: dict, takes_decay: bool, *params, **kwargs):
+    def __init__(self, optimizer_cls, overrides: dict, takes_decay: bool, args, *params, **kwargs):
         if params or kwargs:  # called as an optimizer class, cls(params, **kwargs): transformers before 5.23
             raise TypeError(
                 "optimizer_cls_and_kwargs returns an optimizer factory, which Trainer calls with its model from "
                 "transformers 5.23 on (pip install 'transformers>=5.23'); to build the optimizer yourself: "
                 "factory, kwargs = optimizer_cls_and_kwargs(model, args); opt = factory()(model, **kwargs)"
             )
-        self.optimizer_cls, self.overrides, self.takes_decay = optimizer_cls, overrides, takes_decay
+        self.optimizer_cls, self.overrides, self.takes_decay, self.args = optimizer_cls, overrides, takes_decay, args
 
     def __call__(self, model: nn.Module, **kwargs):
+        # the options in args as they are now: a hyperparameter search sets each trial's on the same args
+        bound = self.optimizer_cls.keywords if isinstance(self.optimizer_cls, functools.partial) else {}
+        if self.args is not None:
+            kwargs = {**{k: v for k, v in self.from_args().items() if k not in bound}, **kwargs}  # the partial's own win, as kwargs do
+        if {**bound, **kwargs}.get("step_in_backward"):
+            _check_step_in_backward(self.args)
         return self.optimizer_cls(param_groups(model, self.overrides, self.takes_decay), **kwargs)
+
+    def from_args(self) -> dict:
+        """What ``args`` (TrainingArguments) gives the optimizer: lr and weight decay, and Adam's betas and eps."""
+        args = self.args
+        cls = self.optimizer_cls.func if isinstance(self.optimizer_cls, functools.partial) else self.optimizer_cls
+        options = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if self.takes_decay else {})}
+        if issubclass(cls, Adam):
+            options.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        return options
 
 
 def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[dict]:
@@ -107,6 +137,12 @@ def _check_step_in_backward(args) -> None:
             f"step_in_backward=True steps at every backward, and Trainer runs gradient_accumulation_steps="
             f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
             "larger per-device batch), or step after backward"
+        )
+    if getattr(args, "world_size", 1) > 1 and not getattr(args, "fsdp", False):
+        raise ValueError(
+            f"step_in_backward=True under Trainer's {args.world_size} processes without FSDP (DistributedDataParallel, "
+            "DeepSpeed) steps each parameter before its gradient is averaged over the processes, and the replicas drift "
+            "apart: step after backward (step_in_backward=False)"
         )
     if getattr(args, "fp16", False):
         raise ValueError(

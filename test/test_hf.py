@@ -96,6 +96,10 @@ def test_helper_takes_training_arguments(tmp_path):
         assert g["weight_decay"] in (0.0, args.weight_decay)
         embedding = any(p is model.transformer.wte.weight or p is model.transformer.wpe.weight for p in g["params"])
         assert g["state_format"] == ("fp32" if embedding else "4bit")
+    # read when Trainer builds the optimizer: a hyperparameter search sets each trial's on these args
+    args.learning_rate, args.weight_decay = 1e-4, 0.0
+    trainer.optimizer = None  # (Trainer builds one once)
+    assert {(g["lr"], g["weight_decay"]) for g in trainer.create_optimizer().param_groups} == {(1e-4, 0.0)}
 
 
 def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
@@ -119,6 +123,17 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "gradient_accumulation_steps": 4}), optimizer_cls=partial)
     with pytest.raises(ValueError, match="step_in_backward=True needs args, the TrainingArguments"):
         optimizer_cls_and_kwargs(model, step_in_backward=True)
+    with pytest.raises(ValueError, match=r"2 processes without FSDP .* drift apart: step after backward"):
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
+    optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True}), step_in_backward=True)
+    with pytest.raises(ValueError, match=r"max_grad_norm here clips in backward, for step_in_backward=True; .* TrainingArguments\(max_grad_norm"):
+        optimizer_cls_and_kwargs(model, args, max_grad_norm=1.0)
+    # a setting changed after the helper (a hyperparameter search's trial) is refused when Trainer builds it
+    changing = SimpleNamespace(**vars(args))
+    factory, kwargs = optimizer_cls_and_kwargs(model, changing, step_in_backward=True)
+    changing.gradient_accumulation_steps = 4
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 backward passes per step"):
+        factory()(model, **kwargs)
 
 
 @pytest.mark.parametrize("cls", [lowbit_optim.SGD, lowbit_optim.Lion, lowbit_optim.AdEMAMix])
@@ -200,6 +215,8 @@ def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
     assert (group["lr"], group["betas"], group["weight_decay"], group["eps"]) == (1e-3, (0.9, 0.95), 0.1, 1e-8)
     with pytest.raises(TypeError, match=r"from transformers 5.23 on .* factory\(\)\(model, \*\*kwargs\)"):
         factory(list(model.parameters()), **kwargs)  # as transformers < 5.23 would call it
+    with pytest.raises(AttributeError, match=r"'step': this is the optimizer factory .* Trainer\(optimizer_cls_and_kwargs=...\), not as optimizers="):
+        factory.step()  # the pair passed as Trainer(optimizers=...)
     with pytest.raises(TypeError, match=r"MuonWithAdamW splits a model .* optimizers=\(lowbit_optim.MuonWithAdamW\(model, ...\), None\)"):
         optimizer_cls_and_kwargs(model, optimizer_cls=lowbit_optim.MuonWithAdamW)
     with pytest.raises(TypeError, match="optimizer_cls must be an optimizer class or a functools.partial of one"):
@@ -294,3 +311,20 @@ if __name__ == "__main__":  # one rank of test_accelerate_fsdp2_keeps_state_form
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def test_a_checkpoint_of_trainers_own_optimizer_needs_its_two_groups():
+    """Trainer's AdamW has two groups (with and without weight decay); the helper's default adds one
+    for embeddings: loading is refused with the fix, which then loads (quantizing the states)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    decayed = [p for p in model.parameters() if p.dim() >= 2]
+    trainers = torch.optim.AdamW([{"params": decayed}, {"params": [model[1].bias], "weight_decay": 0.0}])
+    model(torch.arange(8)).sum().backward()
+    trainers.step()
+    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit")
+    with pytest.raises(ValueError, match=r"the checkpoint has 2 param groups and this optimizer 3: .* overrides=\{\}"):
+        factory()(model, **kwargs).load_state_dict(trainers.state_dict())
+    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit", overrides={})
+    opt = factory()(model, **kwargs)
+    opt.load_state_dict(trainers.state_dict())
+    assert opt.state[model[0].weight]["exp_avg"].shape == (8, 4)
