@@ -1362,8 +1362,7 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
 
 
 def param_update_of(param: Tensor, group: dict) -> str:
-    # the rounding modes exist for bf16 weights; an fp32 weight takes the fp32 result as it is
-    return group["param_update"] if param.dtype == torch.bfloat16 else "nearest"
+    return precision.mode_for(param, group["param_update"])
 
 
 def _check_grad_shape(param: Tensor, grad: Tensor) -> None:

@@ -49,8 +49,23 @@ def bf16_ulp(x: Tensor) -> Tensor:
     return exponent_only.view(torch.float32) * (2.0**-7)
 
 
+def mode_for(param: Tensor, mode: str) -> str:
+    """The mode ``param`` is written with: ``mode`` for a bf16 parameter, ``nearest`` for others
+    (an fp32 weight takes the fp32 result as it is)."""
+    return check_param_update(mode) if param.dtype == torch.bfloat16 else check_param_update(mode) and "nearest"
+
+
+def _checked(param: Tensor, extra: Tensor | None, mode: str) -> str:
+    # the step functions are public: a mode they are given is checked as the optimizers check theirs
+    mode = mode_for(param, mode)
+    if extra is None and extra_state_name(mode) is not None:
+        raise ValueError(f"param_update={mode!r} keeps a buffer beside the parameter ({extra_state_name(mode)}): pass it as param_extra")
+    return mode
+
+
 def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     """The fp32 value the step starts from."""
+    mode = _checked(param, extra, mode)
     p = param.float()
     if mode == "int8-correction":
         p = p + extra.float() * (bf16_ulp(p) / CORRECTION_UNITS_PER_ULP)
@@ -59,6 +74,7 @@ def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
 
 def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor, mode: str) -> None:
     """Store fp32 ``new`` (computed from ``start`` = read_param(...)) into ``param`` (and ``extra``)."""
+    mode = _checked(param, extra, mode)
     if mode == "stochastic":
         param.copy_(quant.bf16_stochastic_round(new))
     elif mode == "kahan":

@@ -295,8 +295,35 @@ def test_flag_conflict_and_unknown_mode_are_errors():
         lowbit_optim.AdamW(params(), param_update="exact")
 
 
-@pytest.mark.parametrize("mode,compensation", [("kahan", "8bit-log"), ("kahan", "bf16"), ("int8-correction", None)])
+def _sgd_step_by_hand(param, extra, mode):
+    number = functools.partial(torch.tensor, dtype=torch.float32)
+    lowbit_optim.sgd_step(param, torch.zeros_like(param, dtype=torch.float32), None, None, extra, number(1e-3), number(0.0),
+                          number(0.0), number(1.0), nesterov=False, maximize=False, param_update=mode)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan", "int8-correction"])
+def test_step_functions_called_by_hand_write_fp32_parameters_as_they_are(mode):
+    """As the optimizers do: the modes are for bf16 weights; an fp32 one keeps the step's value
+    (a step of zero leaves it as it was, not rounded to bf16)."""
+    param = torch.full((4,), 1.2345678)
+    _sgd_step_by_hand(param, None, mode)
+    assert torch.equal(param, torch.full((4,), 1.2345678))
+
+
+def test_step_functions_called_by_hand_check_their_mode():
+    param = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown param_update 'stochastc'"):
+        _sgd_step_by_hand(param, None, "stochastc")
+    with pytest.raises(ValueError, match=r"unknown param_update 'stochastc'"):
+        _sgd_step_by_hand(param.float(), None, "stochastc")  # (whatever the dtype)
+    with pytest.raises(ValueError, match=r"param_update='kahan' keeps a buffer beside the parameter \(compensation\): pass it as param_extra"):
+        _sgd_step_by_hand(param, None, "kahan")
+
+
+@pytest.mark.parametrize("mode,compensation", [("kahan", "8bit-log"), ("kahan", "bf16"), ("int8-correction", None), ("stochastic", None)])
 def test_checkpoint_resumes_exactly(mode, compensation):
+    """Stochastic rounding draws from torch's generator: the resumed run restores its state, as the
+    README says to."""
     model = _bf16_model()
     kwargs = dict(lr=1e-3, param_update=mode, state_format="4bit", min_quantize_numel=0)
     if compensation is not None:
@@ -309,11 +336,15 @@ def test_checkpoint_resumes_exactly(mode, compensation):
     resumed_model = copy.deepcopy(model)
     resumed = lowbit_optim.AdamW(resumed_model.parameters(), **kwargs)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    rng = torch.get_rng_state()
     _train(model, opt, 3)
+    torch.set_rng_state(rng)
     _train(resumed_model, resumed, 3)
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
     name = precision.extra_state_name(mode)
+    if name is None:
+        return
     a, b = opt.state[model[0].weight][name], resumed.state[resumed_model[0].weight][name]
     assert torch.equal(a.dequantize() if isinstance(a, lowbit_optim.OptimState) else a, b.dequantize() if isinstance(b, lowbit_optim.OptimState) else b)
 
