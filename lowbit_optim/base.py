@@ -232,7 +232,8 @@ class State:
     - ``decay``: for a moving average, the share of itself it keeps per step (its beta) as a function
       of the param group. A format whose rounding noise is fresh at every write holds signed averages
       up to its ``max_signed_decay`` only (lowrank.py), and the optimizer refuses it for a slower one
-      when a group is added or a checkpoint loads its betas (not when a beta is changed later).
+      when a group is added or a checkpoint loads its betas, and at the next step after a beta is
+      edited (not a tensor beta changed in place).
     """
 
     name: str
@@ -256,7 +257,8 @@ class State:
         if not self.signed or self.decay is None or fmt.max_signed_decay is None or (self.when is not None and not group.get(self.when)):
             return None
         decay = float(self.decay(group))
-        return decay if decay > fmt.max_signed_decay else None
+        # in float32: a beta given as a float32 tensor (0.99 is 0.9900000095) is the float it was written as
+        return decay if _float32(decay) > _float32(fmt.max_signed_decay) else None
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -1206,6 +1208,10 @@ def _plain_numbers(value):
     if all(p is v for p, v in zip(plain, value)):
         return value
     return getattr(value, "_make", type(value))(plain)
+
+
+def _float32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _take_last_grad_norm(state_dict: dict) -> tuple[float | None, dict]:

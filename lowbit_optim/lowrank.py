@@ -135,6 +135,18 @@ class LowRankState(CodebookState):
                     f"matrix of {self.numel()} elements"
                 )
 
+    def check_values(self) -> None:
+        super().check_values()
+        # a loaded state is a parameter's, whole: its matrix is (shape[0], the rest) (a view's need not be)
+        if self.rank and self._matrix_shape() != (self.shape[0], self.numel() // self.shape[0]):
+            rows, cols = self._matrix_shape()
+            raise ValueError(
+                f"its factors are those of a {rows} x {cols} matrix, where a state of shape {tuple(self.shape)} keeps "
+                f"the {self.shape[0]} x {self.numel() // self.shape[0]} one (left and right swapped?)"
+            )
+        if self.rank > type(self).rank:
+            raise ValueError(f"its factors have rank {self.rank}, above the {type(self).rank} its format keeps")
+
     @classmethod
     def codebook(cls, signed: bool) -> list[float]:
         return quant.linear_codebook(cls.bits) if signed else quant.linear_codebook_without_zero(cls.bits)
@@ -223,6 +235,8 @@ class LowRankState(CodebookState):
         return values.to(dtype or self.dtype)
 
     def _rows(self, start: int, end: int) -> "LowRankState":
+        if self.rank and (start, end) == (0, self.shape[0]):  # every row (state[:]): the state itself
+            return self._like()
         if self.rank:
             raise NotImplementedError(
                 f"{_format_name(self)} of shape {tuple(self.shape)} cannot be cut into rows [{start}:{end}]: its rank-{self.rank} "

@@ -211,6 +211,26 @@ def test_distributed_checkpoints_load_whole(fmt):
     assert torch.equal(blockwise.dequantize(), plain.from_float(one.dequantize()).dequantize())
 
 
+@LOW_RANK_FORMATS
+def test_a_checkpoint_with_the_factors_of_another_matrix_is_refused(fmt):
+    """left and right swapped (an 80 x 96 matrix's factors for a 96 x 80 state: sizes that fit), or
+    a rank above the format's, is refused at the load; a view of every row is the state itself."""
+    p = torch.nn.Parameter(torch.randn(96, 80))
+    opt = lowbit_optim.SGD([p], lr=0.1, momentum=0.9, state_format=fmt.name, min_quantize_numel=0)
+    p.grad = torch.randn(96, 80)
+    opt.step()
+    state = opt.state[p]["momentum_buffer"]
+    assert torch.equal(state[:].dequantize(), state.dequantize())
+    swapped = fmt(state.codes, state.scale, state.right, state.left, state.shape, state.block_size, state.signed, state.rank, state.dtype)
+    rank = fmt.rank + 1
+    wider = fmt(state.codes, state.scale, torch.zeros(96 * rank), torch.zeros(80 * rank), state.shape, state.block_size, state.signed, rank, state.dtype)
+    for bad, message in ((swapped, r"factors are those of a 80 x 96 matrix, where a state of shape \(96, 80\) keeps the 96 x 80 one"), (wider, f"rank {rank}, above the {fmt.rank}")):
+        saved = opt.state_dict()
+        saved["state"][0]["momentum_buffer"] = bad
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(saved)
+
+
 def test_square_and_oblong_matrices_share_the_compiled_step():
     """Sizes that are equal for one matrix (a square one's two factors) are not assumed equal by the
     compiled step: with duck sizing a graph cached from a square matrix failed another process's

@@ -723,6 +723,8 @@ def test_ademamix_keeps_its_slow_momentum_out_of_4bit_lowrank():
     expecttest.assert_expected_inline(str(caught.value), """the '4bit-lowrank' state format cannot hold AdEMAMix's exp_avg_slow, an average that keeps 0.9999 of itself per step: its rounding noise is drawn afresh at every write, and an average that keeps more than 0.99 per step gathers that noise faster than it lets it decay, growing without bound (README, "Low-rank states and slow averages"). Use a format without that limit for it, e.g. state_format={'exp_avg': '4bit-lowrank', 'exp_avg_slow': '10bit-sr', 'exp_avg_sq': '4bit-lowrank'}""")
     lowbit_optim.Lion(make_mlp().parameters(), state_format="4bit-lowrank")
     lowbit_optim.AdEMAMix(make_mlp().parameters(), betas=(0.9, 0.999, 0.99), state_format="4bit-lowrank")
+    # the limit's own beta given as a float32 tensor (0.9900000095) is the 0.99 it was written as
+    lowbit_optim.Lion(make_mlp().parameters(), betas=(torch.tensor(0.9), torch.tensor(0.99)), state_format="4bit-lowrank")
 
 
 @pytest.mark.parametrize("cls, kwargs, fmt, refused", [
