@@ -10,8 +10,11 @@ import math
 import torch
 from torch import Tensor
 
-# Below this absmax a block is treated as all zeros (avoids 0/0 in the normalization).
-MIN_BLOCK_SCALE = 1e-12
+# A block's absmax is taken as at least this (avoids 0/0 in the normalization of a block of zeros).
+# Low enough that a block of tiny values keeps its own scale (torchao's floor, 1e-12, read an Adam
+# second moment of 1e-7 gradients 313x too large in 4bit); high enough that every format's smallest
+# nonzero code times it stays a normal fp32 number (the least, the dynamic codebook's ~2**-22, gives 2**-97).
+MIN_BLOCK_SCALE = 2.0**-75
 
 
 def dynamic_codebook(signed: bool, exponent_bits: int, total_bits: int) -> list[float]:

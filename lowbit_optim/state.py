@@ -117,6 +117,16 @@ def _global_values(fn) -> str:
     return repr(sorted((n, text) for n in names if n in namespace and (text := _plain_text(namespace[n])) is not None))
 
 
+def _quant_fingerprint() -> str:
+    """quant.py's code and constants: the formats' methods call its functions, whose own constants
+    (MIN_BLOCK_SCALE, read by block_absmax) their sources do not show; a stale graph kept 1e-12."""
+    try:
+        source = inspect.getsource(quant)
+    except (OSError, TypeError):  # (installed without sources)
+        source = ""
+    return source + repr(sorted((n, text) for n, v in vars(quant).items() if (text := _plain_text(v)) is not None))
+
+
 def computes_as(cls, base, *methods: str) -> bool:
     """Whether ``cls`` inherits ``methods`` from ``base`` unchanged: only then may it declare
     ``base``'s kernel layout (a subclass with its own encoding must take the compiled step)."""
@@ -408,6 +418,7 @@ class StateTensor(Tensor):
             parts.append(_global_values(fn))
         parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max", "inner_names", "inner_dtypes")))
         parts.append(_class_values(cls))
+        parts.append(_quant_fingerprint())
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def __repr__(self):
