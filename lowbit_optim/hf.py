@@ -8,6 +8,7 @@ it is not the model the helper was given.
 
 import functools
 import inspect
+import os
 
 from torch import nn
 
@@ -125,6 +126,13 @@ def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[d
     return params
 
 
+def _shards_with_fsdp(args) -> bool:
+    """Whether Trainer will shard the model with FSDP: named in TrainingArguments (fsdp=...,
+    parallelism_config's dp_shard_size) or chosen through accelerate (``accelerate launch --use_fsdp``)."""
+    sharded = getattr(getattr(args, "parallelism_config", None), "dp_shard_size", 1) or 1
+    return bool(getattr(args, "fsdp", False)) or sharded > 1 or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+
+
 def _check_step_in_backward(args) -> None:
     if args is None:
         raise ValueError(
@@ -138,7 +146,7 @@ def _check_step_in_backward(args) -> None:
             f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
             "larger per-device batch), or step after backward"
         )
-    if getattr(args, "world_size", 1) > 1 and not getattr(args, "fsdp", False):
+    if getattr(args, "world_size", 1) > 1 and not _shards_with_fsdp(args):
         raise ValueError(
             f"step_in_backward=True under Trainer's {args.world_size} processes without FSDP (DistributedDataParallel, "
             "DeepSpeed) steps each parameter before its gradient is averaged over the processes, and the replicas drift "

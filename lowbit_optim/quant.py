@@ -10,10 +10,12 @@ import math
 import torch
 from torch import Tensor
 
-# A block's absmax is taken as at least this (avoids 0/0 in the normalization of a block of zeros).
+# A block's absmax is taken as at least this (avoids 0/0 in the normalization of a block of zeros),
+# before a format divides it by its scale_max or calibrates it (4bit-calibrated's scales go lower).
 # Low enough that a block of tiny values keeps its own scale (torchao's floor, 1e-12, read an Adam
 # second moment of 1e-7 gradients 313x too large in 4bit); high enough that every format's smallest
-# nonzero code times it stays a normal fp32 number (the least, the dynamic codebook's ~2**-22, gives 2**-97).
+# nonzero code times it stays a normal fp32 number (the least, the dynamic codebook's ~2**-22, gives
+# 2**-97; not after a calibration, which may scale a block of nonnegative values further down).
 MIN_BLOCK_SCALE = 2.0**-75
 
 

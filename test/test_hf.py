@@ -126,6 +126,10 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
     with pytest.raises(ValueError, match=r"2 processes without FSDP .* drift apart: step after backward"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True}), step_in_backward=True)
+    optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "parallelism_config": SimpleNamespace(dp_shard_size=2)}), step_in_backward=True)
+    with pytest.MonkeyPatch.context() as env:  # accelerate launch --use_fsdp
+        env.setenv("ACCELERATE_USE_FSDP", "true")
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"max_grad_norm here clips in backward, for step_in_backward=True; .* TrainingArguments\(max_grad_norm"):
         optimizer_cls_and_kwargs(model, args, max_grad_norm=1.0)
     # a setting changed after the helper (a hyperparameter search's trial) is refused when Trainer builds it
