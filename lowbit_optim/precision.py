@@ -52,7 +52,8 @@ def bf16_ulp(x: Tensor) -> Tensor:
 def mode_for(param: Tensor, mode: str) -> str:
     """The mode ``param`` is written with: ``mode`` for a bf16 parameter, ``nearest`` for others
     (an fp32 weight takes the fp32 result as it is)."""
-    return check_param_update(mode) if param.dtype == torch.bfloat16 else check_param_update(mode) and "nearest"
+    check_param_update(mode)
+    return mode if param.dtype == torch.bfloat16 else "nearest"
 
 
 def _checked(param: Tensor, extra: Tensor | None, mode: str) -> str:
