@@ -1317,7 +1317,7 @@ def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> Non
         raise ValueError(f"invalid betas {betas!r}: each beta must be a number (or a one-element tensor)")
     if not all(0.0 <= b < 1.0 for b in values):
         raise ValueError(f"invalid betas {betas!r}: each beta must be in [0, 1)")
-    rounded = next((b for b in values[:bias_corrected] if torch.tensor(b, dtype=torch.float32).item() == 1.0), None)
+    rounded = next((b for b in values[:bias_corrected] if _float32(b) == 1.0), None)
     if rounded is not None:  # a bias correction 1 - beta**step of 0: every parameter NaN, or no update
         raise ValueError(
             f"invalid betas {betas!r}: {rounded!r} is 1.0 in float32, in which the step computes its bias "

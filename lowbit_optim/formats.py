@@ -213,8 +213,8 @@ class StochasticRounding:
     @classmethod
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
-        # the rounding lives in quant's functions: a change there must not reuse graphs compiled before it
-        text = inspect.getsource(quant.encode_stochastic) + quant.dither_fingerprint()
+        # the rounding (quant.encode_stochastic, whose source and constants the base hashes) sets it apart from nearest rounding
+        text = inspect.getsource(quant.encode_stochastic)
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
 

@@ -46,7 +46,7 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       gradients after the step in backward has used them).
     - MuonWithAdamW, which splits a model itself, is built with ``Trainer(optimizers=(opt, None))``.
     """
-    cls = optimizer_cls.func if isinstance(optimizer_cls, functools.partial) else optimizer_cls
+    cls, bound = _unwrapped(optimizer_cls)
     if not isinstance(cls, type):
         raise TypeError(f"optimizer_cls must be an optimizer class or a functools.partial of one, got {optimizer_cls!r}")
     if issubclass(cls, MuonWithAdamW):
@@ -56,7 +56,6 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the nn.Module to train, got {type(model).__name__}")
-    bound = optimizer_cls.keywords if isinstance(optimizer_cls, functools.partial) else {}
     chosen = {**bound, **kwargs}
     if chosen.get("max_grad_norm") is not None and not chosen.get("step_in_backward"):
         raise ValueError(
@@ -96,7 +95,7 @@ class _OptimizerFactory:
 
     def __call__(self, model: nn.Module, **kwargs):
         # the options in args as they are now: a hyperparameter search sets each trial's on the same args
-        bound = self.optimizer_cls.keywords if isinstance(self.optimizer_cls, functools.partial) else {}
+        bound = _unwrapped(self.optimizer_cls)[1]
         if self.args is not None:
             kwargs = {**{k: v for k, v in self.from_args().items() if k not in bound}, **kwargs}  # the partial's own win, as kwargs do
         if {**bound, **kwargs}.get("step_in_backward"):
@@ -106,11 +105,18 @@ class _OptimizerFactory:
     def from_args(self) -> dict:
         """What ``args`` (TrainingArguments) gives the optimizer: lr and weight decay, and Adam's betas and eps."""
         args = self.args
-        cls = self.optimizer_cls.func if isinstance(self.optimizer_cls, functools.partial) else self.optimizer_cls
+        cls = _unwrapped(self.optimizer_cls)[0]
         options = {"lr": args.learning_rate, **({"weight_decay": args.weight_decay} if self.takes_decay else {})}
         if issubclass(cls, Adam):
             options.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         return options
+
+
+def _unwrapped(optimizer_cls) -> tuple:
+    """(the class, the keywords bound to it) of an optimizer class or a functools.partial of one."""
+    if isinstance(optimizer_cls, functools.partial):
+        return optimizer_cls.func, optimizer_cls.keywords
+    return optimizer_cls, {}
 
 
 def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[dict]:

@@ -157,9 +157,9 @@ class LowRankState(CodebookState):
     @classmethod
     @functools.cache
     def _numerics_fingerprint(cls, signed: bool) -> str:
-        # the subspace iteration's start (quant.dither's numbers) and products live outside the methods the base hashes
+        # the subspace iteration's start and products live outside the methods the base hashes (and quant.py, whose dither draws the start)
         methods = (LowRankState._fit_low_rank, LowRankState._subspace_start, LowRankState._low_rank)
-        text = inspect.getsource(start_basis) + quant.dither_fingerprint() + lowrank_products.fingerprint() + "".join(map(inspect.getsource, methods))
+        text = inspect.getsource(start_basis) + lowrank_products.fingerprint() + "".join(map(inspect.getsource, methods))
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
 
     def quantize_(self, x: Tensor) -> None:

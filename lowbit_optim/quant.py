@@ -4,7 +4,6 @@ Nothing here knows about tensor subclasses; every function works on plain tensor
 by torch.compile.
 """
 
-import inspect
 import math
 
 import torch
@@ -350,12 +349,6 @@ def dither(x: Tensor, scale: Tensor) -> Tensor:
     h = (h * 0x5BD1E995) & _MASK32
     h = h ^ (h >> 16)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # the top 24 bits: exact in fp32
-
-
-def dither_fingerprint() -> str:
-    """dither's source and constants: a format whose numbers it draws hashes this into its numerics
-    fingerprint, so that a change of the hash never reuses graphs compiled before it."""
-    return inspect.getsource(dither) + str((DITHER_DROPPED_BITS, DITHER_PLACE, DITHER_SALT))
 
 
 def power_of_two_at_least(x: Tensor) -> Tensor:

@@ -59,9 +59,9 @@ def write_salt(writes: Tensor, blocks: int) -> Tensor:
 
 
 def write_salt_fingerprint() -> str:
-    """write_salt's source and constants, and the dither's they feed: for the numerics fingerprint of
-    a format that salts its draws with write_salt."""
-    return inspect.getsource(write_salt) + str((WRITES_MIX, BLOCK_MIX)) + quant.dither_fingerprint()
+    """write_salt's source and constants (the dither's, in quant.py, every format's fingerprint
+    hashes): for the numerics fingerprint of a format that salts its draws with write_salt."""
+    return inspect.getsource(write_salt) + str((WRITES_MIX, BLOCK_MIX))
 
 
 # write_salt is linear in the count and the block index mod 2**22, and WRITES_MIX is odd (invertible):
