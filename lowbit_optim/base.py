@@ -21,6 +21,7 @@ import itertools
 import math
 import numbers
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -678,7 +679,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_params(*step_op.with_grads(self._params()))
+        params = self._params()
+        stepped = step_op.with_grads(params)
+        if params and not stepped[0] and not self.state and not self._step_in_backward:  # (the caller's step(), through torch's hooks)
+            warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=5)
+        self._step_params(*stepped)
         return loss
 
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: tuple | None = None) -> None:
@@ -1153,6 +1158,13 @@ def _no_kernel_reason(cls: type) -> str | None:
         return f"{cls.__name__} has its own {' and '.join(changed)}, and the fused CPU kernel computes {owner.__name__}'s step; it takes the compiled step"
     return None
 
+
+# torch.optim steps nothing here, silently; the usual cause is a model wrapped after the optimizer was built
+NO_GRADIENT = (
+    "{name}.step() found no gradient on any of its {count} parameters, so nothing stepped. If the model was "
+    "sharded with fully_shard (or its parameters were replaced) after the optimizer was built, the optimizer "
+    "holds the old parameters: build it after fully_shard, from model.parameters()"
+)
 
 @torch.compiler.disable
 @torch.no_grad()

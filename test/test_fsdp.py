@@ -460,6 +460,23 @@ def _muon_float64_scenario(rank: int, world: int) -> dict:
     return {"refused": None}
 
 
+def _optimizer_before_fully_shard_scenario(rank: int, world: int) -> dict:
+    """The optimizer built before fully_shard holds the parameters it replaced: its step warns."""
+    import warnings
+
+    import lowbit_optim
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format="8bit", compile=False)
+    fully_shard(model)
+    model(_batch(0, rank, world)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return {"warnings": [str(w.message) for w in caught], "stepped": len(opt.state)}
+
+
 def _same_tree(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -491,6 +508,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "ademamix_bf16_sr": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_BF16_SR),
         "ademamix_all_8bit": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_ALL_8BIT, fused=True),
         "muon_float64": _muon_float64_scenario,
+        "optimizer_before_fully_shard": _optimizer_before_fully_shard_scenario,
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -783,6 +801,18 @@ def test_muon_refuses_a_sharded_parameter_made_float64(job):
         result = found.get("muon_float64")
         assert result is not None and "error" not in result, f"rank {rank}: {result}"
         assert result["refused"] and "float64 parameters are not supported" in result["refused"], (rank, result)
+
+
+@needs_gloo
+def test_an_optimizer_built_before_fully_shard_warns_at_its_step(job):
+    """fully_shard replaces the module's parameters: an optimizer built before it holds the old
+    ones, which get no gradient (torch.optim then steps nothing, silently). Its step warns and
+    names the fix."""
+    for rank, found in enumerate(job):
+        result = found.get("optimizer_before_fully_shard")
+        assert result is not None and "error" not in result, f"rank {rank}: {result}"
+        assert result["stepped"] == 0
+        assert any("no gradient" in w and "build it after fully_shard" in w for w in result["warnings"]), (rank, result)
 
 
 @needs_gloo

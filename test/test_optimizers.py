@@ -23,6 +23,7 @@ import copy
 import functools
 import inspect
 import re
+import warnings
 
 import expecttest
 import pytest
@@ -478,6 +479,25 @@ def test_a_non_finite_gradient_shows_in_the_parameter(opt_info):
         assert not param[3, 5].isfinite() and not param[40, 1].isfinite(), f"fused={fused}: a parameter element stayed finite"
         stepped.append(param.detach())
     torch.testing.assert_close(*stepped, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("opt_info", OPTIMIZERS, ids=str)
+def test_a_step_that_finds_no_gradient_before_any_state_warns(opt_info):
+    """A step that finds no gradient on any parameter, before any state was made, warns and names
+    the usual cause (an optimizer built before fully_shard replaced the parameters; FSDP2's case is
+    tested in test_fsdp.py); once a state exists, a step without gradients is quiet, as in
+    torch.optim (layers frozen for a while)."""
+    params = [nn.Parameter(p) for p in initial_params(opt_info)]
+    opt = opt_info.make(params, state_format="8bit", compile=False)
+    with pytest.warns(UserWarning, match=rf"{opt_info.cls.__name__}.step\(\) found no gradient on any of its {len(params)} parameters.*after fully_shard"):
+        opt.step()
+    assert not opt.state
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
 
 
 # ------------------------------------------------------------------------------------------------
