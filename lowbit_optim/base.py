@@ -1166,6 +1166,7 @@ NO_GRADIENT = (
     "holds the old parameters: build it after fully_shard, from model.parameters()"
 )
 
+
 @torch.compiler.disable
 @torch.no_grad()
 def _step_outside_graph(optimizer: LowBitOptimizer, closure):
