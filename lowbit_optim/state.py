@@ -24,6 +24,7 @@ from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor
+from torch._prims_common import infer_size
 from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -589,7 +590,13 @@ class OptimState(StateTensor):
         """The plain tensor this state stands for, in ``dtype`` (default: its appearance dtype)."""
         codes = self.unpacked_codes()
         values = self.decode(codes, self.signed).view(-1, self.block_size) * self.scale[:, None]
-        return values.view(-1)[: self.numel()].view(self.shape).to(dtype or self.dtype)
+        flat, numel = values.view(-1), self.numel()
+        if isinstance(numel, int) and numel % self.block_size:
+            # torch 2.13's C++ inductor, compiling for fixed sizes, splits a loop over the first numel of
+            # these values into whole blocks and drops the last, partial one (CppScheduling.try_loop_split):
+            # a strided view of them is read at plain indices instead (the same view in eager)
+            flat = flat.as_strided((numel,), (1,))
+        return flat[:numel].view(self.shape).to(dtype or self.dtype)
 
     # ---- views and sharding -------------------------------------------------------------------
 
@@ -852,15 +859,8 @@ def _view(func, args, kwargs):
 
 
 def _infer_shape(shape, numel):
-    shape = list(shape)
-    if -1 in shape:
-        i = shape.index(-1)
-        rest = 1
-        for j, s in enumerate(shape):
-            if j != i:
-                rest *= s
-        shape[i] = numel // rest
-    return torch.Size(shape)
+    # torch's own rule and errors: another element count would read the padding of the last block as values
+    return torch.Size(infer_size(shape, numel))
 
 
 def slice_bounds(start, end, rows: int) -> tuple[int, int]:

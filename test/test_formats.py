@@ -687,6 +687,32 @@ def test_view_and_reshape(info, reshape):
     assert shares_all_storage(out, state)
 
 
+def test_states_read_in_a_graph_of_fixed_sizes_give_their_values():
+    """A user's torch.compile (sizes fixed at the first call, its default) reads every element of
+    every quantized format as dequantize() does: torch 2.13's C++ inductor dropped the elements of
+    a partial last block (state.OptimState.dequantize says how it is kept from it), so the first
+    moment of a user's compiled adam_step came back as 1e30 there. One graph reads them all."""
+    states = [info.fmt.from_float(sample((300,), signed, seed=i), signed=signed)
+              for i, info in enumerate(QUANTIZED_FORMATS) for signed in info.signedness]  # fmt: skip
+    read = torch.compile(lambda states: [s * 1.0 for s in states], dynamic=False, fullgraph=True)
+    wrong = [f"{type(state).__name__} (signed={state.signed})" for state, got in zip(states, read(states)) if not torch.equal(got, state.dequantize())]
+    assert not wrong, wrong
+
+
+@quantized_formats
+def test_view_and_reshape_to_another_element_count_raise_as_torch_does(info):
+    """A shape of another element count is torch's error, not a view that reads the last block's
+    padding as values (or drops values), nor a ZeroDivisionError beside a 0."""
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
+    for shape in [(3, 101), (-1, 7), (400,), (0, -1), (-1, -1)]:
+        for reshape in (state.view, state.reshape):
+            with pytest.raises(RuntimeError) as raised:
+                reshape(shape)
+            with pytest.raises(RuntimeError) as expected:
+                torch.zeros(3, 100).view(shape)
+            assert str(raised.value) == str(expected.value), shape
+
+
 @quantized_formats
 def test_detach(info):
     state = info.fmt.from_float(any_sample(info, (3, 100)))
