@@ -680,10 +680,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
-        stepped = step_op.with_grads(params)
-        if params and not stepped[0] and not self.state and not self._step_in_backward:  # (the caller's step(), through torch's hooks)
+        with_grads, grads, positions = step_op.with_grads(params)
+        if params and not with_grads and not self.state and not self._step_in_backward:
+            # stacklevel: the caller's opt.step(), through torch's step hooks
             warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=5)
-        self._step_params(*stepped)
+        self._step_params(with_grads, grads, positions)
         return loss
 
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: tuple | None = None) -> None:

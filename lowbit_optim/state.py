@@ -590,13 +590,15 @@ class OptimState(StateTensor):
         """The plain tensor this state stands for, in ``dtype`` (default: its appearance dtype)."""
         codes = self.unpacked_codes()
         values = self.decode(codes, self.signed).view(-1, self.block_size) * self.scale[:, None]
-        flat, numel = values.view(-1), self.numel()
+        numel = self.numel()
         if isinstance(numel, int) and numel % self.block_size:
             # torch 2.13's C++ inductor, compiling for fixed sizes, splits a loop over the first numel of
             # these values into whole blocks and drops the last, partial one (CppScheduling.try_loop_split):
             # a strided view of them is read at plain indices instead (the same view in eager)
-            flat = flat.as_strided((numel,), (1,))
-        return flat[:numel].view(self.shape).to(dtype or self.dtype)
+            flat = values.as_strided((numel,), (1,))
+        else:
+            flat = values.view(-1)[:numel]
+        return flat.view(self.shape).to(dtype or self.dtype)
 
     # ---- views and sharding -------------------------------------------------------------------
 
@@ -854,13 +856,9 @@ def _view(func, args, kwargs):
     # the inner tensors do not depend on the logical shape, so any shape with the same numel is free;
     # needed by the optimizer's flat step
     state, shape = args[0], args[1]
-    out = state._like(shape=_infer_shape(shape, state.numel()))
-    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
-
-
-def _infer_shape(shape, numel):
     # torch's own rule and errors: another element count would read the padding of the last block as values
-    return torch.Size(infer_size(shape, numel))
+    out = state._like(shape=torch.Size(infer_size(shape, state.numel())))
+    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
 
 
 def slice_bounds(start, end, rows: int) -> tuple[int, int]:
