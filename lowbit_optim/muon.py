@@ -4,6 +4,7 @@ optimizer object (``MuonWithAdamW``) or as the split alone (``muon_split``)."""
 import contextlib
 import fnmatch
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 
@@ -234,6 +235,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
 
     def state_dict(self) -> dict:
+        _refuse_dcp_helpers()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
@@ -243,6 +245,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _refuse_dcp_helpers()
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # as torch.optim, for its hooks
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
@@ -269,6 +272,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self._built:  # the constructor's own call only sets up torch.optim's bookkeeping
             raise TypeError("add groups to opt.muon or opt.adamw, which know what each parameter needs")
         super().add_param_group(param_group)
+
+
+def _refuse_dcp_helpers() -> None:
+    """torch.distributed.checkpoint's get/set_(optimizer_)state_dict read and write one optimizer's
+    layout ({"state", "param_groups"}), not MuonWithAdamW's two (they failed with KeyError: 'state').
+    Each of its two optimizers has that layout: the helpers take them as a list."""
+    caller = sys._getframe(2).f_globals.get("__name__")  # (0: here, 1: state_dict or load_state_dict)
+    if caller == "torch.distributed.checkpoint.state_dict":
+        raise TypeError(
+            "MuonWithAdamW holds two optimizers, and torch.distributed.checkpoint's get_state_dict / set_state_dict (and "
+            "get/set_optimizer_state_dict) take one optimizer's layout each: pass its list, opt.optimizers, in place of opt"
+        )
 
 
 @contextlib.contextmanager

@@ -90,6 +90,8 @@ def _build(fmt: str, fsdp: bool, optimizer: str = "AdamW", **options):
     model = _Net()
     if fsdp:
         fully_shard(model)
+    if optimizer == "MuonWithAdamW":  # it splits the model: Muon on the weights but one_row's (as its head), AdamW on the rest
+        return model, lowbit_optim.MuonWithAdamW(model, head="one_row", state_format=fmt, min_quantize_numel=0, **options)
     groups = [
         {"params": [p for n, p in model.named_parameters() if not n.startswith("small.")]},
         {"params": list(model.small.parameters()), "min_quantize_numel": 0},
@@ -189,7 +191,7 @@ def _save(model, opt, path, no_dist=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, _optimizers(opt))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=no_dist)
 
 
@@ -197,10 +199,15 @@ def _load(model, opt, path, no_dist=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)  # creates the optimizer states (a step with lr 0)
+    model_sd, optim_sd = get_state_dict(model, _optimizers(opt))  # creates the optimizer states (a step with lr 0)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, _optimizers(opt), model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _optimizers(opt):
+    """What DCP's helpers take: the optimizer, or MuonWithAdamW's two (as the README says)."""
+    return getattr(opt, "optimizers", opt)
 
 
 def _init_states(model, opt):
@@ -324,9 +331,12 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
     return out
 
 
-# SGD, Lion and AdEMAMix with 8bit state: the same sharding and DCP machinery as AdamW's (base.py), so
-# one cheap scenario each (eager step): they train sharded and a 2 -> 2 DCP checkpoint resumes exactly
-OTHER_OPTIMIZERS = {"SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2)}
+# SGD, Lion, AdEMAMix, Muon and MuonWithAdamW with 8bit state: the same sharding and DCP machinery as
+# AdamW's (base.py), so one cheap scenario each (eager step): they train sharded and a 2 -> 2 DCP
+# checkpoint resumes exactly (MuonWithAdamW's through DCP's helpers given its two optimizers)
+OTHER_OPTIMIZERS = {
+    "SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2), "MuonWithAdamW": dict(lr=2e-2),
+}  # fmt: skip
 ADEMAMIX_RECIPE = {"exp_avg": "8bit-linear", "exp_avg_slow": "10bit-sr", "exp_avg_sq": "10bit-sr"}  # the README's
 ADEMAMIX_BF16_SR = {"exp_avg": "8bit-linear", "exp_avg_slow": "bf16-sr", "exp_avg_sq": "bf16-sr"}  # its 16-bit alternative
 ADEMAMIX_ALL_8BIT = {"exp_avg": "8bit-linear", "exp_avg_slow": "8bit-lowrank", "exp_avg_sq": "8bit-log"}  # low-rank in the kernel
@@ -705,7 +715,7 @@ def test_reshard_one_to_two(result):
 
 @pytest.fixture(params=list(OTHER_OPTIMIZERS))
 def other_result(request, job):
-    """(rank 0's, rank 1's) results of SGD, Lion or AdEMAMix with 8bit state."""
+    """(rank 0's, rank 1's) results of one of OTHER_OPTIMIZERS with 8bit state."""
     name = request.param
     for rank, found in enumerate(job):
         if name not in found:
@@ -717,13 +727,14 @@ def other_result(request, job):
 
 @needs_gloo
 def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
-    """SGD, Lion, AdEMAMix and Muon with 8bit state under fully_shard on 2 ranks: every state a DTensor
+    """SGD, Lion, AdEMAMix, Muon and MuonWithAdamW with 8bit state under fully_shard on 2 ranks: every state a DTensor
     over an 8bit local state (the small group's too: min_quantize_numel=0), the losses those of 1
     process (the first step's to rounding), and a DCP checkpoint (get_state_dict / dcp.save / dcp.load
     / set_state_dict) resumes bit-exactly: the same codes and scales, then the same losses, states and
     parameters as the run that went on. Muon (matrices only; the bias keeps no state) gathers each
     matrix's update to one rank, orthogonalizes it there and scatters the rows back: one matrix
-    (one_row) has an empty shard on rank 1, others uneven shards."""
+    (one_row) has an empty shard on rank 1, others uneven shards. MuonWithAdamW (its own split: AdamW
+    on one_row's weight, named its head, and the bias) is saved and loaded through its two optimizers."""
     name, rank0, rank1 = other_result
     for found in (rank0, rank1):
         for param, kinds in found["state_kinds"].items():
@@ -735,8 +746,11 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
         assert found["resume_losses"] == found["more_losses"]
     losses = rank0["losses"] + rank0["more_losses"]
     assert rank0["losses"] == rank1["losses"]  # all-reduced
+    # AdamW's 8bit moments of an aligned matrix may sit a code apart (test_two_ranks_match_one): observed
+    # 4.6e-5 at lr 2e-2 on the one MuonWithAdamW steps with AdamW
+    aligned = [n for n in ALIGNED if not (name == "MuonWithAdamW" and n == "one_row.weight")]
     for n, reference in rank0["ref_final"].items():  # the parameters of 1 process (see ALIGNED_PARAM_ATOL)
-        atol = ALIGNED_PARAM_ATOL if n in ALIGNED else 4 * OTHER_OPTIMIZERS[name]["lr"]
+        atol = ALIGNED_PARAM_ATOL if n in aligned else 4 * OTHER_OPTIMIZERS[name]["lr"]
         torch.testing.assert_close(rank0["final_full"][n], reference, rtol=0, atol=atol, msg=n)
     assert losses[0] == pytest.approx(rank0["ref_losses"][0], rel=1e-6)
     assert losses == pytest.approx(rank0["ref_losses"], rel=1e-2)  # observed within 2e-4

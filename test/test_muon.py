@@ -287,6 +287,35 @@ def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
         resumed.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
 
 
+def test_muon_with_adamw_goes_to_dcp_helpers_as_its_two_optimizers():
+    """torch.distributed.checkpoint's get/set_(optimizer_)state_dict take one optimizer's layout each.
+    Given MuonWithAdamW itself, each raises a TypeError that names the fix (they failed with KeyError:
+    'state', or a ValueError about the layout); given opt.optimizers, a checkpoint made with them loads
+    into a fresh object and resumes bit for bit (FSDP2's: test_fsdp.py)."""
+    from torch.distributed.checkpoint import state_dict as dcp_helpers
+
+    torch.manual_seed(0)
+    model, resumed_model = TinyLM(), TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    _lm_steps([opt], model, 2)
+    model_sd, optim_sd = dcp_helpers.get_state_dict(model, opt.optimizers)
+    model_sd, optim_sd = copy.deepcopy((model_sd, optim_sd))  # (the helpers return the live tensors)
+    resumed = lowbit_optim.MuonWithAdamW(resumed_model, **RECIPE)
+    for call in (
+        lambda: dcp_helpers.get_state_dict(resumed_model, resumed),
+        lambda: dcp_helpers.get_optimizer_state_dict(resumed_model, resumed),
+        lambda: dcp_helpers.set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd),
+        lambda: dcp_helpers.set_optimizer_state_dict(resumed_model, resumed, optim_sd),
+    ):
+        with pytest.raises(TypeError, match=r"pass its list, opt\.optimizers, in place of opt"):
+            call()
+    dcp_helpers.set_state_dict(resumed_model, resumed.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert isinstance(resumed.state[resumed_model.blocks[0].weight]["momentum_buffer"], lowbit_optim.OptimState8bit)
+    assert _lm_steps([resumed], resumed_model, 2) == _lm_steps([opt], model, 2)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_muon_with_adamw_follows_its_parts_and_runs_state_dict_hooks():
     """A group added to opt.adamw (as the wrapper's own refusal says) or a part's load_state_dict
     (as DCP's helpers load opt.optimizers) shows in param_groups and state: schedulers, GradScaler
