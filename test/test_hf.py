@@ -1,6 +1,7 @@
 """Hugging Face Trainer and Accelerate: training, checkpoints and exact resumes keep the low-bit state.
 
-The Trainer tests run examples/hf_trainer.py's tiny GPT-2 (2 layers, d_model 64, bytes as tokens).
+The Trainer tests run examples/hf_trainer.py's tiny GPT-2 (2 layers, d_model 64, bytes as tokens), but
+MuonWithAdamW's, which needs nn.Linear layers (a tiny Llama).
 The FSDP2 test runs this file as a 2-process job (gloo), see ``_fsdp2_job``.
 """
 
@@ -225,6 +226,41 @@ def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
         optimizer_cls_and_kwargs(model, optimizer_cls=lowbit_optim.MuonWithAdamW)
     with pytest.raises(TypeError, match="optimizer_cls must be an optimizer class or a functools.partial of one"):
         optimizer_cls_and_kwargs(model, optimizer_cls=lambda params, **kw: lowbit_optim.AdamW(params, **kw))
+
+
+def _llama_trainer(output_dir, stop_at: int | None = None):
+    """A tiny Llama (nn.Linear projections, which MuonWithAdamW gives Muon; GPT-2's Conv1D it cannot)
+    under Trainer(optimizers=(MuonWithAdamW(model, ...), None)), the helper's suggestion for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == stop_at
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    opt = lowbit_optim.MuonWithAdamW(model, muon=dict(lr=0.02), adamw=dict(lr=3e-3), state_format="8bit", min_quantize_numel=0, compile=False)
+    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in tokens]
+    args = TrainingArguments(output_dir, max_steps=6, save_steps=3, per_device_train_batch_size=8, report_to=[], disable_tqdm=True, use_cpu=True)
+    return Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None), callbacks=[Stop()] if stop_at else None)
+
+
+def test_trainer_resumes_muon_with_adamw_exactly(tmp_path):
+    """MuonWithAdamW passed to Trainer as the helper says: Trainer saves its {'muon', 'adamw'} state
+    dict in optimizer.pt, low-bit, and a resumed run ends with an uninterrupted one's parameters."""
+    full = _llama_trainer(tmp_path / "full")
+    full.train()
+    part = _llama_trainer(tmp_path / "part", stop_at=3)
+    part.train()
+    saved = torch.load(tmp_path / "part" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert isinstance(next(iter(saved["muon"]["state"].values()))["momentum_buffer"], lowbit_optim.OptimState8bit)
+    resumed = _llama_trainer(tmp_path / "part")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    _assert_same(_params(resumed.model), _params(full.model))
 
 
 def _steps(model, opt, accelerator, n: int) -> None:
