@@ -278,8 +278,8 @@ def _refuse_dcp_helpers() -> None:
     """torch.distributed.checkpoint's get/set_(optimizer_)state_dict read and write one optimizer's
     layout ({"state", "param_groups"}), not MuonWithAdamW's two (they failed with KeyError: 'state').
     Each of its two optimizers has that layout: the helpers take them as a list."""
-    caller = sys._getframe(2).f_globals.get("__name__")  # (0: here, 1: state_dict or load_state_dict)
-    if caller == "torch.distributed.checkpoint.state_dict":
+    caller = sys._getframe(1).f_back  # (1: state_dict or load_state_dict)
+    if caller is not None and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
         raise TypeError(
             "MuonWithAdamW holds two optimizers, and torch.distributed.checkpoint's get_state_dict / set_state_dict (and "
             "get/set_optimizer_state_dict) take one optimizer's layout each: pass its list, opt.optimizers, in place of opt"
