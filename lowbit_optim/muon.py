@@ -277,12 +277,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def _refuse_dcp_helpers() -> None:
     """torch.distributed.checkpoint's get/set_(optimizer_)state_dict read and write one optimizer's
     layout ({"state", "param_groups"}), not MuonWithAdamW's two (they failed with KeyError: 'state').
-    Each of its two optimizers has that layout: the helpers take them as a list."""
-    caller = sys._getframe(1).f_back  # (1: state_dict or load_state_dict)
-    if caller is not None and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+    Each of its two optimizers has that layout: the helpers take them as a list. Any frame up the
+    stack counts: they may call through a wrapper (accelerate's AcceleratedOptimizer)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") != "torch.distributed.checkpoint.state_dict":
+        frame = frame.f_back
+    if frame is not None:
         raise TypeError(
             "MuonWithAdamW holds two optimizers, and torch.distributed.checkpoint's get_state_dict / set_state_dict (and "
-            "get/set_optimizer_state_dict) take one optimizer's layout each: pass its list, opt.optimizers, in place of opt"
+            "get/set_optimizer_state_dict) take one optimizer's layout each: pass its list, opt.optimizers, in place of opt "
+            "(a wrapper that calls them with the optimizer it holds, as accelerate's FSDP2 checkpoints do, must hold "
+            "opt.muon and opt.adamw as two optimizers instead)"
         )
 
 

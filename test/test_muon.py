@@ -290,9 +290,20 @@ def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
 def test_muon_with_adamw_goes_to_dcp_helpers_as_its_two_optimizers():
     """torch.distributed.checkpoint's get/set_(optimizer_)state_dict take one optimizer's layout each.
     Given MuonWithAdamW itself, each raises a TypeError that names the fix (they failed with KeyError:
-    'state', or a ValueError about the layout); given opt.optimizers, a checkpoint made with them loads
-    into a fresh object and resumes bit for bit (FSDP2's: test_fsdp.py)."""
+    'state', or a ValueError about the layout), also through a wrapper that holds it (as accelerate's
+    does); given opt.optimizers, a checkpoint made with them loads into a fresh object and resumes bit
+    for bit (FSDP2's: test_fsdp.py)."""
     from torch.distributed.checkpoint import state_dict as dcp_helpers
+
+    class Wrapped(torch.optim.Optimizer):  # as accelerate's AcceleratedOptimizer: it delegates to the one it holds
+        def __init__(self, inner):
+            self.inner = inner
+
+        param_groups = property(lambda self: self.inner.param_groups)
+        state = property(lambda self: self.inner.state)
+
+        def state_dict(self):
+            return self.inner.state_dict()
 
     torch.manual_seed(0)
     model, resumed_model = TinyLM(), TinyLM()
@@ -306,8 +317,9 @@ def test_muon_with_adamw_goes_to_dcp_helpers_as_its_two_optimizers():
         lambda: dcp_helpers.get_optimizer_state_dict(resumed_model, resumed),
         lambda: dcp_helpers.set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd),
         lambda: dcp_helpers.set_optimizer_state_dict(resumed_model, resumed, optim_sd),
+        lambda: dcp_helpers.get_optimizer_state_dict(model, Wrapped(opt)),
     ):
-        with pytest.raises(TypeError, match=r"pass its list, opt\.optimizers, in place of opt"):
+        with pytest.raises(TypeError, match=r"pass its list, opt\.optimizers, in place of opt .*opt\.muon and opt\.adamw as two"):
             call()
     dcp_helpers.set_state_dict(resumed_model, resumed.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
     assert isinstance(resumed.state[resumed_model.blocks[0].weight]["momentum_buffer"], lowbit_optim.OptimState8bit)
