@@ -681,7 +681,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         params = self._params()
         with_grads, grads, positions = step_op.with_grads(params)
-        if params and not with_grads and not self.state and not self._step_in_backward:
+        if params and not with_grads and not self.state and not self.__dict__.get("_has_stepped"):
+            # (a step in backward steps the hooks' parameters before this; SGD without momentum keeps no state)
             # stacklevel: the caller's opt.step(), through torch's step hooks
             warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=5)
         self._step_params(with_grads, grads, positions)
@@ -714,6 +715,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
             for group in self.param_groups:
                 self._step_group(group, items[id(group)])
+        if params:
+            self._has_stepped = True
 
     # ---- the step in backward -------------------------------------------------------------------
 
@@ -722,6 +725,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_edits([group])
         self._check_stepped(param, grad, group)
         self._step_group(group, [(param, param, grad)])
+        self._has_stepped = True
 
     @contextlib.contextmanager
     def accumulating(self):

@@ -500,6 +500,38 @@ def test_a_step_that_finds_no_gradient_before_any_state_warns(opt_info):
         opt.step()
 
 
+@pytest.mark.parametrize("opt_info", OPTIMIZERS, ids=str)
+def test_a_step_in_backward_whose_hooks_never_ran_warns(opt_info):
+    """step_in_backward=True built before fully_shard (or before the parameters were replaced): the
+    hooks sit on the old parameters and never run, and step() finds no gradient on them either. It
+    warns as the step after backward does; once the hooks have stepped, step() is quiet."""
+    model = opt_info.mlp()
+    opt = opt_info.make(model.parameters(), state_format="8bit", compile=False, step_in_backward=True)
+    replaced = copy.deepcopy(model)  # what fully_shard makes of the model: other parameters
+    replaced(torch.ones(2, model[0].in_features)).sum().backward()
+    with pytest.warns(UserWarning, match=rf"{opt_info.cls.__name__}.step\(\) found no gradient .*after fully_shard"):
+        opt.step()
+    model(torch.ones(2, model[0].in_features)).sum().backward()  # the hooks step each parameter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_sgd_without_momentum_steps_without_gradients_quietly_once_it_has_stepped(step_in_backward):
+    """SGD without momentum keeps no state, so "no state yet" cannot tell a first step from a later
+    one: a step without gradients after it has stepped (layers frozen for a while) is quiet."""
+    model = make_mlp()
+    opt = lowbit_optim.SGD(model.parameters(), lr=0.1, compile=False, step_in_backward=step_in_backward)
+    model(torch.ones(2, model[0].in_features)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert not opt.state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. SGD specifics, torch checkpoints, bitsandbytes aliases, bad input
 # ------------------------------------------------------------------------------------------------
