@@ -471,20 +471,24 @@ def _muon_float64_scenario(rank: int, world: int) -> dict:
 
 
 def _optimizer_before_fully_shard_scenario(rank: int, world: int) -> dict:
-    """The optimizer built before fully_shard holds the parameters it replaced: its step warns."""
+    """The optimizer built before fully_shard holds the parameters it replaced: its step warns,
+    stepping after backward and in it (whose hooks sit on the replaced parameters)."""
     import warnings
 
     import lowbit_optim
     from torch.distributed.fsdp import fully_shard
 
-    model = _Net()
-    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format="8bit", compile=False)
-    fully_shard(model)
-    model(_batch(0, rank, world)).backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.step()
-    return {"warnings": [str(w.message) for w in caught], "stepped": len(opt.state)}
+    out = {}
+    for in_backward in (False, True):
+        model = _Net()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format="8bit", compile=False, step_in_backward=in_backward)
+        fully_shard(model)
+        model(_batch(0, rank, world)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        out[in_backward] = {"warnings": [str(w.message) for w in caught], "stepped": len(opt.state)}
+    return out
 
 
 def _same_tree(a: dict, b: dict) -> bool:
@@ -821,12 +825,13 @@ def test_muon_refuses_a_sharded_parameter_made_float64(job):
 def test_an_optimizer_built_before_fully_shard_warns_at_its_step(job):
     """fully_shard replaces the module's parameters: an optimizer built before it holds the old
     ones, which get no gradient (torch.optim then steps nothing, silently). Its step warns and
-    names the fix."""
+    names the fix, also with step_in_backward=True (its hooks, on the old parameters, never run)."""
     for rank, found in enumerate(job):
         result = found.get("optimizer_before_fully_shard")
         assert result is not None and "error" not in result, f"rank {rank}: {result}"
-        assert result["stepped"] == 0
-        assert any("no gradient" in w and "build it after fully_shard" in w for w in result["warnings"]), (rank, result)
+        for in_backward in (False, True):
+            assert result[in_backward]["stepped"] == 0
+            assert any("no gradient" in w and "build it after fully_shard" in w for w in result[in_backward]["warnings"]), (rank, in_backward, result)
 
 
 @needs_gloo
