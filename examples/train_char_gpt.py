@@ -1,7 +1,7 @@
 """Train a small character-level GPT with quantized optimizer state.
 
 The text is Python's own help pages (``pydoc_data.topics``, ~465k characters), so nothing is downloaded.
-The default run takes about 70 s on 2 CPU cores and prints the validation loss, the optimizer
+The default run takes 70-110 s on 2 CPU cores and prints the validation loss, the optimizer
 state memory and a generated sample::
 
     python examples/train_char_gpt.py --state-format 8bit     # or 4bit, fp8, bf16, fp32, ...
@@ -248,7 +248,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--state-format", default="8bit", choices=formats, help="optimizer state format (factored, for second moments only, pairs with a 4bit first moment)"
     )
-    p.add_argument("--steps", type=int, default=600, help="training steps (the default run takes ~2 min on 2 CPU cores)")
+    p.add_argument("--steps", type=int, default=600, help="training steps (the default run takes 70-110 s on 2 CPU cores)")
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")

@@ -1,7 +1,7 @@
 """Train a 4-billion-parameter transformer in 24 GiB: 4-bit states, 24-bit weights, the step in backward.
 
 fp32 AdamW needs 16 bytes per parameter (weights 4, gradients 4, states 8): on a 24 GiB machine it stops
-near 1.3B parameters. Here each parameter costs about 4.1 bytes:
+near 1.3B parameters. Here each parameter costs about 4.1 bytes of tensors (4.4-4.5 at the measured peak):
 
 - weights in bf16 with an int8 correction (``param_update="int8-correction"``: 24-bit master weights, 3
   bytes), built directly in bf16 (no fp32 copy ever exists);
