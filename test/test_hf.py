@@ -231,11 +231,7 @@ def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
 def _llama_trainer(output_dir, stop_at: int | None = None):
     """A tiny Llama (nn.Linear projections, which MuonWithAdamW gives Muon; GPT-2's Conv1D it cannot)
     under Trainer(optimizers=(MuonWithAdamW(model, ...), None)), the helper's suggestion for it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == stop_at
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -245,7 +241,7 @@ def _llama_trainer(output_dir, stop_at: int | None = None):
     tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": x, "labels": x} for x in tokens]
     args = TrainingArguments(output_dir, max_steps=6, save_steps=3, per_device_train_batch_size=8, report_to=[], disable_tqdm=True, use_cpu=True)
-    return Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None), callbacks=[Stop()] if stop_at else None)
+    return Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None), callbacks=[example.StopAfter(stop_at)] if stop_at else None)
 
 
 def test_trainer_resumes_muon_with_adamw_exactly(tmp_path):
