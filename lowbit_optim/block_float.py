@@ -118,8 +118,8 @@ class BlockFloatState(OptimState):
         codes = quant.small_float_codes(normalized, cls.exponent_bits(signed), cls.mantissa_bits, signed, u, cls.rounds_log_unbiased(signed))
         return codes.to(quant.code_dtype(cls.bits))
 
-    def _block_scales(self, absmax: Tensor) -> Tensor:
-        scale = super()._block_scales(absmax)
+    def _block_scales(self, blocks: Tensor) -> Tensor:
+        scale = super()._block_scales(blocks)
         return quant.power_of_two_at_least(scale) if self.power_of_two_scale else scale
 
     @classmethod

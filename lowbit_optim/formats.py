@@ -77,13 +77,17 @@ def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
     state = foreign.from_foreign(state, signed)  # another library's state (torchao's) as ours
     if holds(fmt, state, block_size, signed):
         return state
+    if is_blockwise(fmt) and getattr(state, "block_size", None) == block_size and getattr(state, "signed", None) == signed and fmt.decodes_as(type(state), signed):
+        return fmt(state.codes, state.scale, state.shape, block_size, signed, dtype=state.dtype)  # its numbers, as they are
     values = state.dequantize() if isinstance(state, StateTensor) else state
     return fmt.from_float(values.float(), signed, block_size)
 
 
 class OptimState8bit(CodebookState):
-    """8-bit blockwise state with the dynamic-tree codebook of bitsandbytes and torchao: codes and
-    numerics identical to torchao's OptimState8bit."""
+    """8-bit blockwise state with the dynamic-tree codebook of bitsandbytes and torchao: their codes,
+    read as they read them. A block whose most negative value outweighs its largest maps it to the
+    lowest code, -0.99297, exactly (quant.block_scales), where they scale every block by its absmax
+    and so shrink that value by 0.7 % at each write (``8bit-torchao``)."""
 
     name = "8bit"
     bits = 8
@@ -94,10 +98,20 @@ class OptimState8bit(CodebookState):
         return quant.dynamic_codebook(signed, exponent_bits=7, total_bits=8)
 
 
-class OptimState4bitTorchao(CodebookState):
+class AbsmaxScales:
+    """torchao's and bitsandbytes' block scales: absmax / scale_max whatever the sign of a block's
+    extreme, so that a negative one is rounded toward zero to the lowest code at each write (-0.99297
+    of the 8-bit tree, -0.8875 of torchao's 4-bit one). Put it before the format in the bases."""
+
+    @classmethod
+    def scale_min(cls, signed: bool) -> float:
+        return -float(cls.scale_max)
+
+
+class OptimState4bitTorchao(AbsmaxScales, CodebookState):
     """torchao's (and lpmm's) 4-bit blockwise state: signed dynamic codebook with 3 exponent bits
     for the first moment, linear codebook without zero for the second; codes and numerics
-    identical to torchao's OptimState4bit."""
+    identical to torchao's OptimState4bit (its block scales too: AbsmaxScales)."""
 
     name = "4bit-torchao"
     bits = 4
@@ -239,9 +253,17 @@ class OptimState8bitSR(StochasticRounding, OptimState8bit):
     """``8bit``'s codebook (and bytes) rounded stochastically (StochasticRounding). Where a run is
     driven to a low loss, nearest 8-bit rounding sticks too (MLP task: AdamW +6.6 %, AdEMAMix's slow
     momentum +303 % against fp32 state); this one does not (README, "Optimizers x formats").
-    ``8bit`` itself keeps nearest rounding, bit for bit torchao's and bitsandbytes' codes."""
+    ``8bit`` itself keeps nearest rounding, as torchao's and bitsandbytes' codes do."""
 
     name = "8bit-sr"
+
+
+class OptimState8bitTorchao(AbsmaxScales, OptimState8bit):
+    """``8bit`` with torchao's and bitsandbytes' block scales (AbsmaxScales): codes and numerics
+    identical to torchao's OptimState8bit, bit for bit, for runs that must continue theirs exactly."""
+
+    name = "8bit-torchao"
+    whole_blocks_only = True  # as torchao (and 4bit-torchao): a tensor that is not whole blocks keeps its state unquantized
 
 
 class OptimState8bitLinear(OptimState8bit):
@@ -303,6 +325,7 @@ __all__ = [
     "OptimState8bit",
     "OptimState8bitLinear",
     "OptimState8bitSR",
+    "OptimState8bitTorchao",
     "OptimState4bit",
     "OptimState4bitUncalibrated",
     "OptimState4bitPrecond",

@@ -334,7 +334,7 @@ def _describe_format(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
     kind = format_kind(cls, signed)
     described = k.structs["state_t"](kind=k.kinds[kind])
     if kind in ("codebook", "e4m3", "block-float"):
-        described.bits, described.scale_max, described.calibrated = cls.bits, cls.scale_max, cls.calibrated(signed)
+        described.bits, described.scale_max, described.scale_min, described.calibrated = cls.bits, cls.scale_max, cls.scale_min(signed), cls.calibrated(signed)
     if kind == "block-float":
         described.exponent_bits, described.mantissa_bits = cls.exponent_bits(signed), cls.mantissa_bits
         described.log_unbiased, described.power_of_two_scale = cls.rounds_log_unbiased(signed), cls.power_of_two_scale

@@ -408,7 +408,7 @@ class StateTensor(Tensor):
     def _numerics_fingerprint(cls, signed: bool) -> str:
         """A hash of the code that defines the format's numbers (its encoding and scaling)."""
         parts = []
-        for name in ("encode", "decode", "rounding_space", "calibrated", "quantize_", "dequantize", "_normalized_blocks", "_block_scales"):
+        for name in ("encode", "decode", "rounding_space", "calibrated", "quantize_", "dequantize", "_normalized_blocks", "_block_scales", "scale_min"):
             if not hasattr(cls, name):
                 continue
             fn = getattr(getattr(cls, name), "__func__", getattr(cls, name))
@@ -448,7 +448,7 @@ class OptimState(StateTensor):
     nonnegative = {"scale": "block maxima"}
     bits: ClassVar[int] = 8  # 8, 4 (two codes per byte) or 10 (quant.pack_codes)
     default_block_size: ClassVar[int] = 256
-    scale_max: ClassVar[float] = 1.0  # the code value a block's absmax maps to
+    scale_max: ClassVar[float] = 1.0  # the code value a block's largest value (its absmax, mostly) maps to
     independent_blocks = True
 
     codes: Tensor
@@ -457,6 +457,9 @@ class OptimState(StateTensor):
 
     @classmethod
     def check_format(cls, signed: bool, device: torch.device = torch.device("cpu")) -> None:
+        lowest = cls.scale_min(signed)
+        if not (isinstance(lowest, float) and -math.inf < lowest < 0):
+            raise ValueError(f"{cls.__name__}.scale_min({signed}) = {lowest!r}: it must be a negative finite float, the code value a block's most negative value maps to")
         if cls.bits <= 8:  # codes of one byte or less: encode's, unpacked, are uint8 (float ones took 4 bytes each)
             # one block as quantize_ passes it (a row), from -scale_max (or 0) to scale_max, in
             # float32 (not the default dtype)
@@ -490,6 +493,12 @@ class OptimState(StateTensor):
         """The codes of blocks (the rows of ``normalized``) whose scales are ``scale``: ``encode``'s.
         A stochastic format's random numbers depend on the scales too (StochasticRounding)."""
         return cls.encode(normalized, signed)
+
+    @classmethod
+    def scale_min(cls, signed: bool) -> float:
+        """The code value a block's most negative value maps to, where that takes a larger scale than
+        its largest value at scale_max: -scale_max for codes symmetric about 0."""
+        return -float(cls.scale_max)
 
     @classmethod
     def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
@@ -571,12 +580,13 @@ class OptimState(StateTensor):
     def _normalized_blocks(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x`` in blocks (rows) divided by their scales (_block_scales)."""
         blocks = quant.to_blocks(x.float(), self.block_size, self.padded_numel)
-        scale = self._block_scales(quant.block_absmax(blocks))
+        scale = self._block_scales(blocks)
         return blocks / scale[:, None], scale
 
-    def _block_scales(self, absmax: Tensor) -> Tensor:
-        """Each block's scale from its absmax: absmax / scale_max maps it to the largest code value."""
-        return absmax / self.scale_max
+    def _block_scales(self, blocks: Tensor) -> Tensor:
+        """Each block's scale: its largest value maps to scale_max, or its most negative one to
+        scale_min, whichever needs the larger scale (quant.block_scales)."""
+        return quant.block_scales(blocks, self.scale_max, type(self).scale_min(self.signed))
 
     def _store(self, codes: Tensor, scale: Tensor) -> None:
         self.codes.copy_(quant.pack_codes(codes.view(-1), self.bits, self.block_size))
@@ -649,6 +659,23 @@ class CodebookState(OptimState):
         top = int(self.unpacked_codes().max())
         if top >= count:
             raise ValueError(f"a code is {top}, past the codebook's {count} values (codes 0 to {count - 1}), where it decodes to NaN")
+
+    @classmethod
+    def scale_min(cls, signed: bool) -> float:
+        lowest = _table_values(cls, signed)["codebook"][0][0]  # the dynamic tree's: -0.99297
+        return lowest if signed and lowest < 0 else super().scale_min(signed)
+
+    @classmethod
+    def decodes_as(cls, other, signed: bool) -> bool:
+        """Whether a state of format ``other`` stands for the same numbers read as one of this format
+        (one codebook and packing; how writes round or scale may differ: 8bit, 8bit-sr, 8bit-torchao),
+        so that it changes between them without requantizing."""
+        reads = ("decode", "dequantize", "unpacked_codes")
+        return (
+            isinstance(other, type) and issubclass(other, CodebookState) and (other.bits, other.inner_names) == (cls.bits, cls.inner_names)
+            and computes_as(cls, CodebookState, *reads) and computes_as(other, CodebookState, *reads)
+            and _table_values(cls, signed)["codebook"] == _table_values(other, signed)["codebook"]
+        )  # fmt: skip
 
     @classmethod
     def encode(cls, normalized: Tensor, signed: bool) -> Tensor:

@@ -142,11 +142,24 @@ class FormatInfo:
         would leave the update dividing by eps): between 0 and the smallest code rounding goes up."""
         return bool(getattr(self.fmt, "positive_stays_positive", False))
 
-    def reference_scales(self, absmax: torch.Tensor) -> torch.Tensor:
-        """Brute force of the block scales (float64) of blocks with these absmax values: absmax /
-        scale_max, which maps each block's absmax to the largest code value, or for a format of
-        power-of-two scales (8bit-log) the power of two at or above it, found by log2."""
-        scale = absmax / self.fmt.scale_max
+    def lowest_normalized(self, signed: bool) -> float:
+        """Where a block's most negative value may land, normalized (codes / scale_max): the end of
+        the codes' range, scale_min / scale_max (-1 for symmetric codes); 0 for a nonnegative state."""
+        return self.fmt.scale_min(signed) / self.fmt.scale_max if signed else 0.0
+
+    def block_reach(self, blocks: torch.Tensor, signed: bool) -> torch.Tensor:
+        """Per block (rows, float64), the value its scale maps scale_max to: the least r, at least
+        MIN_BLOCK_SCALE, with every value in [lowest * r, r] (lowest: scale_min / scale_max; -1 for
+        a nonnegative state, whose scales are absmax)."""
+        lowest = self.fmt.scale_min(signed) / self.fmt.scale_max
+        return torch.where(blocks > 0, blocks, blocks / lowest).amax(dim=1).clamp(min=quant.MIN_BLOCK_SCALE)
+
+    def reference_scales(self, blocks: torch.Tensor, signed: bool) -> torch.Tensor:
+        """Brute force of the block scales (float64) of ``blocks`` (rows, float64): block_reach /
+        scale_max, which maps each block's largest value to the largest code value, or its most
+        negative to the lowest, or for a format of power-of-two scales (8bit-log) the power of two
+        at or above it, found by log2."""
+        scale = self.block_reach(blocks, signed) / self.fmt.scale_max
         if getattr(self.fmt, "power_of_two_scale", False):
             scale = 2.0 ** torch.ceil(torch.log2(scale.float().double()))  # of the fp32 ratio, which the format rounds up
         return scale
@@ -178,7 +191,7 @@ class FormatInfo:
         is stochastic); twice that for power-of-two scales (8bit-log), which map a block's absmax to
         between half the largest code value and that value."""
         values = self.code_values(signed)
-        low = -1.0 if signed else 0.0
+        low = self.lowest_normalized(signed)
         inside = values[(values >= low) & (values <= 1.0)]
         if self.stochastic:  # either code around a value: up to a whole gap between neighbours
             error = max(float((inside[1:] - inside[:-1]).max()), float(inside.min() - low), float(1.0 - inside.max()))
@@ -195,7 +208,7 @@ class FormatInfo:
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
 BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-linear", "fp8", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr", "10bit-sr", "8bit-log"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-torchao", "8bit-linear", "fp8", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr", "10bit-sr", "8bit-log"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])

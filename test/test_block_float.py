@@ -114,7 +114,7 @@ def test_slow_average_follows_where_nearest_and_scale_salted_stall():
         exact = beta * exact + (1 - beta) * target.double()
         for rounded in (nearest, scale_salted):
             x = beta * rounded + (1 - beta) * target
-            scale = quant.block_absmax(x) / BlockFloatState.scale_max
+            scale = x.abs().amax(dim=1) / BlockFloatState.scale_max
             salt = scale if rounded is scale_salted else torch.ones_like(scale)
             u = quant.dither(x / scale[:, None], salt) if rounded is scale_salted else torch.full_like(x, 0.5)
             codes = quant.small_float_codes(x / scale[:, None], 2, 7, True, u)

@@ -18,7 +18,7 @@ def test_a_build_whose_layout_differs_is_refused(monkeypatch, tmp_path):
     kernel_op.kernel()  # the native kernel, built and loaded (cached) before the flag goes in
     monkeypatch.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, "-fpack-struct=4"])
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)  # not beside the builds that pass
-    with pytest.raises(kernel_abi.LayoutMismatch, match=r"state_t', 'data', 'ptr'"):
+    with pytest.raises(kernel_abi.LayoutMismatch, match=r"state_t', 'near_code', 'ptr'"):
         emulated_aarch64.kernel.__wrapped__(emulated_aarch64.CPU("generic"))
 
 

@@ -352,6 +352,35 @@ def test_builds_for_other_cpus_match(flag):
 
 
 @build_flags
+@pytest.mark.parametrize("name", ["8bit", "8bit-torchao", "4bit-torchao", "fp8"])
+def test_kernel_scales_blocks_like_the_format(name, flag):
+    """Each block's scale (block_scale: quant.block_scales) and codes are quantize_'s in every build,
+    for codes that reach less far below zero than above (8bit's, with the scale that keeps a negative
+    extreme; 8bit-torchao's and 4bit-torchao's at the absmax) and symmetric ones (fp8): blocks whose
+    extreme is positive, negative, both at once, -inf, a NaN of either sign, only zeros, only negative
+    values, only subnormals."""
+    fmt, bs = lowbit_optim.get_format(name), 128
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, bs, generator=g)
+    x[0, 5], x[1, 7] = 9.0, -9.0  # a positive, a negative extreme
+    x[2, 1], x[2, 2] = 9.0, -9.0
+    x[3, 0], x[4, 9] = -math.inf, torch.tensor(0xFFC00001 - 2**32, dtype=torch.int32).view(torch.float32)  # a negative NaN
+    x[5, 3] = math.nan
+    x[6] = 0.0
+    x[7] = -x[7].abs()
+    x[8] = x[8] * 2.0**-140
+    with kernel_built_with(flag):
+        state, expected = fmt.zeros(x.numel(), True, bs), fmt.from_float(x.flatten(), True, bs)
+        quantize_with_kernel(state, x.flatten())
+    torch.testing.assert_close(state.scale, expected.scale, rtol=0, atol=0, equal_nan=True)
+    number = ~expected.dequantize().isnan()  # (fp8's NaN of -inf / inf: positive on aarch64, negative on x86)
+    assert torch.equal(state.unpacked_codes()[number], expected.unpacked_codes()[number])
+    assert bool(state.dequantize()[~number].isnan().all())
+    lowest = float(fmt.scale_min(True))
+    assert bool(expected.scale[1] == 9.0 / -lowest) and bool(expected.scale[0] == 9.0 / fmt.scale_max)
+
+
+@build_flags
 def test_kernel_rounds_bf16_like_the_format(flag):
     """bf16-sr's store (store_bf16_stochastic) gives round_bf16_stochastically's bits from any element
     on (chunks may start mid-block: a factored state's rows set their length) and at any count of
@@ -517,13 +546,13 @@ class TestRefusals(expecttest.TestCase):
 
     def test_a_subclass_with_its_own_block_scales_is_not_taken(self):
         """A format that scales its blocks otherwise (here 8bit with power-of-two scales) would be
-        encoded by the kernel at absmax / scale_max: it takes the compiled step."""
+        encoded by the kernel at its own scales (quant.block_scales): it takes the compiled step."""
 
         class PowerOfTwoScales(lowbit_optim.OptimState8bit):
             name = None
 
-            def _block_scales(self, absmax):
-                return quant.power_of_two_at_least(super()._block_scales(absmax))
+            def _block_scales(self, blocks):
+                return quant.power_of_two_at_least(super()._block_scales(blocks))
 
         self.assertExpectedInline(
             self.reason(states={"exp_avg": PowerOfTwoScales.zeros(256)}), """the exp_avg state PowerOfTwoScales (a format with its own encoding or block scales)"""
@@ -1012,7 +1041,7 @@ def test_kernel_quantizes_stochastically_like_the_format(fmt, signed, flag):
     torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0, equal_nan=True)
     if fmt.calibrated(signed):  # the premise: the nearest codes would give other scales
         blocks = quant.to_blocks(x, 128, state.padded_numel)
-        scale = quant.block_absmax(blocks) / fmt.scale_max
+        scale = quant.block_scales(blocks, fmt.scale_max, fmt.scale_min(signed))
         normalized = blocks / scale[:, None]
         nearest = OptimStateNF4.encode(normalized, signed)  # 4bit's nearest codes
         finite = reference.scale.isfinite()
@@ -1105,7 +1134,7 @@ def test_packers_write_what_ctypes_writes():
         kernel_abi.packer(state_t, "scale").write(buffer, 0, 0x4000)
         kernel_abi.packer(state_t, "block_size").write(buffer, 0, 256)
     assert bytes(written) == bytes(expected)
-    with pytest.raises(kernel_abi.LayoutMismatch, match=r"between them: \['scale_max'\]"):
+    with pytest.raises(kernel_abi.LayoutMismatch, match=r"between them: \['scale_max', 'scale_min'\]"):
         kernel_abi.packer(state_t, "block_size", "data")
     with pytest.raises(kernel_abi.LayoutMismatch, match="in this order"):
         kernel_abi.packer(state_t, "scale", "data")

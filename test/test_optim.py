@@ -113,19 +113,14 @@ def moments(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
     return {(i, k): v for i, p in enumerate(model.parameters()) for k, v in opt.state.get(p, {}).items() if k != "step"}
 
 
-def block_absmax(t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Per element, the largest magnitude in its block of the flattened tensor."""
-    flat = t.detach().float().reshape(-1)
-    padded = nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
-    return padded.abs().amax(dim=1, keepdim=True).expand_as(padded).reshape(-1)[: flat.numel()].view(t.shape)
-
-
 def rounding_bound(info: FormatInfo, reference: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
     """Per element, the largest distance between ``reference`` and its quantization in ``info``'s
-    format: the worst normalized rounding error times the absmax of the element's block (plus
-    fp32 round-off of the scaling)."""
-    absmax = block_absmax(reference, block_size)
-    return info.max_rounding_error(signed) * absmax * (1 + 1e-5) + 1e-30
+    format: the worst normalized rounding error times the reach of the element's block
+    (FormatInfo.block_reach: its absmax, or a little more) (plus fp32 round-off of the scaling)."""
+    flat = reference.detach().double().reshape(-1)
+    padded = nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
+    reach = info.block_reach(padded, signed)[:, None].expand_as(padded).reshape(-1)[: flat.numel()].view(reference.shape)
+    return info.max_rounding_error(signed) * reach * (1 + 1e-5) + 1e-30
 
 
 def mismatch_fraction(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> float:
@@ -265,7 +260,7 @@ def test_compiled_step_matches_eager(info):
 # 3. Same numbers as torchao
 # ------------------------------------------------------------------------------------------------
 
-TORCHAO_CLASSES = {"8bit": "AdamW8bit", "4bit-torchao": "AdamW4bit", "fp8": "AdamWFp8"}
+TORCHAO_CLASSES = {"8bit-torchao": "AdamW8bit", "4bit-torchao": "AdamW4bit", "fp8": "AdamWFp8"}
 
 
 STEP_KINDS = {"eager": dict(compile=False), "compiled": dict(fused=False), "fused": dict(fused=True)}
@@ -402,6 +397,7 @@ class TestStateBytes(expecttest.TestCase):
 4bit-calibrated: 1.0625
  4bit: 1.0625
 8bit-sr: 2.0313
+8bit-torchao: 2.0313
 8bit-linear: 2.0313
   fp8: 2.0313
 4bit+factored: 0.5508

@@ -159,9 +159,10 @@ SIGNED_FORMATS = [i.name for i in FORMATS if i.fmt.holds_signed and i.name != "b
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["down", "up"])
 def test_kahan_weights_move_as_fp32_ones_either_way_or_the_format_is_refused(sign, compensation_format):
     """Weights of 1.0 at lr 1e-5 (each step about a tenth of half an ulp) move as fp32 weights do, down
-    as up, with every compensation format the constructor takes. It refused '8bit' (its signed codes
-    stop at -0.99297: the buffer shrank at every write, and weights moving down stalled) and formats
-    rounded to nearest ('fp8' moved 58 % as far down, 'nf4' 82 %, '8bit-linear' 93 %)."""
+    as up, with every compensation format the constructor takes ('8bit-sr' since its block scales
+    keep a block's most negative value). It refuses formats with absmax scales whose signed codes stop
+    short of -1 ('8bit' did so until then: the buffer shrank at every write, and weights moving down
+    stalled) and formats rounded to nearest ('fp8' moved 58 % as far down, 'nf4' 82 %, '8bit-linear' 93 %)."""
     if _refused_as_compensation(compensation_format) is None:
         moved = _kahan_movement(sign, param_update="kahan", compensation_format=compensation_format)
         assert moved == pytest.approx(_fp32_movement(sign), rel=0.03)
@@ -169,12 +170,12 @@ def test_kahan_weights_move_as_fp32_ones_either_way_or_the_format_is_refused(sig
 
 def test_the_compensation_formats_the_readme_names_are_taken_and_nearest_rounded_ones_refused():
     refused = {name: _refused_as_compensation(name) for name in SIGNED_FORMATS}
-    assert [name for name in ("fp32", "bf16-sr", "8bit-log", "10bit-sr", "4bit") if refused[name]] == []
-    for name in ("fp8", "nf4", "8bit-linear", "4bit-calibrated", "8bit-lowrank"):
+    assert [name for name in ("fp32", "bf16-sr", "8bit-log", "10bit-sr", "4bit", "8bit-sr") if refused[name]] == []
+    for name in ("fp8", "nf4", "8bit-linear", "4bit-calibrated", "8bit-lowrank", "8bit"):
         assert re.fullmatch(rf"compensation_format '{name}' kept -?\d+% of 64 additions .* round stochastically", refused[name])
 
 
-@pytest.mark.parametrize("compensation_format", ["8bit", "8bit-sr", "4bit-torchao"])
+@pytest.mark.parametrize("compensation_format", ["8bit-torchao", "4bit-torchao", "4bit-precond"])
 def test_a_compensation_format_that_shrinks_negative_blocks_is_refused(compensation_format):
     with pytest.raises(ValueError, match=rf"compensation_format '{compensation_format}' reads a block whose largest value is negative back as 0.\d+ of it"):
         lowbit_optim.AdamW([torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))], param_update="kahan", compensation_format=compensation_format)

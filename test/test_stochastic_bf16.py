@@ -82,7 +82,7 @@ def rounded_with_absmax_salt(x: torch.Tensor) -> torch.Tensor:
     """bf16-sr's rounding with the salt of the 8- and 4-bit stochastic formats, each block's absmax,
     in place of its write count: what the write count is there for."""
     blocks = x.view(-1, 256)
-    u = quant.dither(blocks, quant.block_absmax(blocks)).view(-1)
+    u = quant.dither(blocks, blocks.abs().amax(dim=1)).view(-1)
     return ((x.view(torch.int32) + (u * 65536.0).to(torch.int32)) >> 16).to(torch.int16).view(torch.bfloat16)
 
 

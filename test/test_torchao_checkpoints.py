@@ -1,6 +1,7 @@
 """torchao optimizer checkpoints (torchao's own state subclasses) load into lowbit_optim and training
-resumes: bit-exactly where the formats coincide (AdamW8bit -> "8bit", AdamW4bit -> "4bit-torchao",
-AdamWFp8 -> "fp8"), converted where they do not (AdamW4bit -> lowbit_optim's "4bit").
+resumes: bit-exactly where the formats coincide (AdamW8bit -> "8bit-torchao", AdamW4bit -> "4bit-torchao",
+AdamWFp8 -> "fp8"), converted where they do not (AdamW4bit -> lowbit_optim's "4bit"). lowbit_optim's
+AdamW8bit ("8bit") loads torchao's codes and scales as they are and goes on with its own block scales.
 
 Checkpoints go through torch.save and torch.load(weights_only=True), which accepts torchao's classes
 once ``torchao.optim`` is imported (it allowlists them). Model and training as in test_optim's
@@ -27,7 +28,7 @@ STEPS = 3  # before the checkpoint, and after it in both runs
 # lowbit_optim's optimizer for each format as a torchao user would write it after migrating (the
 # default step: the fused CPU kernel), or with the eager reference step
 MIGRATED = {
-    "8bit": lambda params: lowbit_optim.AdamW8bit(params, lr=LR),
+    "8bit-torchao": lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="8bit-torchao"),
     "4bit-torchao": lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="4bit-torchao"),
     "fp8": lambda params: lowbit_optim.AdamWFp8(params, lr=LR),
 }
@@ -69,10 +70,10 @@ def test_torchao_checkpoint_resumes_bit_exactly(state_format, step_kind):
     check_resume(state_format, model, reference, checkpoint, resumed_model, resumed, atol=0 if step_kind == "eager" else 1e-6)
 
 
-@pytest.mark.parametrize("state_format", ["4bit-torchao", "fp8"])
+@pytest.mark.parametrize("state_format", ["8bit-torchao", "4bit-torchao", "fp8"])
 def test_torchao_checkpoint_of_partial_blocks_resumes_bit_exactly(state_format):
     """torchao keeps fp32 state for a tensor that is not a whole number of its blocks (here a 71 x 64
-    weight of 4544 elements, and the biases); ``AdamWFp8`` and ``4bit-torchao`` do too, so such a
+    weight of 4544 elements, and the biases); ``AdamWFp8``, ``8bit-torchao`` and ``4bit-torchao`` do too, so such a
     model's checkpoint resumes as exactly as a bias-free one."""
     model, reference, checkpoint = torchao_run(TORCHAO_CLASSES[state_format], lambda: make_mlp(71))
     assert model[2].weight.numel() >= 4096 and type(checkpoint["state"][2]["exp_avg"]) is torch.Tensor
@@ -87,7 +88,7 @@ def test_torchao_8bit_checkpoint_of_partial_blocks_is_quantized():
     values; the whole-block tensors keep torchao's codes."""
     model, reference, checkpoint = torchao_run("AdamW8bit", lambda: make_mlp(71))
     resumed_model = copy.deepcopy(model)
-    resumed = MIGRATED["8bit"](resumed_model.parameters())
+    resumed = lowbit_optim.AdamW8bit(resumed_model.parameters(), lr=LR)
     resumed.load_state_dict(checkpoint)
     uneven = resumed_model[2].weight
     for key, state in moments(reference, model).items():

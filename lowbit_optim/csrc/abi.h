@@ -56,7 +56,8 @@ DECLARE_STRUCT(buckets_t, BUCKET_FIELDS)
     FIELD(S, int32_t, kind)                 /* KIND_*: KIND_NONE where the optimizer has no such state */    \
     FIELD(S, int32_t, bits)                 /* 8; 4: two codes per byte, element 2i in the high nibble; 10 */ \
     FIELD(S, int64_t, block_size)           /* quantized kinds: elements per scale */                         \
-    FIELD(S, float, scale_max)              /* a block's absmax maps to this code value */                    \
+    FIELD(S, float, scale_max)              /* a block's largest value maps to this code value, */           \
+    FIELD(S, float, scale_min)              /* or its most negative to this one (quant.block_scales) */      \
     FIELD(S, void *, data)                  /* values (plain kinds), codes, or a factored state's row sums */ \
     FIELD(S, float *, scale)                /* one per block (quantized kinds) */                             \
     FIELD(S, const float *, codebook)       /* KIND_CODEBOOK: value of each code */                           \

@@ -115,7 +115,7 @@ static void store_block_float(const state_t *s, int64_t start, int64_t padded, c
     for (int64_t b = 0; b * bs < padded; b++) {
         int64_t block = start / bs + b;
         const float *values = x + b * bs;
-        float scale = block_scale(values, bs, s->scale_max);
+        float scale = block_scale(values, bs, s->scale_max, s->scale_min);
         scale = s->power_of_two_scale ? power_of_two_at_least(scale) : scale;
         uint32_t salt = write_salt(*s->writes, block);
         uint32_t term = salt;

@@ -152,7 +152,7 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
     calibration_t cal = {s->calibrated ? vv : NULL, s->calibrated ? vq : NULL, s->kind == KIND_E4M3 ? e4m3_values : s->codebook};
     /* every block's scale first: the encoding loops then never wait on a block's scalar work */
     float scales[MAX_CHUNK];  /* blocks of 1 element are possible (8-bit codes) */
-    for (int64_t b = 0; b * bs < padded; b++) scales[b] = block_scale(x + b * bs, bs, s->scale_max);
+    for (int64_t b = 0; b * bs < padded; b++) scales[b] = block_scale(x + b * bs, bs, s->scale_max, s->scale_min);
     uint8_t *dst = s->bits == 8 ? (uint8_t *)s->data + start : codes;
     for (int64_t b = 0; b * bs < padded; b++) {
         encode_block(s, x + b * bs, scales[b], bs, dst + b * bs, &cal);
