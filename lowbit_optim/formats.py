@@ -251,8 +251,8 @@ class OptimState4bit(StochasticRounding, OptimStateNF4):
 
 class OptimState8bitSR(StochasticRounding, OptimState8bit):
     """``8bit``'s codebook (and bytes) rounded stochastically (StochasticRounding). Where a run is
-    driven to a low loss, nearest 8-bit rounding sticks too (MLP task: AdamW +6.6 %, AdEMAMix's slow
-    momentum +303 % against fp32 state); this one does not (README, "Optimizers x formats").
+    driven to a low loss, nearest 8-bit rounding sticks too (MLP task: AdamW +6.1 %, AdEMAMix +254 %
+    against fp32 state, stalled by its slow momentum); this one does not (README, "Optimizers x formats").
     ``8bit`` itself keeps nearest rounding, as torchao's and bitsandbytes' codes do."""
 
     name = "8bit-sr"

@@ -457,9 +457,12 @@ class OptimState(StateTensor):
 
     @classmethod
     def check_format(cls, signed: bool, device: torch.device = torch.device("cpu")) -> None:
-        lowest = cls.scale_min(signed)
-        if not (isinstance(lowest, float) and -math.inf < lowest < 0):
-            raise ValueError(f"{cls.__name__}.scale_min({signed}) = {lowest!r}: it must be a negative finite float, the code value a block's most negative value maps to")
+        lowest = cls.scale_min(signed)  # the kernel reads it as fp32: it must be one, as scale_max is
+        if not (isinstance(lowest, float) and -math.inf < lowest < 0 and torch.tensor(lowest, dtype=torch.float32).item() == lowest):
+            raise ValueError(
+                f"{cls.__name__}.scale_min({signed}) = {lowest!r}: it must be a negative finite float that fp32 holds "
+                "exactly, the code value a block's most negative value maps to"
+            )
         if cls.bits <= 8:  # codes of one byte or less: encode's, unpacked, are uint8 (float ones took 4 bytes each)
             # one block as quantize_ passes it (a row), from -scale_max (or 0) to scale_max, in
             # float32 (not the default dtype)

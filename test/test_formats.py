@@ -12,6 +12,7 @@ import importlib.util
 import io
 import itertools
 import math
+import re
 import sys
 
 import expecttest
@@ -1364,6 +1365,18 @@ def test_a_malformed_codebook_is_refused_when_an_optimizer_takes_it(monkeypatch,
     cls.name = f"malformed-{case}"  # registered for this test only
     monkeypatch.setitem(lowbit_optim.registry._REGISTRY, cls.name, cls)
     with pytest.raises(ValueError, match=message):
+        lowbit_optim.AdamW([torch.nn.Parameter(torch.randn(64, 64))], state_format=cls.name)
+
+
+@pytest.mark.parametrize("lowest", [0.5, -0.1, -math.inf, -1], ids=["positive", "not fp32", "infinite", "an int"])
+def test_a_scale_min_the_kernel_cannot_take_is_refused(monkeypatch, lowest):
+    """A format's scale_min (where a block's most negative value lands) must be a negative finite
+    float that fp32 holds exactly, as the fused kernel reads it: another is refused when an optimizer
+    takes the format, naming it."""
+    cls = type("OddLowest", (lowbit_optim.OptimState8bit,), {"name": None, "scale_min": classmethod(lambda c, signed: lowest)})
+    cls.name = "odd-lowest"  # registered for this test only
+    monkeypatch.setitem(lowbit_optim.registry._REGISTRY, cls.name, cls)
+    with pytest.raises(ValueError, match=rf"OddLowest.scale_min\(True\) = {re.escape(repr(lowest))}: it must be a negative finite float that fp32 holds exactly"):
         lowbit_optim.AdamW([torch.nn.Parameter(torch.randn(64, 64))], state_format=cls.name)
 
 
