@@ -161,9 +161,9 @@ def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, p
 class SGD8bit(SGD):
     """SGD with 8-bit momentum; bitsandbytes.optim.SGD8bit's arguments. Its numbers are
     torch.optim.SGD's: dampening and nesterov apply (bitsandbytes ignores both; at their defaults the
-    two agree), and momentum=0 is allowed (no state). Its momentum keeps bitsandbytes' codebook;
-    ``SGD(..., state_format="8bit-linear")`` trained closer to fp32 state at the same size on the
-    MLP task (README)."""
+    two agree), and momentum=0 is allowed (no state). Its momentum keeps bitsandbytes' codebook
+    (``8bit``, whose block scales keep a block's negative extreme: on the MLP task as close to fp32
+    state as ``SGD(..., state_format="8bit-linear")``, README)."""
 
     def __init__(
         self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False, args=None, min_8bit_size=4096,
@@ -175,8 +175,8 @@ class SGD8bit(SGD):
 
 class Lion8bit(Lion):
     """Lion with 8-bit momentum; bitsandbytes.optim.Lion8bit's arguments. Its momentum keeps
-    bitsandbytes' codebook; ``Lion(..., state_format="8bit-linear")`` trained closer to fp32 state at
-    the same size on the MLP task (README)."""
+    bitsandbytes' codebook (``8bit``); ``Lion(..., state_format="8bit-linear")`` trained closer to
+    fp32 state at the same size on the MLP task (README)."""
 
     def __init__(
         self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None, min_8bit_size=4096, is_paged=False,

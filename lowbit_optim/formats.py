@@ -260,10 +260,11 @@ class OptimState8bitSR(StochasticRounding, OptimState8bit):
 
 class OptimState8bitTorchao(AbsmaxScales, OptimState8bit):
     """``8bit`` with torchao's and bitsandbytes' block scales (AbsmaxScales): codes and numerics
-    identical to torchao's OptimState8bit, bit for bit, for runs that must continue theirs exactly."""
+    identical to torchao's OptimState8bit and bitsandbytes' 8-bit states, bit for bit, for runs that
+    must continue theirs exactly. It quantizes a tensor that is not whole blocks, as bitsandbytes
+    does and torchao does not."""
 
     name = "8bit-torchao"
-    whole_blocks_only = True  # as torchao (and 4bit-torchao): a tensor that is not whole blocks keeps its state unquantized
 
 
 class OptimState8bitLinear(OptimState8bit):
