@@ -109,6 +109,24 @@ def relative_change_error(model, reference, start) -> list[float]:
     return [float((p - q).norm() / (q - s).norm()) for p, q, s in zip(model.parameters(), reference.parameters(), start)]
 
 
+@pytest.mark.parametrize("state_format", ["8bit-sr", "8bit-torchao"])
+def test_bitsandbytes_codes_load_as_they_are_into_formats_that_read_them_alike(state_format):
+    """bitsandbytes' 8-bit codes and block scales load unchanged into every format that reads the
+    8-bit tree's codes as they do (formats.convert), not requantized: 8bit-torchao's absmax scales
+    would shrink each block's negative extreme (8bit-sr's writes would keep these values, so it
+    passed before as well)."""
+    model, reference, checkpoint = bitsandbytes_run("Lion", 8)
+    resumed = ours("Lion", model.parameters(), state_format)
+    resumed.load_state_dict(checkpoint)
+    for (i, state_name), piece in bitsandbytes_states(reference, model, "Lion").items():
+        p = list(model.parameters())[i]
+        state = resumed.state[p][state_name]
+        if isinstance(piece, tuple):
+            codes, absmax, _ = piece
+            assert stored_as(state) == state_format, (i, state_name)
+            assert torch.equal(state.codes[: p.numel()], codes.reshape(-1)) and torch.equal(state.scale, absmax), (i, state_name)
+
+
 @pytest.mark.parametrize("state_format", ["8bit", "fp32", "4bit"])
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("name", CASES)
