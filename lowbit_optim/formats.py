@@ -77,7 +77,7 @@ def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
     state = foreign.from_foreign(state, signed)  # another library's state (torchao's) as ours
     if holds(fmt, state, block_size, signed):
         return state
-    if is_blockwise(fmt) and getattr(state, "block_size", None) == block_size and getattr(state, "signed", None) == signed and fmt.decodes_as(type(state), signed):
+    if is_blockwise(fmt) and fmt.decodes_as(type(state), signed) and (state.block_size, state.signed) == (block_size, signed):
         return fmt(state.codes, state.scale, state.shape, block_size, signed, dtype=state.dtype)  # its numbers, as they are
     values = state.dequantize() if isinstance(state, StateTensor) else state
     return fmt.from_float(values.float(), signed, block_size)

@@ -504,6 +504,13 @@ class OptimState(StateTensor):
         return -float(cls.scale_max)
 
     @classmethod
+    def decodes_as(cls, other, signed: bool) -> bool:
+        """Whether a state of format ``other`` stands for the same numbers read as one of this format,
+        so that it changes between them without requantizing (formats.convert). Only codebook formats
+        tell (CodebookState); any other is requantized."""
+        return False
+
+    @classmethod
     def rounding_space(cls, values: Tensor, signed: bool) -> Tensor:
         """A strictly increasing map of normalized values (float64): ``encode`` picks the code
         nearest to a value in this space. The identity: the nearest value."""

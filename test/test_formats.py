@@ -450,7 +450,10 @@ def test_writing_a_states_own_values_keeps_them(info, signed):
         assert torch.equal(again, values)
 
 
-@pytest.mark.parametrize("source, target, kept", [("8bit-torchao", "8bit", True), ("8bit", "8bit-sr", True), ("8bit-sr", "8bit-torchao", True), ("4bit-torchao", "nf4", False)])
+@pytest.mark.parametrize(
+    "source, target, kept",
+    [("8bit-torchao", "8bit", True), ("8bit", "8bit-sr", True), ("8bit-sr", "8bit-torchao", True), ("4bit-torchao", "nf4", False), ("8bit", "fp8", False)],
+)
 def test_a_state_changes_format_without_a_write_where_the_codes_read_alike(source, target, kept):
     """convert (a checkpoint loaded into another state_format) keeps the codes and scales of a state
     whose codes the target reads alike (one codebook and packing: 8bit, 8bit-sr and 8bit-torchao
