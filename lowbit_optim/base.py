@@ -410,6 +410,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # AnyPrecisionAdamW ignores it, as torchdistx does its compensation_buffer_dtype
     _refuses_unused_compensation = True
 
+    # set once a step (step() or a hook of the step in backward) has stepped a parameter: before that,
+    # a step without gradients warns (SGD without momentum keeps no state to tell by)
+    _has_stepped = False
+
     _fused_step = None  # a method (items, group, corrections) -> None where the fused CPU kernel steps this optimizer
     # torchao's rule: a tensor that is not a whole number of blocks keeps fp32 state (its FP8 aliases
     # and its 4-bit format follow it, so that its runs and checkpoints carry on bit for bit);
@@ -681,8 +685,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         params = self._params()
         with_grads, grads, positions = step_op.with_grads(params)
-        if params and not with_grads and not self.state and not self.__dict__.get("_has_stepped"):
-            # (a step in backward steps the hooks' parameters before this; SGD without momentum keeps no state)
+        if params and not with_grads and not self.state and not self._has_stepped:
             # stacklevel: the caller's opt.step(), through torch's step hooks
             warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=5)
         self._step_params(with_grads, grads, positions)
