@@ -100,8 +100,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     then the AdamW groups (the dicts the two hold, read anew each time: a part's add_param_group or
     load_state_dict shows), so lr schedulers, GradScaler and ``zero_grad`` see every parameter; a
     scheduler scales each group from its own initial lr. ``state_dict()`` is ``{"muon": ...,
-    "adamw": ...}``, with this optimizer's state_dict hooks run as torch.optim runs them. ``opt.muon``
-    and ``opt.adamw`` are the two.
+    "adamw": ...}``, with this optimizer's state_dict hooks run as torch.optim runs them; to
+    torch.distributed.checkpoint's helpers (get/set_state_dict, also through accelerate's wrapper)
+    it is one optimizer's layout, Muon's groups then AdamW's: the checkpoint they make of the list
+    ``opt.optimizers``. ``opt.muon`` and ``opt.adamw`` are the two.
     """
 
     owns_in_backward = True  # its parts own their parameters (in_backward.own)
@@ -234,22 +236,44 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 "each would step it: add a parameter to one part only"
             )
 
+    def _split_layout(self, state_dict) -> dict:
+        """One optimizer's layout (_one_layout's: DCP's helpers load it, its parameters named or
+        numbered) as {"muon": ..., "adamw": ...}: the first groups are Muon's, as many as it has."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("torch.distributed.checkpoint's helpers gave MuonWithAdamW a state dict that is not one optimizer's layout")
+        counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
+        groups = state_dict["param_groups"]
+        if len(groups) != sum(counts):
+            raise ValueError(
+                f"the checkpoint has {len(groups)} param groups and this MuonWithAdamW {sum(counts)} ({counts[0]} Muon's, then "
+                "AdamW's): the checkpoint's split between Muon and AdamW differs from this model's"
+            )
+        parts = []
+        for start, stop in ((0, counts[0]), (counts[0], len(groups))):
+            names = [name for group in groups[start:stop] for name in group["params"]]
+            parts.append({"state": {name: state_dict["state"][name] for name in names if name in state_dict["state"]}, "param_groups": groups[start:stop]})
+        return {"muon": parts[0], "adamw": parts[1] if self.adamw else None}
+
     def state_dict(self) -> dict:
-        _refuse_dcp_helpers()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict() if self.adamw else None}
+        parts = [optimizer.state_dict() for optimizer in self.optimizers]
+        if _called_by_dcp_helpers():
+            state_dict = _one_layout(parts)
+        else:
+            state_dict = {"muon": parts[0], "adamw": parts[1] if self.adamw else None}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
-        _refuse_dcp_helpers()
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # as torch.optim, for its hooks
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
+        if _called_by_dcp_helpers():
+            state_dict = self._split_layout(state_dict)
         if not isinstance(state_dict, dict) or set(state_dict) != {"muon", "adamw"}:
             raise ValueError("a MuonWithAdamW state_dict is {'muon': ..., 'adamw': ...}; this one is not (saved by another optimizer?)")
         if (state_dict["adamw"] is None) != (self.adamw is None):
@@ -274,21 +298,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
 
-def _refuse_dcp_helpers() -> None:
-    """torch.distributed.checkpoint's get/set_(optimizer_)state_dict read and write one optimizer's
-    layout ({"state", "param_groups"}), not MuonWithAdamW's two (they failed with KeyError: 'state').
-    Each of its two optimizers has that layout: the helpers take them as a list. Any frame up the
-    stack counts: they may call through a wrapper (accelerate's AcceleratedOptimizer)."""
+def _called_by_dcp_helpers() -> bool:
+    """Whether torch.distributed.checkpoint's get/set_(optimizer_)state_dict called: they read and
+    write one optimizer's layout ({"state", "param_groups"}, numbered as opt.param_groups lists the
+    parameters), not {"muon", "adamw"} (they failed with KeyError: 'state'). Any frame up the stack
+    counts: they may call through a wrapper (accelerate's AcceleratedOptimizer, in its FSDP2
+    checkpoints)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__") != "torch.distributed.checkpoint.state_dict":
         frame = frame.f_back
-    if frame is not None:
-        raise TypeError(
-            "MuonWithAdamW holds two optimizers, and torch.distributed.checkpoint's get_state_dict / set_state_dict (and "
-            "get/set_optimizer_state_dict) take one optimizer's layout each: pass its list, opt.optimizers, in place of opt "
-            "(a wrapper that calls them with the optimizer it holds, as accelerate's FSDP2 checkpoints do, must hold "
-            "opt.muon and opt.adamw as two optimizers instead)"
-        )
+    return frame is not None
+
+
+def _one_layout(parts: list[dict]) -> dict:
+    """The two parts' state dicts as one optimizer's: Muon's groups, then AdamW's, the parameters
+    numbered on across them (as opt.param_groups lists them, the order DCP's helpers name them in)."""
+    state, groups, offset = {}, [], 0
+    for part in parts:
+        renumber = {index: offset + i for i, index in enumerate(index for group in part["param_groups"] for index in group["params"])}
+        groups += [{**group, "params": [renumber[index] for index in group["params"]]} for group in part["param_groups"]]
+        state.update({renumber[index]: value for index, value in part["state"].items()})
+        offset += len(renumber)
+    return {"state": state, "param_groups": groups}
 
 
 @contextlib.contextmanager

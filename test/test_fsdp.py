@@ -191,7 +191,7 @@ def _save(model, opt, path, no_dist=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, _optimizers(opt))
+    model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=no_dist)
 
 
@@ -206,7 +206,8 @@ def _load(model, opt, path, no_dist=False):
 
 
 def _optimizers(opt):
-    """What DCP's helpers take: the optimizer, or MuonWithAdamW's two (as the README says)."""
+    """The optimizer, or MuonWithAdamW's two: DCP's helpers take either, and a checkpoint saved of
+    one (_save: the optimizer) loads into the other (_load)."""
     return getattr(opt, "optimizers", opt)
 
 
@@ -333,7 +334,7 @@ def _scenario(fmt: str, rank: int, world: int, workdir: pathlib.Path) -> dict:
 
 # SGD, Lion, AdEMAMix, Muon and MuonWithAdamW with 8bit state: the same sharding and DCP machinery as
 # AdamW's (base.py), so one cheap scenario each (eager step): they train sharded and a 2 -> 2 DCP
-# checkpoint resumes exactly (MuonWithAdamW's through DCP's helpers given its two optimizers)
+# checkpoint resumes exactly (MuonWithAdamW's saved through DCP's helpers given it, loaded given its two optimizers)
 OTHER_OPTIMIZERS = {
     "SGD": dict(lr=1e-3, momentum=0.9), "Lion": dict(lr=1e-3), "AdEMAMix": dict(lr=1e-2), "Muon": dict(lr=2e-2), "MuonWithAdamW": dict(lr=2e-2),
 }  # fmt: skip
@@ -738,7 +739,8 @@ def test_other_optimizers_train_sharded_and_resume_exactly(other_result):
     parameters as the run that went on. Muon (matrices only; the bias keeps no state) gathers each
     matrix's update to one rank, orthogonalizes it there and scatters the rows back: one matrix
     (one_row) has an empty shard on rank 1, others uneven shards. MuonWithAdamW (its own split: AdamW
-    on one_row's weight, named its head, and the bias) is saved and loaded through its two optimizers."""
+    on one_row's weight, named its head, and the bias) is saved through DCP's helpers given it, and
+    loaded given its two optimizers."""
     name, rank0, rank1 = other_result
     for found in (rank0, rank1):
         for param, kinds in found["state_kinds"].items():

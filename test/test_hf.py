@@ -285,7 +285,18 @@ def _check_mixed_formats(opt) -> None:
     assert [type(_local(opt.state[w]["exp_avg"])) for w in weights] == [lowbit_optim.OptimState4bit, lowbit_optim.OptimState8bit]
 
 
-def _save_step_load(model, opt, accelerator, checkpoint, full=lambda t: t) -> None:
+def _muon_with_adamw(model) -> lowbit_optim.MuonWithAdamW:
+    # Muon on the first weight, AdamW (4bit) on the rest: two optimizers behind one, in one checkpoint
+    return lowbit_optim.MuonWithAdamW(model, head="2", muon=dict(lr=2e-2), adamw=dict(lr=1e-2, state_format="4bit"), state_format="8bit")
+
+
+def _check_muon_with_adamw(opt) -> None:
+    (matrix,), head = opt.muon.param_groups[0]["params"], max(opt.adamw.param_groups[0]["params"], key=torch.Tensor.numel)
+    assert type(_local(opt.state[matrix]["momentum_buffer"])) is lowbit_optim.OptimState8bit
+    assert type(_local(opt.state[head]["exp_avg"])) is lowbit_optim.OptimState4bit
+
+
+def _save_step_load(model, opt, accelerator, checkpoint, full=lambda t: t, check=_check_mixed_formats) -> None:
     """save_state, 2 steps, load_state, the same 2 steps (load_state restores the RNG): same bits."""
     _steps(model, opt, accelerator, 3)
     accelerator.save_state(checkpoint)
@@ -293,7 +304,7 @@ def _save_step_load(model, opt, accelerator, checkpoint, full=lambda t: t) -> No
     _steps(model, opt, accelerator, 2)
     after = {n: full(p) for n, p in _params(model).items()}
     accelerator.load_state(checkpoint)
-    _check_mixed_formats(opt.optimizer)
+    check(opt.optimizer)
     _assert_same({n: full(p) for n, p in _params(model).items()}, saved)
     _steps(model, opt, accelerator, 2)
     _assert_same({n: full(p) for n, p in _params(model).items()}, after)
@@ -307,39 +318,46 @@ def test_accelerate_prepare_keeps_state_format(tmp_path):
     assert isinstance(opt.state_dict()["state"][0]["exp_avg"], lowbit_optim.OptimState4bit)
 
 
-def _fsdp2_job(checkpoint: str) -> None:
-    """One rank: accelerate's FSDP2 prepare, steps, save_state (DCP) and load_state, on CPU.
+_FSDP2_CASES = {"mixed_formats": (_mixed_formats, _check_mixed_formats), "muon_with_adamw": (_muon_with_adamw, _check_muon_with_adamw)}
+
+
+def _fsdp2_job(checkpoint: str, case: str) -> None:
+    """One rank: accelerate's FSDP2 prepare, steps, save_state (DCP) and load_state, on CPU, of an
+    AdamW with two formats or of a MuonWithAdamW (one optimizer to accelerate, two inside).
 
     accelerate ignores ``fsdp_plugin`` on CPU (its FSDP is for MULTI_GPU and the like; MULTI_CPU gets
     DDP), so the job overrides ``Accelerator.distributed_type``: everything else is accelerate's own
-    FSDP2 code (fully_shard, swapping the optimizer's parameters, sharded checkpoints)."""
+    FSDP2 code (fully_shard, swapping the optimizer's parameters, sharded checkpoints). One case per
+    job: a second prepare() in the process took FSDP1's path."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.tensor import DTensor
 
+    build, check = _FSDP2_CASES[case]
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     Accelerator.distributed_type = property(lambda self: DistributedType.FSDP)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     accelerator.state.distributed_type, accelerator.state.fsdp_plugin = DistributedType.FSDP, plugin  # what prepare() reads
     model = _mlp()
-    model, opt = accelerator.prepare(model, _mixed_formats(model))
+    model, opt = accelerator.prepare(model, build(model))
     if not isinstance(model[0].weight, DTensor):
         open(os.path.join(checkpoint, "not_sharded"), "w").close()  # the test skips: torchrun hides exit codes
         return
-    _save_step_load(model, opt, accelerator, checkpoint, full=DTensor.full_tensor)
+    _save_step_load(model, opt, accelerator, checkpoint, full=DTensor.full_tensor, check=check)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
-def test_accelerate_fsdp2_keeps_state_format(tmp_path):
+@pytest.mark.parametrize("case", _FSDP2_CASES)
+def test_accelerate_fsdp2_keeps_state_format(tmp_path, case):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path), case]
     job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
     if (tmp_path / "not_sharded").exists():
         pytest.skip("this accelerate version did not shard the model under its FSDP2 path on CPU")
 
 
-if __name__ == "__main__":  # one rank of test_accelerate_fsdp2_keeps_state_format: test_hf.py CHECKPOINT_DIR
-    _fsdp2_job(sys.argv[1])
+if __name__ == "__main__":  # one rank of test_accelerate_fsdp2_keeps_state_format: test_hf.py CHECKPOINT_DIR CASE
+    _fsdp2_job(sys.argv[1], sys.argv[2])
     # The job's objects hold gloo process groups in reference cycles. Left to the interpreter's
     # final collection, a group's destructor ran while Python was finalizing, and its worker thread,
     # stopped there by Python, aborted the process ("terminate called without an active

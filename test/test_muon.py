@@ -287,12 +287,13 @@ def test_muon_with_adamw_checkpoint_resumes_exactly(tmp_path):
         resumed.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
 
 
-def test_muon_with_adamw_goes_to_dcp_helpers_as_its_two_optimizers():
-    """torch.distributed.checkpoint's get/set_(optimizer_)state_dict take one optimizer's layout each.
-    Given MuonWithAdamW itself, each raises a TypeError that names the fix (they failed with KeyError:
-    'state', or a ValueError about the layout), also through a wrapper that holds it (as accelerate's
-    does); given opt.optimizers, a checkpoint made with them loads into a fresh object and resumes bit
-    for bit (FSDP2's: test_fsdp.py)."""
+def test_muon_with_adamw_goes_to_dcp_helpers_as_one_optimizer():
+    """torch.distributed.checkpoint's get/set_(optimizer_)state_dict take one optimizer's layout.
+    Given MuonWithAdamW, also through a wrapper that holds it (as accelerate's does), its state dict
+    is that layout (they failed with KeyError: 'state'): the checkpoint they make of opt.optimizers,
+    flattened or not, which loads either way into a fresh object and resumes bit for bit (FSDP2's:
+    test_fsdp.py; accelerate's FSDP2 checkpoints: test_hf.py). A checkpoint whose groups do not split
+    as this model's is refused."""
     from torch.distributed.checkpoint import state_dict as dcp_helpers
 
     class Wrapped(torch.optim.Optimizer):  # as accelerate's AcceleratedOptimizer: it delegates to the one it holds
@@ -305,27 +306,47 @@ def test_muon_with_adamw_goes_to_dcp_helpers_as_its_two_optimizers():
         def state_dict(self):
             return self.inner.state_dict()
 
-    torch.manual_seed(0)
-    model, resumed_model = TinyLM(), TinyLM()
-    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+        def load_state_dict(self, state_dict):
+            self.inner.load_state_dict(state_dict)
+
+        def step(self, closure=None):
+            return self.inner.step(closure)
+
+        def zero_grad(self, set_to_none=True):
+            self.inner.zero_grad(set_to_none)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = TinyLM()
+        return model, lowbit_optim.MuonWithAdamW(model, **RECIPE)
+
+    model, opt = fresh()
     _lm_steps([opt], model, 2)
-    model_sd, optim_sd = dcp_helpers.get_state_dict(model, opt.optimizers)
-    model_sd, optim_sd = copy.deepcopy((model_sd, optim_sd))  # (the helpers return the live tensors)
-    resumed = lowbit_optim.MuonWithAdamW(resumed_model, **RECIPE)
-    for call in (
-        lambda: dcp_helpers.get_state_dict(resumed_model, resumed),
-        lambda: dcp_helpers.get_optimizer_state_dict(resumed_model, resumed),
-        lambda: dcp_helpers.set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd),
-        lambda: dcp_helpers.set_optimizer_state_dict(resumed_model, resumed, optim_sd),
-        lambda: dcp_helpers.get_optimizer_state_dict(model, Wrapped(opt)),
-    ):
-        with pytest.raises(TypeError, match=r"pass its list, opt\.optimizers, in place of opt .*opt\.muon and opt\.adamw as two"):
-            call()
-    dcp_helpers.set_state_dict(resumed_model, resumed.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    assert isinstance(resumed.state[resumed_model.blocks[0].weight]["momentum_buffer"], lowbit_optim.OptimState8bit)
-    assert _lm_steps([resumed], resumed_model, 2) == _lm_steps([opt], model, 2)
-    for p, q in zip(model.parameters(), resumed_model.parameters()):
-        assert torch.equal(p, q)
+    flat = dcp_helpers.StateDictOptions(flatten_optimizer_state_dict=True)
+    saved = dcp_helpers.get_optimizer_state_dict(model, opt)
+    assert saved.keys() == {"state", "param_groups"}
+    for given, options in ((Wrapped(opt), None), (opt.optimizers, None), (opt, flat), (opt.optimizers, flat)):
+        made = dcp_helpers.get_optimizer_state_dict(model, given, options=options)
+        assert str(made) == str(dcp_helpers.get_optimizer_state_dict(model, opt, options=options)), (given, options)
+    checkpoint = copy.deepcopy(dcp_helpers.get_state_dict(model, opt))  # (the helpers return the live tensors)
+    flat_checkpoint = copy.deepcopy(dcp_helpers.get_optimizer_state_dict(model, opt, options=flat))
+    after = _lm_steps([opt], model, 2)
+    for target, optim_sd, options in ((lambda o: o, checkpoint[1], None), (Wrapped, checkpoint[1], None), (lambda o: o.optimizers, checkpoint[1], None), (lambda o: o, flat_checkpoint, flat)):
+        resumed_model, resumed = fresh()
+        model_sd, optim_sd = copy.deepcopy((checkpoint[0], optim_sd))  # (loading adopts its tensors, which then step)
+        dcp_helpers.set_state_dict(resumed_model, target(resumed), model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+        assert isinstance(resumed.state[resumed_model.blocks[0].weight]["momentum_buffer"], lowbit_optim.OptimState8bit)
+        assert _lm_steps([resumed], resumed_model, 2) == after
+        for p, q in zip(model.parameters(), resumed_model.parameters()):
+            assert torch.equal(p, q)
+    torch.manual_seed(0)
+    resumed_model = TinyLM()
+    resumed = lowbit_optim.MuonWithAdamW(resumed_model, **{**RECIPE, "head": False})  # the head with Muon
+    with pytest.raises(ValueError, match=r"lacks \['momentum_buffer'\]: it is not a checkpoint of Muon"):
+        dcp_helpers.set_optimizer_state_dict(resumed_model, resumed, checkpoint[1])
+    resumed_model, resumed = fresh()
+    with pytest.raises(ValueError, match=r"has 1 param groups and this MuonWithAdamW 2 \(1 Muon's, then AdamW's\)"):
+        dcp_helpers.set_optimizer_state_dict(resumed_model, resumed, opt.muon.state_dict())  # numbered: loaded as it is
 
 
 def test_muon_with_adamw_follows_its_parts_and_runs_state_dict_hooks():
