@@ -747,7 +747,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
         arguments = None
         declared = {s.name for s in self._declared(group)}
-        fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
+        fused, corrections, written_back = [], [], []  # what the fused CPU kernel steps, all in one call at the end
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
@@ -771,7 +771,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             grad = local(grad)
             values = [local(state[s.name]) if s.name in declared else None for s in self.states]
             if self._use_fused(p, group["fused"], param, grad, step, values, mode):
-                fused.append((param, grad, step, *values))
+                # a channels_last or transposed parameter or gradient: the kernel reads and steps a contiguous
+                # copy (written back below), as the compiled step does (its states follow the logical order)
+                fused.append((param.contiguous(), grad.contiguous(), step, *values))
+                written_back.append(param)
                 corrections.append(local(state[extra]) if extra else None)  # int8-correction (the kernel's only extra)
                 continue
             if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
@@ -791,6 +794,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise
         if fused:
             self._fused_step(fused, group, corrections)
+            for param, (stepped, *_) in zip(written_back, fused):
+                if stepped is not param:
+                    param.copy_(stepped)
 
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``
@@ -902,7 +908,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if verdicts is None:  # by parameter, as self.state; not pickled
             verdicts = self.__dict__["_kernel_verdicts"] = {}
         inputs = (step, *values)
-        facts = (mode, param.dtype, param.is_cpu, param.is_contiguous())  # what the verdict reads of param
+        facts = (mode, param.dtype, param.is_cpu)  # what the verdict reads of param
         cached = verdicts.get(p)
         if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
             return cached[2]

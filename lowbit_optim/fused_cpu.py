@@ -53,8 +53,8 @@ def grad_unsupported_reason(grad: Tensor) -> str | None:
     """What in a gradient the kernel cannot read (None if nothing): the part that may change every step."""
     if grad.dtype not in _PLAIN_DTYPES:
         return f"gradient dtype {grad.dtype} (it takes float32 and bfloat16)"
-    if grad.layout != torch.strided or not grad.is_contiguous():
-        return "a non-contiguous gradient"
+    if grad.layout != torch.strided:
+        return f"a {grad.layout} gradient"
     return None
 
 
@@ -68,8 +68,6 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
         return f"the parameter is on {param.device.type}, not the CPU"
     if param.dtype not in _PLAIN_DTYPES:
         return f"parameter dtype {param.dtype} (it takes float32 and bfloat16)"
-    if not param.is_contiguous():
-        return "a non-contiguous parameter"
     if step is not None and (step.dtype != torch.float32 or step.device.type != "cpu"):
         return f"a step counter of dtype {step.dtype} on {step.device.type} (it takes a float32 CPU tensor)"
     if param_update not in ("nearest", "int8-correction"):
@@ -85,7 +83,7 @@ def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tens
     """Step every (param, grad, step, *states) of ``items`` with the kernel's ``optimizer`` update:
     ``states`` in the order the C names them (None where absent), ``hyper`` by the C struct's field
     names, ``corrections`` the parameters' int8-corrections (None: none). The tensors must be local
-    and contiguous (``unsupported_reason``). Parameters whose states all lie in their codes go in one
+    and contiguous (a caller steps a contiguous copy of any other, as base.py does). Parameters whose states all lie in their codes go in one
     call; one with a state that keeps a part outside them (StateTensor.has_addend) in a call of its
     own, between that state's kernel_addend and kernel_residual, whose values then go through the
     kernel's encoders (``assign``): one parameter's fp32 values at a time. So an error raised partway

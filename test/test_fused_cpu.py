@@ -27,6 +27,7 @@ from conftest import FORMATS, all_formats, torch_threads
 from lowbit_optim import BlockFloatState, FactoredState, OptimState, StateTensor, affine_codes, fused_cpu, kernel_abi, kernel_build, kernel_op, quant
 from lowbit_optim.formats import OptimState4bit, OptimState8bit, OptimState8bitSR, OptimStateFp8, OptimStateNF4
 from lowbit_optim.stochastic_bf16 import StochasticBF16State, round_bf16_stochastically
+from optimizer_info import OPTIMIZERS
 from test_formats import blockwise_formats_by_signedness, encode_inputs, sample
 
 # 4544 and 300 elements pad their last block; 200 stays below min_quantize_numel (fp32 state)
@@ -503,9 +504,33 @@ def test_stepper_is_chosen_once_per_parameter(monkeypatch):
     opt.load_state_dict(opt.state_dict())  # new state tensors
     opt.step()
     assert len(calls) == 4
-    params[0].grad = torch.randn(96, 64).t()  # a non-contiguous gradient: refused by the per-step check
+    params[0].grad = torch.randn(96, 64).t()  # a non-contiguous gradient: the kernel reads a contiguous copy of it
     opt.step()
     assert len(calls) == 4 and torch.isfinite(params[0]).all()
+
+
+@pytest.mark.parametrize("info", [info for info in OPTIMIZERS if lowbit_optim.base._no_kernel_reason(info.cls) is None], ids=str)
+def test_strided_parameters_and_gradients_take_the_kernel(info):
+    """As torch.optim's fused=True, the kernel steps a transposed or channels_last parameter and a
+    non-contiguous gradient (it steps a contiguous copy, written back): the compiled step's bits,
+    and the parameter keeps its strides. A bf16 one keeps its int8-correction."""
+
+    def strided_run(fused):
+        torch.manual_seed(0)
+        values = [torch.randn(96, 64).t(), torch.randn(96, 72, dtype=torch.bfloat16).t()]
+        if not info.matrices_only:
+            values.append(torch.randn(4, 8, 3, 3).to(memory_format=torch.channels_last))
+        params = [torch.nn.Parameter(v) for v in values]
+        strides = [p.stride() for p in params]
+        opt = info.make(params, state_format="8bit", min_quantize_numel=256, param_update="int8-correction", fused=fused)
+        for _ in range(STEPS):
+            for p in params:
+                p.grad = torch.randn(p.shape[::-1], dtype=p.dtype).t() if p.dim() == 2 else torch.randn_like(p)  # as strided as p
+            opt.step()
+        assert [p.stride() for p in params] == strides
+        return params, opt
+
+    assert_identical(strided_run(True), strided_run(False))
 
 
 class _E5M2(OptimStateFp8):  # unregistered (no name): a format whose encoding the kernel lacks
