@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
 from .distributed import is_dtensor, like_param, local, map_local, shard_like
-from .state import StateTensor, check_block_size, describe_tensor, not_plain
+from .state import StateTensor, check_block_size, describe_tensor, not_plain, signedness_mismatch
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -950,6 +950,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for i, (group, ours, keep) in enumerate(zip(loaded["param_groups"], self.param_groups, structural)):
                 with _naming_the_group(f"param group {i} of this {source}: "):
                     self._check_numbers({**self.defaults, **group, **keep, "params": ours["params"]})
+            _check_parameter_ids(loaded, source)
 
         def keep_saved_tensors(optimizer, loaded: dict) -> None:
             # torch.optim casts floating-point states to their parameter's dtype (an fp32 state of a
@@ -1241,6 +1242,27 @@ def _float32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
+def _check_parameter_ids(loaded: dict, source: str) -> None:
+    """Raise a ValueError where a checkpoint's param groups name one parameter twice (two parameters
+    would load one state) or its states name parameters no group lists (they would load nowhere, and
+    their parameters start over silently); torch.optim accepts both."""
+    groups, states = loaded["param_groups"], loaded["state"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return  # (torch.optim's load names what is wrong)
+    listed = [i for g in groups for i in g["params"]]
+    seen = set()
+    for i in listed:
+        if i in seen:
+            raise ValueError(f"the {source}'s param groups list parameter {i!r} twice: it is corrupt (each entry names one parameter's state)")
+        seen.add(i)
+    unlisted = [i for i in states if i not in seen] if isinstance(states, dict) else []
+    if unlisted:
+        raise ValueError(
+            f"the {source} holds states of parameters {unlisted[:3]}{' ...' if len(unlisted) > 3 else ''} that no param group lists "
+            "(it lists " + (f"{listed[:3]}{' ...' if len(listed) > 3 else ''}" if listed else "none") + "): it is corrupt, or its param groups were edited"
+        )
+
+
 def _take_last_grad_norm(state_dict: dict) -> tuple[float | None, dict]:
     """A checkpoint's last gradient norm, checked, and the checkpoint without it (not a group option)."""
     groups = state_dict["param_groups"]
@@ -1430,14 +1452,13 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
     if not floating and value.dtype != torch.int8:
         raise ValueError(f"{where} has dtype {value.dtype}: int8-correction keeps int8 rounding errors")
     torchao = foreign.is_torchao_state(local(value))  # read by foreign.from_foreign, the state it makes checked as ours
-    if isinstance(local(value), StateTensor) or torchao:
-        saved_signed = getattr(local(value), "signed", None)  # (a non-bool: check_layout names it; torchao's fp8 keeps none)
-        if type(saved_signed) is bool and saved_signed != signed:  # its codes would be read in the other table (an unsigned momentum's as nonnegative)
-            held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
-            raise ValueError(f"{where} is corrupt: {held} state, where it holds {kept} one (or it is of another optimizer)")
     if isinstance(local(value), StateTensor):
-        _check_state_tensor(where, local(value))
+        _check_state_tensor(where, local(value), signed)
         return
+    if torchao:
+        saved_signed = getattr(local(value), "signed", None)  # (torchao's fp8 keeps none)
+        if type(saved_signed) is bool and saved_signed != signed:
+            raise ValueError(f"{where} is corrupt: {signedness_mismatch(saved_signed)}")
     if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign
         values, held = local(value).scale, "scale"
         if bool((values < 0).any()):
@@ -1456,17 +1477,11 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
         raise ValueError(f"{where} is corrupt: a negative value ({float(values.min())}) in its {held}, where it holds a nonnegative state")
 
 
-def _check_state_tensor(where: str, state: StateTensor) -> None:
-    """A state's inner tensors fit its shape (check_layout) and hold no negative value where the
-    format keeps maxima or sums of squares (its block scales, factored sums): what the fused kernel
-    and the compiled step trust (a loaded state, and one converted from it)."""
+def _check_state_tensor(where: str, state: StateTensor, signed: bool | None = None) -> None:
+    """What the fused kernel and the compiled step trust of a loaded state, and of one converted
+    from it (StateTensor.check_loaded), or a ValueError that names it by ``where``."""
     try:
-        state.check_layout()
-        for name, held in state.nonnegative.items():
-            values = getattr(state, name)
-            if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
-                raise ValueError(f"its {name} holds a negative value ({float(values.min())}), where it holds {held}")
-        state.check_values()  # (after the scales: a negative one would show as decoded values first)
+        state.check_loaded(signed)
     except ValueError as error:
         raise ValueError(f"{where} is corrupt: {error}") from None
 

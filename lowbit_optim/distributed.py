@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import COPY_SOURCES, PLAIN_TENSOR_TYPES, OptimState, StateTensor, slice_bounds
+from .state import COPY_SOURCES, PLAIN_TENSOR_TYPES, OptimState, StateTensor, describe_tensor, slice_bounds
 
 aten = torch.ops.aten
 
@@ -161,7 +161,23 @@ def _shard_view(state: OptimState, index) -> ShardView:
 
 
 OptimState.__get_tensor_shard__ = _shard_view  # registered here: state.py knows nothing of DCP
-COPY_SOURCES[ShardView] = lambda view: view.values().view(view.shape)
+COPY_SOURCES[ShardView] = lambda view, dst: _checked(view, getattr(dst, "signed", None)).values().view(view.shape)
+
+
+def _checked(view: ShardView, signed: bool | None) -> ShardView:
+    """``view``, a copy's source: as read from a checkpoint file, its state checked as a loaded one
+    (StateTensor.check_loaded, and of the destination's signedness where it has one) before anything
+    reads its codes, and its window inside it."""
+    state = view.state
+    try:
+        if not isinstance(state, OptimState):
+            raise ValueError(f"it holds {describe_tensor(state)}, not a blockwise state")
+        state.check_loaded(signed)
+        if not all(type(i) is int for i in (view.start, view.stop)) or not 0 <= view.start <= view.stop <= _rows(state):
+            raise ValueError(f"its window, rows {view.start!r} to {view.stop!r}, is not inside its {_rows(state)} rows")
+    except ValueError as error:
+        raise ValueError(f"a quantized state in the checkpoint is corrupt: {error}") from None
+    return view
 
 
 def _rows(state: Tensor) -> int:
@@ -206,6 +222,8 @@ def _element_values(state: OptimState, first: int, last: int) -> Tensor:
 
 def _copy_into(dst, src) -> None:
     """DCP's ``target.copy_(saved)``, where either side may be a ShardView."""
+    if isinstance(src, ShardView):
+        _checked(src, dst.state.signed if isinstance(dst, ShardView) else None)
     if not isinstance(dst, ShardView):  # a quantized checkpoint into a plain (fp32 / bf16) state
         dst.copy_(src.values().view(dst.shape))
         return

@@ -79,6 +79,9 @@ class FactoredState(StateTensor):
         # (no decoding pass: its values are products of the row and column sums, checked nonnegative)
         if self.part:  # a loaded state is a parameter's, whole: a row slice's col sums another state's rows
             raise ValueError("a row slice of a larger factored state (part=True), where it holds a whole parameter's")
+        found, wanted = (self.row.numel(), self.col.numel()), factor_shape(self.shape)
+        if found != wanted:  # sizes that fit another grouping of its elements (row and col swapped): read as that
+            raise ValueError(f"row and col hold sums of {found[0]} rows and {found[1]} columns, where its shape groups {wanted[0]} rows of {wanted[1]} (row and col swapped?)")
 
     def _check_sizes(self) -> None:
         if not isinstance(self.part, bool):

@@ -330,6 +330,20 @@ class StateTensor(Tensor):
             if bool((values < 0).any()):
                 raise ValueError(f"a negative value ({float(values.min())}) in its values, where it holds a nonnegative state")
 
+    def check_loaded(self, signed: bool | None = None) -> None:
+        """Raise a ValueError saying what is wrong with a state read from a file, before anything
+        reads its codes: its layout (check_layout), its signedness where the caller knows which it
+        holds (the other table would read its codes), a negative value where it keeps maxima or sums
+        of squares (``nonnegative``), values it cannot hold (check_values)."""
+        self.check_layout()
+        if signed is not None and self.signed != signed:
+            raise ValueError(signedness_mismatch(self.signed))
+        for name, held in self.nonnegative.items():
+            values = getattr(self, name)
+            if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
+                raise ValueError(f"its {name} holds a negative value ({float(values.min())}), where it holds {held}")
+        self.check_values()  # (after the scales: a negative one would show as decoded values first)
+
     def _inner(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
 
@@ -795,6 +809,13 @@ def _instance_attributes(cls: type) -> frozenset | None:
         return None
 
 
+def signedness_mismatch(saved_signed: bool) -> str:
+    """What a loaded state of the other signedness is (its codes would be read in the other table:
+    an unsigned momentum's as nonnegative)."""
+    held, kept = ("a signed", "a nonnegative") if saved_signed else ("an unsigned (nonnegative)", "a signed")
+    return f"{held} state, where it holds {kept} one (or it is of another optimizer)"
+
+
 def _format_name(state: StateTensor) -> str:
     return f"{type(state).__name__} ({state.name!r} state format)"
 
@@ -922,10 +943,10 @@ def _to_copy(func, args, kwargs):
     return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
 
 
-# tensor subclasses of other modules that copy_ into a state reads as the values they stand for:
-# distributed.py registers its ShardView (a quantized checkpoint's rows, which DCP copies into a state
-# it does not view in rows, a bf16-sr or factored one)
-COPY_SOURCES: dict[type, Callable[[Tensor], Tensor]] = {}
+# tensor subclasses of other modules that copy_ into a state reads as the values they stand for,
+# given (source, destination): distributed.py registers its ShardView (a quantized checkpoint's rows,
+# which DCP copies into a state it does not view in rows, a bf16-sr or factored one)
+COPY_SOURCES: dict[type, Callable[[Tensor, Tensor], Tensor]] = {}
 
 
 @implements(aten.copy_.default)
@@ -934,7 +955,12 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     as_values = COPY_SOURCES.get(type(src))
     if as_values is not None:
-        src = as_values(src)
+        src = as_values(src, dst)
+    if isinstance(src, StateTensor):  # another state, such as a checkpoint's (DCP copies one it does not view in rows)
+        try:
+            src.check_loaded()
+        except ValueError as error:
+            raise ValueError(f"copy_ from a corrupt state (a checkpoint's?): {error}") from None
     if not isinstance(dst, StateTensor):
         return dst.copy_(src.dequantize())
     if dst.shape != src.shape:

@@ -91,6 +91,33 @@ def test_dcp_round_trip(tmp_path):
     assert torch.equal(loaded.row, state.row) and torch.equal(loaded.col, state.col)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_row_and_col_swapped_is_refused(tmp_path):
+    """A (48, 96) parameter's second moment with its 96 column sums as rows and 48 row sums as
+    columns fits its element count, and would be read as the other grouping at every later step:
+    refused at the load, from a file (torch.load) and through DCP (whose copy_ reads it)."""
+    import torch.distributed.checkpoint as dcp
+
+    def trained():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(48, 96))
+        opt = lowbit_optim.AdamW([p], state_format={"exp_avg": "8bit", "exp_avg_sq": "factored"}, compile=False)
+        p.grad = torch.randn(48, 96)
+        opt.step()
+        return opt
+
+    saved = trained().state_dict()
+    state = saved["state"][0]["exp_avg_sq"]
+    state.row, state.col = state.col.clone(), state.row.clone()
+    message = r"row and col hold sums of 96 rows and 48 columns, where its shape groups 48 rows of 96 \(row and col swapped\?\)"
+    with pytest.raises(ValueError, match=r"checkpoint state 'exp_avg_sq' of parameter 0 \(shape \(48, 96\)\) is corrupt: " + message):
+        trained().load_state_dict(saved)
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    target = trained().state_dict()
+    with pytest.raises(dcp.api.CheckpointException, match="copy_ from a corrupt state \\(a checkpoint's\\?\\): " + message):
+        dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
+
+
 @pytest.mark.parametrize("shape", [(9, 64), (9, 4, 16), (300,)], ids=str)
 def test_row_slices_read_the_parent(shape):
     state = FactoredState.from_float(nonnegative(shape))

@@ -139,6 +139,31 @@ def test_corrupt_checkpoint_state_is_refused(info, corruption):
         opt.load_state_dict(load(save(state_dict)))
 
 
+@quantized_formats
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_corrupt_dcp_checkpoint_state_is_refused(info, corruption, tmp_path):
+    """The same corruptions in a torch.distributed.checkpoint: its load copies each saved state into
+    the optimizer's (distributed.ShardView, or a state's copy_ where DCP does not view it in rows),
+    and a saved state is refused before anything reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    corrupt, message = CORRUPTIONS[corruption]
+    state_dict = load(checkpoint(info.spec))
+    if not isinstance(state_dict["state"][0][CHECKED], OptimState) and corruption in ("signed missing", "signed flipped"):
+        # DCP saves such a state (factored, bf16-sr) detached, which needs its metadata; its values do not depend on the flag
+        pytest.skip(f"dcp.save cannot write a {info.name} state whose signed is missing; a flipped one is read alike")
+    corrupt(state_dict["state"][0][CHECKED])
+    dcp.save(state_dict, checkpoint_id=tmp_path, no_dist=True)
+    params, opt = fresh_optimizer(info.spec)
+    set_grads(params)
+    opt.step()  # states to load into
+    target = opt.state_dict()
+    with pytest.raises(dcp.api.CheckpointException) as refused:  # (DCP's, a BaseException, holds the error and its traceback)
+        dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
+    assert re.search(rf"(quantized state in the checkpoint|copy_ from a corrupt state \(a checkpoint's\?\)).*({message})", str(refused.value)), str(refused.value)[:3000]
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
@@ -158,6 +183,23 @@ def test_plain_checkpoint_state_is_checked(value, message):
     _, opt = fresh_optimizer("fp32")
     with pytest.raises(ValueError, match=rf"checkpoint state 'exp_avg' of parameter 0 .*{message}"):
         opt.load_state_dict(load(save(state_dict)))
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([0, 0], r"the checkpoint's param groups list parameter 0 twice: it is corrupt"),
+        ([5, 6], r"the checkpoint holds states of parameters \[0, 1\] that no param group lists \(it lists \[5, 6\]\)"),
+    ],
+    ids=["listed twice", "states unlisted"],
+)
+def test_checkpoint_parameter_ids_name_each_state_once(ids, message):
+    """torch.optim loads one state into two parameters, or none (its parameters start over, silently)."""
+    state_dict = load(checkpoint("8bit"))
+    state_dict["param_groups"][0]["params"] = ids
+    _, opt = fresh_optimizer("8bit")
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state_dict)
 
 
 def test_errors_name_a_parameter_by_its_place_in_the_checkpoint():
