@@ -170,8 +170,8 @@ def _checked(view: ShardView, signed: bool | None) -> ShardView:
     reads its codes, and its window inside it."""
     state = view.state
     try:
-        if not isinstance(state, OptimState):
-            raise ValueError(f"it holds {describe_tensor(state)}, not a blockwise state")
+        if not isinstance(state, StateTensor):
+            raise ValueError(f"it holds {describe_tensor(state)}, not a state")
         state.check_loaded(signed)
         if not all(type(i) is int for i in (view.start, view.stop)) or not 0 <= view.start <= view.stop <= _rows(state):
             raise ValueError(f"its window, rows {view.start!r} to {view.stop!r}, is not inside its {_rows(state)} rows")

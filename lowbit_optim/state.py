@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import math
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -343,6 +344,7 @@ class StateTensor(Tensor):
             if bool((values < 0).any()):  # NaN passes: a poisoned block, as it was saved
                 raise ValueError(f"its {name} holds a negative value ({float(values.min())}), where it holds {held}")
         self.check_values()  # (after the scales: a negative one would show as decoded values first)
+        _FROM_FILE.pop(id(self), None)
 
     def _inner(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
@@ -387,6 +389,7 @@ class StateTensor(Tensor):
                 f"not keep (it keeps {sorted(kept)}): the checkpoint is edited or corrupt"
             )
         torch._utils._set_obj_state(self, state)
+        _FROM_FILE[id(self)] = weakref.ref(self)
 
     @classmethod
     def legacy_format(cls, version: int) -> "type[StateTensor] | None":
@@ -943,6 +946,17 @@ def _to_copy(func, args, kwargs):
     return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
 
 
+# states rebuilt from a file (__setstate__) and not checked since (check_loaded), by id: a weak
+# set would compare tensors with ==
+_FROM_FILE: dict[int, weakref.ref] = {}
+
+
+def from_file(state: StateTensor) -> bool:
+    """Whether ``state`` was read from a file (torch.load) and not checked since."""
+    ref = _FROM_FILE.get(id(state))
+    return ref is not None and ref() is state
+
+
 # tensor subclasses of other modules that copy_ into a state reads as the values they stand for,
 # given (source, destination): distributed.py registers its ShardView (a quantized checkpoint's rows,
 # which DCP copies into a state it does not view in rows, a bf16-sr or factored one)
@@ -956,11 +970,11 @@ def _copy_(func, args, kwargs):
     as_values = COPY_SOURCES.get(type(src))
     if as_values is not None:
         src = as_values(src, dst)
-    if isinstance(src, StateTensor):  # another state, such as a checkpoint's (DCP copies one it does not view in rows)
+    if isinstance(src, StateTensor) and from_file(src):  # DCP's route for a state it does not view in rows
         try:
             src.check_loaded()
         except ValueError as error:
-            raise ValueError(f"copy_ from a corrupt state (a checkpoint's?): {error}") from None
+            raise ValueError(f"copy_ from a checkpoint's state, which is corrupt: {error}") from None
     if not isinstance(dst, StateTensor):
         return dst.copy_(src.dequantize())
     if dst.shape != src.shape:
