@@ -304,7 +304,7 @@ def test_step_time_optimizer_smoke(eager_lowbit_step):
     args = step_time.parse_args(["--optimizer", "sgd", "--layers", "1", "--d", "64", "--vocab", "256", "--ctx", "32", "--steps", "1",
                                  "--warmup", "0", "--only", "torch-sgd-fused,bnb-8bit,lowbit-fp32"])  # fmt: skip
     results = {r.label: r for r in step_time.main(args)}
-    assert set(results) == {"torch-sgd-fused", "bnb-8bit", "lowbit-fp32"} and results["torch-sgd-fused"].ratio_to_fused == 1.0
+    assert set(results) == {"torch-sgd-fused", "bnb-8bit", "lowbit-fp32"} and results["torch-sgd-fused"].ratio_to_reference == 1.0
     assert all(r.median_step_s > 0 and r.state_bytes_per_param > 0 for r in results.values())
     assert ("compiled step" in results["lowbit-fp32"].note) == (lowbit_optim_sgd_fused_step() is None)
 
@@ -355,7 +355,7 @@ def test_step_time_interleaved_smoke(eager_lowbit_step, tmp_path):
                                  "--warmup", "0", "--interleave", "--only", "torch-sgd-fused,lowbit-fp32,lowbit-8bit",
                                  "--profile", str(tmp_path)])  # fmt: skip
     results = step_time.main(args)
-    assert [r.label for r in results] == ["torch-sgd-fused", "lowbit-fp32", "lowbit-8bit"] and results[0].ratio_to_fused == 1.0
+    assert [r.label for r in results] == ["torch-sgd-fused", "lowbit-fp32", "lowbit-8bit"] and results[0].ratio_to_reference == 1.0
     assert all(len(r.step_times_s) == 2 and r.state_bytes_per_param > 0 and r.peak_mem_delta_bytes is None for r in results)
     for r in results:
         assert r.launches_per_step == 0 and r.device_busy_s == 0 and "launches" in r.note, r
@@ -394,7 +394,7 @@ def test_step_time_muon_smoke(eager_lowbit_step, monkeypatch):
     args = step_time.parse_args(["--optimizer", "muon", "--layers", "1", "--d", "32", "--vocab", "64", "--ctx", "16", "--steps", "1",
                                  "--warmup", "0", "--only", "torch-muon,lowbit-8bit,lowbit-8bit-lowrank,newton-schulz"])  # fmt: skip
     results = {r.label: r for r in step_time.main(args)}
-    assert set(results) == {"torch-muon", "lowbit-8bit", "lowbit-8bit-lowrank", "newton-schulz"} and results["torch-muon"].ratio_to_fused == 1.0
+    assert set(results) == {"torch-muon", "lowbit-8bit", "lowbit-8bit-lowrank", "newton-schulz"} and results["torch-muon"].ratio_to_reference == 1.0
     assert all(r.median_step_s > 0 for r in results.values()), [r.note for r in results.values()]
     assert results["newton-schulz"].state_bytes_per_param == 0 and results["lowbit-8bit"].state_bytes_per_param > 0
 
