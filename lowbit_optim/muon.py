@@ -74,20 +74,24 @@ def _muon_split(model: nn.Module, head) -> tuple[list[Tensor], list[Tensor]]:
 
 def _warn_if_hidden(named: list, linears: list) -> None:
     """Warn where the last nn.Linear, the default head, maps to an embedding's width (as a hidden
-    layer does) and no nn.Linear maps to its entries: the output likely uses the embedding's weight."""
+    layer does): either another nn.Linear maps to the embedding's entries (a head registered before
+    the blocks) or none does (the output likely uses the embedding's weight)."""
     embeddings = [(name, m) for name, m in named if isinstance(m, nn.Embedding)]
     if not linears or not embeddings:
         return
     last, layer = linears[-1]
     widths = {m.embedding_dim: name for name, m in embeddings}
-    if layer.out_features in widths and not any(m.out_features == e.num_embeddings for _, m in linears for _, e in embeddings):
-        warnings.warn(
-            f"the last nn.Linear, {last!r}, taken as the output head (AdamW), maps to the width of the embedding "
-            f"{widths[layer.out_features]!r} ({layer.out_features}), as a hidden layer does: if the model's output uses the "
-            f"embedding's weight (tied, through F.linear), it has no nn.Linear head: pass head=False ({last!r} then goes "
-            "to Muon), or head='...' naming the head",
-            stacklevel=4,
-        )
+    if layer.out_features not in widths:
+        return
+    heads = [name for name, m in linears if any(m.out_features == e.num_embeddings for _, e in embeddings)]
+    hidden = (f"the last nn.Linear, {last!r}, taken as the output head (AdamW), maps to the width of the embedding "
+              f"{widths[layer.out_features]!r} ({layer.out_features}), as a hidden layer does")  # fmt: skip
+    if heads:
+        advice = f"while {heads[0]!r} maps to its entries, as a head does: if that is the head, pass head={heads[0]!r}"
+    else:
+        advice = (f"if the model's output uses the embedding's weight (tied, through F.linear), it has no nn.Linear head: "
+                  f"pass head=False ({last!r} then goes to Muon), or head='...' naming the head")  # fmt: skip
+    warnings.warn(f"{hidden}: {advice}", stacklevel=4)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

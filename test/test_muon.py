@@ -119,6 +119,28 @@ def test_muon_split_of_a_model_whose_output_uses_its_embedding():
     assert [id(p) for p in matrices] == [id(model.blocks[0].weight), id(model.blocks[2].weight)]
 
 
+def test_muon_split_of_a_model_that_registers_its_head_first():
+    """The default head is the last nn.Linear: a model that registers lm_head before its blocks
+    would give its last hidden layer (mapping to the embedding's width) to AdamW and the head to
+    Muon, so that is warned of, naming the layer that maps to the vocabulary (it went silently
+    where such a layer existed); head= names it."""
+
+    class HeadFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(16, 50, bias=False)
+            self.embed = nn.Embedding(50, 16)
+            self.blocks = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    model = HeadFirst()
+    with pytest.warns(UserWarning, match=r"the last nn.Linear, 'blocks.2', .* as a hidden layer does: while 'lm_head' maps to its entries, as a head does: if that is the head, pass head='lm_head'"):
+        lowbit_optim.muon_split(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        matrices, _ = lowbit_optim.muon_split(model, head="lm_head")
+    assert [id(p) for p in matrices] == [id(model.blocks[0].weight), id(model.blocks[2].weight)]
+
+
 def test_muon_split_warns_of_parametrized_weights():
     """A parametrized weight (spectral_norm here) is made at each access, never a parameter of the
     model: its parameters go to AdamW, warned of (they went silently)."""
