@@ -389,7 +389,7 @@ class StateTensor(Tensor):
                 f"not keep (it keeps {sorted(kept)}): the checkpoint is edited or corrupt"
             )
         torch._utils._set_obj_state(self, state)
-        _FROM_FILE[id(self)] = weakref.ref(self)
+        _FROM_FILE[id(self)] = weakref.ref(self, functools.partial(_forget, id(self)))
 
     @classmethod
     def legacy_format(cls, version: int) -> "type[StateTensor] | None":
@@ -949,6 +949,11 @@ def _to_copy(func, args, kwargs):
 # states rebuilt from a file (__setstate__) and not checked since (check_loaded), by id: a weak
 # set would compare tensors with ==
 _FROM_FILE: dict[int, weakref.ref] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _FROM_FILE.get(key) is ref:  # (a state that died: its entry, unless a newer state's)
+        del _FROM_FILE[key]
 
 
 def from_file(state: StateTensor) -> bool:
