@@ -714,6 +714,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             group, p = owners[i]
             self._check_stepped(p, grad, group)
             items[id(group)].append((p, tensor, grad))
+        for group in self.param_groups:
+            if group["fused"]:  # a parameter the kernel cannot take is refused before any group steps
+                self._check_kernel_takes(group, items[id(group)])
         # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
         with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
             for group in self.param_groups:
@@ -753,16 +756,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
-            if grad.is_sparse:
-                raise RuntimeError(_sparse_gradients_refused(type(self).__name__, self.torch_name))
-            mode = param_update_of(p, group)
-            extra = precision.extra_state_name(mode)
-            has_states = bool(declared or extra)  # as _state_names: a parameter without any keeps none (SGD)
-            state = self.state[p] if has_states or p in self.state else {}
-            if has_states and not state or extra and extra not in state or not declared <= state.keys():
-                self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
-            # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
-            step = state.get("step") if has_states else None
+            state, step, mode, extra = self._states_of(p, group, declared)
             param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
@@ -798,11 +792,36 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if stepped is not param:
                     param.copy_(stepped)
 
+    def _states_of(self, p: Tensor, group: dict, declared: set) -> tuple[dict, Tensor | None, str, str | None]:
+        """(state, step counter, param_update mode, name of its extra state) of ``p`` in ``group``
+        (``declared``: the names of its states there), its states made where missing."""
+        mode = param_update_of(p, group)
+        extra = precision.extra_state_name(mode)
+        has_states = bool(declared or extra)  # as _state_names: a parameter without any keeps none (SGD)
+        state = self.state[p] if has_states or p in self.state else {}
+        if has_states and not state or extra and extra not in state or not declared <= state.keys():
+            self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
+        # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
+        return state, state.get("step") if has_states else None, mode, extra
+
+    def _check_kernel_takes(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """Raise the error of fused=True where the kernel cannot take a parameter of ``group`` (its
+        states, made here, enter the verdict), before the step changes anything."""
+        declared = {s.name for s in self._declared(group)}
+        for p, tensor, grad in items:
+            state, step, mode, _ = self._states_of(p, group, declared)
+            param = local(tensor.detach())
+            if param.numel():
+                values = [local(state[s.name]) if s.name in declared else None for s in self.states]
+                self._use_fused(p, True, param, local(grad), step, values, mode)
+
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``
         after it), and autograd does not check a gradient assigned through it: each step checks them,
         where it begins (_step_params, _step_one), before any group is stepped and whatever a
         subclass's _step_group does."""
+        if grad.is_sparse:
+            raise RuntimeError(_sparse_gradients_refused(type(self).__name__, self.torch_name))
         _check_grad_shape(p, grad)
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
