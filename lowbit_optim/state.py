@@ -199,8 +199,9 @@ class StateTensor(Tensor):
         raise NotImplementedError
 
     @classmethod
-    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
-        """A state of logical ``shape`` holding zeros."""
+    def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
+        """A state of logical ``shape`` holding zeros; ``signed`` defaults to signed where the format
+        holds signed values (as from_float's)."""
         raise NotImplementedError
 
     def quantize_(self, x: Tensor) -> None:
@@ -558,8 +559,9 @@ class OptimState(StateTensor):
         self.signed = signed
 
     @classmethod
-    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+    def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
         """A state of logical ``shape`` holding zeros (all-zero scales)."""
+        signed = cls.holds_signed if signed is None else signed
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
         return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)
