@@ -785,6 +785,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._step_compiled(group, compiled, *arguments)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
+                if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+                    error.add_note(
+                        f"lowbit_optim: torch.compile failed on the step of this group's parameters (state_format "
+                        f"{group['state_format']!r}). A format of your own whose encode or decode torch.compile cannot "
+                        "trace (NumPy, data-dependent Python) steps with compile=False (the eager step)"
+                    )
                 raise
         if fused:
             self._fused_step(fused, group, corrections)

@@ -374,10 +374,9 @@ class StateTensor(Tensor):
             legacy = type(self).legacy_format(saved)
             if legacy is None:
                 raise ValueError(
-                    f"this checkpoint holds a {type(self).__name__} ({self.name!r} state format) written by a "
-                    f"lowbit_optim whose {self.name!r} codes meant other numbers (format version {saved}, this "
-                    f"version {type(self).format_version}); load it with the version that wrote it and save "
-                    "dequantize()d states"
+                    f"this checkpoint holds a {type(self).__name__} ({self.name!r} state format) written when its "
+                    f"codes meant other numbers (format version {saved}, this code's {type(self).format_version}); load "
+                    "it with the code that wrote it and save dequantize()d states"
                 )
             # the same codes, read as the format that now holds their old meaning
             self.__class__ = legacy

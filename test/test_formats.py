@@ -1473,6 +1473,26 @@ def test_an_encode_of_other_codes_than_uint8_is_refused_by_the_optimizer(private
             lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(8))], state_format=fmt)
 
 
+def test_an_encode_torch_compile_cannot_trace_names_the_eager_step(private_registry):
+    """A format whose encode goes through NumPy trains eagerly; the compiled step's failure (a
+    dynamo error) gets a note naming the format and compile=False."""
+
+    def encode(cls, normalized, signed):
+        return torch.from_numpy((normalized.detach().numpy() * 127 + 128).round().clip(0, 255).astype("uint8"))
+
+    fmt = encoded_format("NumpyCodes", encode, lambda cls, codes, signed: (codes.float() - 128) / 127, name="numpy-codes")
+    for compile in (False, True):
+        param = torch.nn.Parameter(torch.ones(512))
+        opt = lowbit_optim.AdamW([param], state_format=fmt, min_quantize_numel=0, compile=compile, fused=False)
+        param.grad = torch.ones(512)
+        if not compile:
+            opt.step()
+            continue
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException) as failed:
+            opt.step()
+        assert any("state_format 'numpy-codes'" in note and "compile=False (the eager step)" in note for note in failed.value.__notes__)
+
+
 def test_the_optimizer_probes_encode_with_a_block_as_quantize_passes_it(private_registry):
     """The optimizer's check of a format's encode passes it one block, a row, as quantizing does: an
     encode that reads its values in pairs along the block trains; one that raises is refused with

@@ -568,7 +568,7 @@ class TestFormatVersions(expecttest.TestCase):
         state.__dict__["format_version"] = 7
         with self.assertRaises(ValueError) as caught:
             save_and_load({"s": state})
-        self.assertExpectedInline(str(caught.exception), """this checkpoint holds a OptimState8bit ('8bit' state format) written by a lowbit_optim whose '8bit' codes meant other numbers (format version 7, this version 1); load it with the version that wrote it and save dequantize()d states""")
+        self.assertExpectedInline(str(caught.exception), """this checkpoint holds a OptimState8bit ('8bit' state format) written when its codes meant other numbers (format version 7, this code's 1); load it with the code that wrote it and save dequantize()d states""")
 
 
 @quantized_formats
