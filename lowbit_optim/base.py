@@ -21,6 +21,8 @@ import itertools
 import math
 import numbers
 import operator
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -686,8 +688,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         params = self._params()
         with_grads, grads, positions = step_op.with_grads(params)
         if params and not with_grads and not self.state and not self._has_stepped:
-            # stacklevel: the caller's opt.step(), through torch's step hooks
-            warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=5)
+            warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=_outside_stacklevel())
         self._step_params(with_grads, grads, positions)
         return loss
 
@@ -1197,6 +1198,16 @@ def _no_kernel_reason(cls: type) -> str | None:
     if changed:
         return f"{cls.__name__} has its own {' and '.join(changed)}, and the fused CPU kernel computes {owner.__name__}'s step; it takes the compiled step"
     return None
+
+
+def _outside_stacklevel() -> int:
+    """warnings.warn's stacklevel, for its caller, of the first frame outside lowbit_optim and torch:
+    the user's opt.step(), through torch's step hooks, an lr scheduler's wrapper or MuonWithAdamW."""
+    inside = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (sys.modules[__package__], torch))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # torch.optim steps nothing here, silently; the usual cause is a model wrapped after the optimizer was built

@@ -229,6 +229,15 @@ def _lm_steps(optimizers, model, steps: int, schedulers=()) -> list[float]:
 RECIPE = dict(muon=dict(lr=0.02), adamw=dict(lr=3e-3, state_format="fp32"), state_format="8bit", min_quantize_numel=0, compile=False)
 
 
+def test_muon_with_adamw_without_gradients_warns_at_the_callers_line():
+    """Each part's no-gradient warning names the line that called MuonWithAdamW.step() (it named
+    muon.py's call of the part)."""
+    opt = lowbit_optim.MuonWithAdamW(TinyLM(), **RECIPE)
+    with pytest.warns(UserWarning, match="found no gradient") as warned:
+        opt.step()
+    assert [w.filename for w in warned] == [__file__, __file__]
+
+
 def test_muon_with_adamw_is_the_two_optimizers():
     """One object: the same steps as Muon and AdamW built on muon_split's lists, each group with its
     own lr under one scheduler, and its own format."""

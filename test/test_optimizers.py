@@ -489,8 +489,13 @@ def test_a_step_that_finds_no_gradient_before_any_state_warns(opt_info):
     torch.optim (layers frozen for a while)."""
     params = [nn.Parameter(p) for p in initial_params(opt_info)]
     opt = opt_info.make(params, state_format="8bit", compile=False)
-    with pytest.warns(UserWarning, match=rf"{opt_info.cls.__name__}.step\(\) found no gradient on any of its {len(params)} parameters.*after fully_shard"):
+    with pytest.warns(UserWarning, match=rf"{opt_info.cls.__name__}.step\(\) found no gradient on any of its {len(params)} parameters.*after fully_shard") as warned:
         opt.step()
+    assert warned[0].filename == __file__  # the line that called step()
+    torch.optim.lr_scheduler.StepLR(opt, 1)  # its wrapper of step() is torch's: the warning still names this line
+    with pytest.warns(UserWarning, match="found no gradient") as warned:
+        opt.step()
+    assert warned[0].filename == __file__
     assert not opt.state
     params[0].grad = torch.ones_like(params[0])
     opt.step()
