@@ -233,32 +233,40 @@ static void decode_block(const uint8_t *c, int bits, const float *codebook, cons
     }
 }
 
+/* the scale of a block of codes symmetric about 0 (scale_min == -scale_max): its absmax (at least
+ * MIN_BLOCK_SCALE; NaN if any value is NaN) / scale_max */
+static float block_absmax_scale(const float *restrict x, int64_t bs, float scale_max) {
+    /* magnitudes compared as integers: the order of floats, with NaN above infinity (compilers
+     * vectorize this as well as the AVX-512 intrinsics it replaced) */
+    uint32_t top = 0;
+    #pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < bs; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    /* a comparison, not fmaxf (a libm call: its NaN rule stops GCC inlining it, and a NaN top is
+     * replaced by NAN below anyway) */
+    float absmax = float_of(top) > MIN_BLOCK_SCALE ? float_of(top) : MIN_BLOCK_SCALE;
+    return (top > 0x7F800000u ? NAN : absmax) / scale_max;
+}
+
 /* the block's scale (quant.block_scales): its largest value (at least MIN_BLOCK_SCALE) / scale_max or
  * its most negative / scale_min, whichever is larger; NaN if any value is NaN */
 static float block_scale(const float *restrict x, int64_t bs, float scale_max, float scale_min) {
-    /* the largest positive and negative magnitudes, compared as integers: the order of floats, with
-     * NaN above infinity (compilers vectorize this as well as the AVX-512 intrinsics it replaced) */
+    if (scale_min == -scale_max) return block_absmax_scale(x, bs, scale_max);  /* the same scale, in one reduction */
+    /* the largest positive and negative magnitudes, compared as integers, as block_absmax_scale does */
     uint32_t high = 0, low = 0;
-    if (scale_min == -scale_max) {  /* codes symmetric about 0: the absmax alone gives the same scale, in one reduction */
-        #pragma omp simd reduction(max : high)
-        for (int64_t i = 0; i < bs; i++) {
-            uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-            high = a > high ? a : high;
-        }
-    } else {
-        #pragma omp simd reduction(max : high, low)
-        for (int64_t i = 0; i < bs; i++) {
-            uint32_t u = bits_of(x[i]), negative = u >> 31, magnitude = u & 0x7FFFFFFFu;
-            uint32_t h = negative ? 0 : magnitude, l = negative ? magnitude : 0;
-            high = h > high ? h : high;
-            low = l > low ? l : low;
-        }
+    #pragma omp simd reduction(max : high, low)
+    for (int64_t i = 0; i < bs; i++) {
+        uint32_t u = bits_of(x[i]), negative = u >> 31, magnitude = u & 0x7FFFFFFFu;
+        uint32_t h = negative ? 0 : magnitude, l = negative ? magnitude : 0;
+        high = h > high ? h : high;
+        low = l > low ? l : low;
     }
     if (high > 0x7F800000u || low > 0x7F800000u) return NAN;
-    /* comparisons, not fmaxf (a libm call: its NaN rule stops GCC inlining it) */
     float largest = float_of(high) > MIN_BLOCK_SCALE ? float_of(high) : MIN_BLOCK_SCALE;
     float up = largest / scale_max;
-    if (!low) return up;  /* symmetric codes, or no negative value: a second division per block cost 2-4 % of a step */
+    if (!low) return up;  /* no negative value: one division (a second in every block cost 2-4 % of a step) */
     float down = float_of(low) / -scale_min;
     return up > down ? up : down;
 }
