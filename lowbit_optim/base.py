@@ -715,9 +715,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             group, p = owners[i]
             self._check_stepped(p, grad, group)
             items[id(group)].append((p, tensor, grad))
-        for group in self.param_groups:
+        for group in self.param_groups[1:]:  # (the first group refuses before it steps anything)
             if group["fused"]:  # a parameter the kernel cannot take is refused before any group steps
-                self._check_kernel_takes(group, items[id(group)])
+                self._check_kernel_takes(group, self._base_stepped(items[id(group)]))
         # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
         with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
             for group in self.param_groups:
@@ -811,11 +811,22 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
         return state, state.get("step") if has_states else None, mode, extra
 
+    def _base_stepped(self, items: list[tuple[Tensor, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Those of a group's (parameter, tensor, gradient) this class's _step_group steps with the
+        step function (the kernel or compiled), not otherwise (Muon's sharded matrices)."""
+        return items
+
     def _check_kernel_takes(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Raise the error of fused=True where the kernel cannot take a parameter of ``group`` (its
-        states, made here, enter the verdict), before the step changes anything."""
+        states, made here, enter the verdict), before the step changes anything. Once a parameter
+        has a verdict it is skipped (each step would pay a few microseconds per parameter): only new
+        states (the first step, a new format) are decided here; a verdict made stale by a load, or
+        a gradient of another dtype, is refused where the group steps, as before."""
         declared = {s.name for s in self._declared(group)}
+        verdicts = self.__dict__.get("_kernel_verdicts", {})
         for p, tensor, grad in items:
+            if p in verdicts:
+                continue
             state, step, mode, _ = self._states_of(p, group, declared)
             param = local(tensor.detach())
             if param.numel():
