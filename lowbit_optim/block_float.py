@@ -96,7 +96,8 @@ class BlockFloatState(OptimState):
         self.writes = writes
 
     @classmethod
-    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+    def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
+        signed = cls.signedness(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
         writes = torch.zeros(1, dtype=torch.int64, device=device)

@@ -102,7 +102,8 @@ class LowRankState(CodebookState):
         self.rank = rank
 
     @classmethod
-    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+    def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
+        signed = cls.signedness(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
         rows = shape[0] if len(shape) >= 2 else 0

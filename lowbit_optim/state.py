@@ -201,8 +201,13 @@ class StateTensor(Tensor):
     @classmethod
     def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
         """A state of logical ``shape`` holding zeros; ``signed`` defaults to signed where the format
-        holds signed values (as from_float's)."""
+        holds signed values (``signedness``, as from_float's)."""
         raise NotImplementedError
+
+    @classmethod
+    def signedness(cls, signed: bool | None) -> bool:
+        """``signed``, or where it is None (zeros' and from_float's default) whether the format holds signed values."""
+        return cls.holds_signed if signed is None else signed
 
     def quantize_(self, x: Tensor) -> None:
         """Overwrite the inner tensors with the representation of float tensor ``x`` (same numel)."""
@@ -287,7 +292,7 @@ class StateTensor(Tensor):
         ``signed`` defaults to signed where the format holds signed values."""
         if not x.is_floating_point():
             raise TypeError(f"{cls.__name__}.from_float needs a floating-point tensor, got {x.dtype}")
-        signed = cls.holds_signed if signed is None else signed
+        signed = cls.signedness(signed)
         out = cls.zeros(x.shape, signed, block_size, device=x.device, dtype=x.dtype)
         out.copy_(x)
         return out
@@ -560,7 +565,7 @@ class OptimState(StateTensor):
     @classmethod
     def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
         """A state of logical ``shape`` holding zeros (all-zero scales)."""
-        signed = cls.holds_signed if signed is None else signed
+        signed = cls.signedness(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         codes, scale, block_size = cls._zero_blocks(shape.numel(), signed, block_size, device)
         return cls(codes, scale, shape, block_size, signed, dtype=dtype or torch.float32)

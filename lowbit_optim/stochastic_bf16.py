@@ -101,7 +101,8 @@ class StochasticBF16State(StateTensor):
         self.block_size = None
 
     @classmethod
-    def zeros(cls, shape, signed: bool = True, block_size: int | None = None, device=None, dtype=None):
+    def zeros(cls, shape, signed: bool | None = None, block_size: int | None = None, device=None, dtype=None):
+        signed = cls.signedness(signed)
         shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         values, writes = torch.zeros(shape.numel(), dtype=torch.bfloat16, device=device), torch.zeros(1, dtype=torch.int64, device=device)
         return cls(values, writes, shape, signed, dtype or torch.float32)

@@ -616,6 +616,7 @@ def test_zeros(info, signed, dtype):
     assert type(state) is info.fmt and state.dtype == dtype
     assert torch.equal(state.dequantize(), torch.zeros(3, 100, dtype=dtype))
     assert torch.equal(info.fmt.zeros(5).dequantize(), torch.zeros(5))  # int shape, defaults
+    assert info.fmt.zeros(5).signed == info.fmt.from_float(torch.zeros(5)).signed == (True in info.signedness)  # one default
 
 
 @quantized_formats
