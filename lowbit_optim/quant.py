@@ -218,6 +218,8 @@ def block_scales(blocks: Tensor, scale_max: float, scale_min: float) -> Tensor:
     would round such a block's most negative value toward zero by 0.7 % at every write, so a moving
     average's largest negative values would decay (AdEMAMix's slow one 70 times faster). The largest
     value counts as at least MIN_BLOCK_SCALE; NaN propagates."""
+    if scale_min == -scale_max:  # symmetric codes: the same scale from one reduction (the kernel's block_absmax_scale)
+        return blocks.abs().amax(dim=-1).clamp(min=MIN_BLOCK_SCALE) / scale_max
     highest = blocks.amax(dim=-1).clamp(min=MIN_BLOCK_SCALE) / scale_max
     lowest = blocks.amin(dim=-1) / scale_min
     return torch.maximum(highest, lowest)
