@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import quant
-from .state import COPY_SOURCES, PLAIN_TENSOR_TYPES, OptimState, StateTensor, describe_tensor, slice_bounds
+from .state import COPY_SOURCES, PLAIN_TENSOR_TYPES, OptimState, StateTensor, describe_tensor, from_file, slice_bounds
 
 aten = torch.ops.aten
 
@@ -167,12 +167,13 @@ COPY_SOURCES[ShardView] = lambda view, dst: _checked(view, getattr(dst, "signed"
 def _checked(view: ShardView, signed: bool | None) -> ShardView:
     """``view``, a copy's source: as read from a checkpoint file, its state checked as a loaded one
     (StateTensor.check_loaded, and of the destination's signedness where it has one) before anything
-    reads its codes, and its window inside it."""
+    reads its codes, once (a resharded state is copied into several windows), and its window inside it."""
     state = view.state
     try:
         if not isinstance(state, StateTensor):
             raise ValueError(f"it holds {describe_tensor(state)}, not a state")
-        state.check_loaded(signed)
+        if from_file(state):  # (a live state is this process's own, as every state it steps)
+            state.check_loaded(signed)
         if not all(type(i) is int for i in (view.start, view.stop)) or not 0 <= view.start <= view.stop <= _rows(state):
             raise ValueError(f"its window, rows {view.start!r} to {view.stop!r}, is not inside its {_rows(state)} rows")
     except ValueError as error:

@@ -394,7 +394,7 @@ class StateTensor(Tensor):
                 f"not keep (it keeps {sorted(kept)}): the checkpoint is edited or corrupt"
             )
         torch._utils._set_obj_state(self, state)
-        _FROM_FILE[id(self)] = weakref.ref(self, functools.partial(_forget, id(self)))
+        _FROM_FILE[id(self)] = self
 
     @classmethod
     def legacy_format(cls, version: int) -> "type[StateTensor] | None":
@@ -952,20 +952,14 @@ def _to_copy(func, args, kwargs):
     return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
 
 
-# states rebuilt from a file (__setstate__) and not checked since (check_loaded), by id: a weak
-# set would compare tensors with ==
-_FROM_FILE: dict[int, weakref.ref] = {}
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    if _FROM_FILE.get(key) is ref:  # (a state that died: its entry, unless a newer state's)
-        del _FROM_FILE[key]
+# states rebuilt from a file (__setstate__) and not checked since (check_loaded), by id (a weak set
+# would compare tensors with ==); an entry goes when its state dies
+_FROM_FILE: "weakref.WeakValueDictionary[int, StateTensor]" = weakref.WeakValueDictionary()
 
 
 def from_file(state: StateTensor) -> bool:
     """Whether ``state`` was read from a file (torch.load) and not checked since."""
-    ref = _FROM_FILE.get(id(state))
-    return ref is not None and ref() is state
+    return _FROM_FILE.get(id(state)) is state
 
 
 # tensor subclasses of other modules that copy_ into a state reads as the values they stand for,
