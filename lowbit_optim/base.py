@@ -757,14 +757,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
-            state, step, mode, extra = self._states_of(p, group, declared)
-            param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
+            state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
                     step.add_(1)
                 continue
             grad = local(grad)
-            values = [local(state[s.name]) if s.name in declared else None for s in self.states]
             if self._use_fused(p, group["fused"], param, grad, step, values, mode):
                 # a channels_last or transposed parameter or gradient: the kernel reads and steps a contiguous
                 # copy (written back below), as the compiled step does (its states follow the logical order)
@@ -799,8 +797,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if stepped is not param:
                     param.copy_(stepped)
 
-    def _states_of(self, p: Tensor, group: dict, declared: set) -> tuple[dict, Tensor | None, str, str | None]:
-        """(state, step counter, param_update mode, name of its extra state) of ``p`` in ``group``
+    def _step_inputs(self, p: Tensor, tensor: Tensor, group: dict, declared: set) -> tuple:
+        """(state, step counter, param_update mode, name of its extra state, the local tensor to
+        update, the local states in self.states' order or None) of ``p`` in ``group``
         (``declared``: the names of its states there), its states made where missing."""
         mode = param_update_of(p, group)
         extra = precision.extra_state_name(mode)
@@ -809,7 +808,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if has_states and not state or extra and extra not in state or not declared <= state.keys():
             self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
         # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
-        return state, state.get("step") if has_states else None, mode, extra
+        step = state.get("step") if has_states else None
+        param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
+        values = [local(state[s.name]) if s.name in declared else None for s in self.states]
+        return state, step, mode, extra, param, values
 
     def _base_stepped(self, items: list[tuple[Tensor, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Those of a group's (parameter, tensor, gradient) this class's _step_group steps with the
@@ -827,10 +829,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, tensor, grad in items:
             if p in verdicts:
                 continue
-            state, step, mode, _ = self._states_of(p, group, declared)
-            param = local(tensor.detach())
+            _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
             if param.numel():
-                values = [local(state[s.name]) if s.name in declared else None for s in self.states]
                 self._use_fused(p, True, param, local(grad), step, values, mode)
 
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
@@ -1304,9 +1304,10 @@ def _check_parameter_ids(loaded: dict, source: str) -> None:
         seen.add(i)
     unlisted = [i for i in states if i not in seen] if isinstance(states, dict) else []
     if unlisted:
+        few = lambda ids: f"{ids[:3]}{' ...' if len(ids) > 3 else ''}" if ids else "none"  # noqa: E731
         raise ValueError(
-            f"the {source} holds states of parameters {unlisted[:3]}{' ...' if len(unlisted) > 3 else ''} that no param group lists "
-            "(it lists " + (f"{listed[:3]}{' ...' if len(listed) > 3 else ''}" if listed else "none") + "): it is corrupt, or its param groups were edited"
+            f"the {source} holds states of parameters {few(unlisted)} that no param group lists (it lists {few(listed)}): "
+            "it is corrupt, or its param groups were edited"
         )
 
 
