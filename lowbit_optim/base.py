@@ -710,14 +710,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
             grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
         self._check_edits(self.param_groups)
-        items = {id(group): [] for group in self.param_groups}
-        for i, tensor, grad in zip(positions, params, grads):
-            group, p = owners[i]
-            self._check_stepped(p, grad, group)
-            items[id(group)].append((p, tensor, grad))
-        for group in self.param_groups[1:]:  # (the first group refuses before it steps anything)
-            if group["fused"]:  # a parameter the kernel cannot take is refused before any group steps
-                self._check_kernel_takes(group, self._base_stepped(items[id(group)]))
+        items = self._checked_items(owners, positions, params, grads)
+        self._check_kernel_takes(self.param_groups[1:], items)  # (the first group refuses before it steps anything)
         # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
         with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
             for group in self.param_groups:
@@ -813,25 +807,46 @@ class LowBitOptimizer(torch.optim.Optimizer):
         values = [local(state[s.name]) if s.name in declared else None for s in self.states]
         return state, step, mode, extra, param, values
 
+    def _checked_items(self, owners: list[tuple[dict, Tensor]], positions: list[int], params: list[Tensor], grads: list[Tensor]) -> dict:
+        """{id(group): [(parameter, tensor to update, gradient)]} of what _step_params was given
+        (``owners``: (group, parameter) of every parameter), each parameter checked (_check_stepped)."""
+        items = {id(group): [] for group in self.param_groups}
+        for i, tensor, grad in zip(positions, params, grads):
+            group, p = owners[i]
+            self._check_stepped(p, grad, group)
+            items[id(group)].append((p, tensor, grad))
+        return items
+
+    def _check_step_would_run(self) -> None:
+        """Raise what this optimizer's step() would refuse of its parameters and gradients now,
+        stepping nothing: MuonWithAdamW checks its AdamW part so before its Muon part steps."""
+        owners = [(group, p) for group in self.param_groups for p in group["params"]]
+        params, grads, positions = step_op.with_grads([p for _, p in owners])
+        self._check_kernel_takes(self.param_groups, self._checked_items(owners, positions, params, grads))
+
     def _base_stepped(self, items: list[tuple[Tensor, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Those of a group's (parameter, tensor, gradient) this class's _step_group steps with the
         step function (the kernel or compiled), not otherwise (Muon's sharded matrices)."""
         return items
 
-    def _check_kernel_takes(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        """Raise the error of fused=True where the kernel cannot take a parameter of ``group`` (its
-        states, made here, enter the verdict), before the step changes anything. Once a parameter
-        has a verdict it is skipped (each step would pay a few microseconds per parameter): only new
-        states (the first step, a new format) are decided here; a verdict made stale by a load, or
-        a gradient of another dtype, is refused where the group steps, as before."""
-        declared = {s.name for s in self._declared(group)}
+    def _check_kernel_takes(self, groups: list[dict], items: dict) -> None:
+        """Raise the error of fused=True where the kernel cannot take a parameter of ``groups``
+        (``items``: _checked_items'; its states, made here, enter the verdict), before the step
+        changes anything. Once a parameter has a verdict it is skipped (each step would pay a few
+        microseconds per parameter): only new states (the first step, a new format) are decided
+        here; a verdict made stale by a load, or a gradient of another dtype, is refused where the
+        group steps, as before."""
         verdicts = self.__dict__.get("_kernel_verdicts", {})
-        for p, tensor, grad in items:
-            if p in verdicts:
+        for group in groups:
+            if not group["fused"]:
                 continue
-            _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
-            if param.numel():
-                self._use_fused(p, True, param, local(grad), step, values, mode)
+            declared = {s.name for s in self._declared(group)}
+            for p, tensor, grad in self._base_stepped(items[id(group)]):
+                if p in verdicts:
+                    continue
+                _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
+                if param.numel():
+                    self._use_fused(p, True, param, local(grad), step, values, mode)
 
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``

@@ -223,6 +223,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
                 optimizer._check_edits(optimizer.param_groups)
             self._check_parts_disjoint()
+            if self.adamw:  # nor what AdamW's step refuses (Muon's refuses before it steps anything)
+                self.adamw._check_step_would_run()
         for optimizer in self.optimizers:
             optimizer.step()
         return loss

@@ -179,6 +179,31 @@ def test_a_parameter_in_both_parts_is_refused():
         opt.step()
 
 
+@pytest.mark.parametrize(
+    "refused",
+    [
+        pytest.param(dict(adamw=dict(param_update="stochastic"), fused=True), id="kernel-refuses-adamws-part"),
+        pytest.param(dict(sparse=True), id="sparse-embedding-gradient"),
+    ],
+)
+def test_muon_with_adamw_refuses_before_either_part_steps(refused):
+    """What AdamW's part refuses (fused=True where the kernel cannot step an embedding; a sparse
+    embedding gradient) is refused before Muon's part steps: a caught error leaves both as they were."""
+    options = dict(refused)
+    model = TinyLM()
+    model.embed.sparse = options.pop("sparse", False)
+    model.bfloat16()
+    if "fused" not in options:  # (fused=True contradicts the eager step)
+        options["compile"] = False
+    opt = lowbit_optim.MuonWithAdamW(model, state_format="8bit", min_quantize_numel=0, **options)
+    model(torch.randint(0, 50, (2, 5))).float().square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(50, 16\)|sparse gradients"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(int(state["step"]) == 0 for state in opt.state.values())  # (the check may make states, stepping none)
+
+
 def test_muon_split_head_by_name():
     model = TinyLM()
     matrices, _ = lowbit_optim.muon_split(model, head="blocks.2")
