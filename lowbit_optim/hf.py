@@ -9,9 +9,11 @@ it is not the model the helper was given.
 import functools
 import inspect
 import os
+import warnings
 
 from torch import nn
 
+from .base import LowBitOptimizer
 from .muon import MuonWithAdamW
 from .optim import Adam, AdamW, param_groups_by_module
 
@@ -31,8 +33,12 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       AdEMAMix keep their own defaults (Lion's betas mean something else). ``kwargs`` (e.g.
       ``state_format``, ``momentum``) override them. They are read when Trainer builds the
       optimizer, so a hyperparameter search's trials (set on the same ``args``) get their own.
+      Without ``args`` the optimizer keeps its default lr unless ``lr`` is given (a warning says so).
+    - ``optimizer_cls``: a lowbit_optim optimizer or a subclass of one (another is refused: it
+      would ignore the groups' formats).
     - ``overrides`` (default: embeddings keep fp32 state, as bitsandbytes does under Trainer) are
-      per-module group options, see ``param_groups_by_module``.
+      per-module group options, see ``param_groups_by_module``; one that sets ``weight_decay`` keeps it
+      for its parameters of every dimension.
     - Parameters of fewer than 2 dims (biases, norm weights) get no weight decay. Trainer's own groups
       go by name and module type instead (no "bias" or "norm" in the name, not in an nn.LayerNorm):
       the same split for GPT-2, BERT or Llama, not for, e.g., T5's 2-D ``relative_attention_bias``
@@ -49,6 +55,12 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
     cls, bound = _unwrapped(optimizer_cls)
     if not isinstance(cls, type):
         raise TypeError(f"optimizer_cls must be an optimizer class or a functools.partial of one, got {optimizer_cls!r}")
+    if not issubclass(cls, (LowBitOptimizer, MuonWithAdamW)):  # (whose groups' formats another would ignore)
+        raise TypeError(
+            f"optimizer_cls must be a lowbit_optim optimizer (or a subclass of one), got {cls.__module__}.{cls.__qualname__}: "
+            "the helper would hand it lowbit_optim's options (state_format) and TrainingArguments' options by lowbit_optim's "
+            "rules; for another optimizer use Trainer's own (TrainingArguments(optim=...), or optimizer_cls_and_kwargs=(cls, {...}))"
+        )
     if issubclass(cls, MuonWithAdamW):
         raise TypeError(
             "MuonWithAdamW splits a model into Muon's and AdamW's parameters itself and takes no param groups: build it "
@@ -64,6 +76,13 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         )
     if chosen.get("step_in_backward"):
         _check_step_in_backward(args)  # now, and again when Trainer builds the optimizer (args may change)
+    if args is None and "lr" not in chosen:
+        warnings.warn(
+            f"optimizer_cls_and_kwargs without args (the TrainingArguments): the optimizer takes {cls.__name__}'s default lr "
+            "and weight decay, not TrainingArguments' learning_rate and weight_decay, which Trainer does not pass it: pass "
+            "optimizer_cls_and_kwargs(model, args, ...), or lr=... to use another",
+            stacklevel=2,
+        )
     parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
     takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
@@ -121,14 +140,15 @@ def _unwrapped(optimizer_cls) -> tuple:
 
 def param_groups(model: nn.Module, overrides: dict, takes_decay: bool) -> list[dict]:
     """``model``'s trainable parameters in ``param_groups_by_module`` groups, each split into those
-    with weight decay (2 dims or more) and those without."""
+    with weight decay (2 dims or more) and those without (unless an override sets its own)."""
     params = []
     for group in param_groups_by_module(model, overrides):
         trainable = [p for p in group.pop("params") if p.requires_grad]
         for decay in (True, False):
             chosen = [p for p in trainable if (p.dim() >= 2) == decay]
             if chosen:
-                params.append({**group, "params": chosen, **({} if decay or not takes_decay else {"weight_decay": 0.0})})
+                undecayed = not decay and takes_decay and "weight_decay" not in group  # (an override's own wins)
+                params.append({**group, "params": chosen, **({"weight_decay": 0.0} if undecayed else {})})
     return params
 
 

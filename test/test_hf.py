@@ -228,6 +228,31 @@ def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
         optimizer_cls_and_kwargs(model, optimizer_cls=lambda params, **kw: lowbit_optim.AdamW(params, **kw))
 
 
+def test_helper_refuses_another_libraries_optimizer_and_warns_without_args():
+    """torch.optim.AdamW would ignore the groups' formats and get TrainingArguments' lr but not its
+    betas and eps: refused. Without args (and lr) the optimizer would run at its default lr, not
+    Trainer's: a warning (none with args or lr)."""
+    import warnings
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"optimizer_cls must be a lowbit_optim optimizer .* got torch.optim.adamw.AdamW"):
+        optimizer_cls_and_kwargs(model, lr=1e-3, optimizer_cls=torch.optim.AdamW)
+    with pytest.warns(UserWarning, match=r"without args \(the TrainingArguments\): the optimizer takes AdamW's default lr"):
+        optimizer_cls_and_kwargs(model, state_format="8bit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer_cls_and_kwargs(model, state_format="8bit", lr=1e-3)
+        optimizer_cls_and_kwargs(model, optimizer_cls=functools.partial(lowbit_optim.Lion, lr=1e-4))
+
+
+def test_an_overrides_weight_decay_holds_for_parameters_of_every_dimension():
+    """Biases and norm weights get no weight decay, unless an override gives their module its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    factory, kwargs = optimizer_cls_and_kwargs(model, lr=1e-3, weight_decay=0.1, overrides={torch.nn.LayerNorm: {"weight_decay": 0.05}})
+    decay = {p: g["weight_decay"] for g in factory()(model, **kwargs).param_groups for p in g["params"]}
+    assert [decay[p] for p in model.parameters()] == [0.1, 0.0, 0.05, 0.05]
+
+
 def _llama_trainer(output_dir, stop_at: int | None = None):
     """A tiny Llama (nn.Linear projections, which MuonWithAdamW gives Muon; GPT-2's Conv1D it cannot)
     under Trainer(optimizers=(MuonWithAdamW(model, ...), None)), the helper's suggestion for it."""
@@ -375,10 +400,10 @@ def test_a_checkpoint_of_trainers_own_optimizer_needs_its_two_groups():
     trainers = torch.optim.AdamW([{"params": decayed}, {"params": [model[1].bias], "weight_decay": 0.0}])
     model(torch.arange(8)).sum().backward()
     trainers.step()
-    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit")
+    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit", lr=1e-3)
     with pytest.raises(ValueError, match=r"the checkpoint has 2 param groups and this optimizer 3: .* overrides=\{\}"):
         factory()(model, **kwargs).load_state_dict(trainers.state_dict())
-    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit", overrides={})
+    factory, kwargs = optimizer_cls_and_kwargs(model, state_format="8bit", overrides={}, lr=1e-3)
     opt = factory()(model, **kwargs)
     opt.load_state_dict(trainers.state_dict())
     assert opt.state[model[0].weight]["exp_avg"].shape == (8, 4)
