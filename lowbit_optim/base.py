@@ -527,6 +527,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             _check_param(p, self.torch_name)
         _check_fp16_update(group, group["params"])
+        if group["fused"]:  # what the kernel refuses of a parameter itself (its states decide at its first step)
+            for p in group["params"]:
+                reason = None if p.device.type == "meta" else fused_cpu.param_unsupported_reason(local(p), None, {}, param_update_of(p, group))
+                if reason is not None:  # (a RuntimeError, as torch.optim's fused=True refuses a parameter)
+                    raise RuntimeError(_kernel_refuses(p, reason))
         self._remember_group(group)
 
     def _check_hyper_parameters(self, group: dict) -> None:
@@ -711,7 +716,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
         self._check_edits(self.param_groups)
         items = self._checked_items(owners, positions, params, grads)
-        self._check_kernel_takes(self.param_groups[1:], items)  # (the first group refuses before it steps anything)
+        self._check_kernel_takes(self.param_groups, items)
         # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
         with step_op.options_as_given(self.param_groups, *traced) if traced else contextlib.nullcontext():
             for group in self.param_groups:
@@ -824,11 +829,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         params, grads, positions = step_op.with_grads([p for _, p in owners])
         self._check_kernel_takes(self.param_groups, self._checked_items(owners, positions, params, grads))
 
-    def _base_stepped(self, items: list[tuple[Tensor, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """Those of a group's (parameter, tensor, gradient) this class's _step_group steps with the
-        step function (the kernel or compiled), not otherwise (Muon's sharded matrices)."""
-        return items
-
     def _check_kernel_takes(self, groups: list[dict], items: dict) -> None:
         """Raise the error of fused=True where the kernel cannot take a parameter of ``groups``
         (``items``: _checked_items'; its states, made here, enter the verdict), before the step
@@ -841,7 +841,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if not group["fused"]:
                 continue
             declared = {s.name for s in self._declared(group)}
-            for p, tensor, grad in self._base_stepped(items[id(group)]):
+            for p, tensor, grad in items[id(group)]:
                 if p in verdicts:
                     continue
                 _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
@@ -946,10 +946,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # the parameter's reason first: an fp16 parameter's fp16 gradient is not the cause
         reason = self._kernel_verdict(p, param, step, values, mode) or fused_cpu.grad_unsupported_reason(grad)
         if reason is not None and fused:
-            raise RuntimeError(
-                f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(p.shape)}: {reason}. "
-                "Pass fused=None to step such parameters with the compiled step."
-            )
+            raise RuntimeError(_kernel_refuses(p, reason))
         return reason is None
 
     def _kernel_verdict(self, p: Tensor, param: Tensor, step: Tensor, values: list, mode: str) -> str | None:
@@ -1477,6 +1474,13 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
             "float64 parameters are not supported: lowbit_optim computes the step in float32 and would "
             f"round them. Convert the model to float32 (model.float()){alternative.replace(', or', ' or')}{' for float64' if torch_name else ''}"
         )
+
+
+def _kernel_refuses(param: Tensor, reason: str) -> str:
+    return (
+        f"fused=True, but the fused CPU kernel cannot step a parameter of shape {tuple(param.shape)}: {reason}. "
+        "Pass fused=None to step such parameters with the compiled step."
+    )
 
 
 def param_update_of(param: Tensor, group: dict) -> str:

@@ -2,7 +2,8 @@
 holds some of its rows.
 
 Each rank runs the elementwise parts of the step on its rows (functional.muon_momentum, with the
-momentum buffer in its format, and functional.muon_apply). In between, each matrix's update is
+momentum buffer in its format, or the fused CPU kernel's, where it steps as in one process; and
+functional.muon_apply). In between, each matrix's update is
 gathered to one rank, its owner, in bf16: the iterations start by rounding it to bf16, so the
 gathered matrix is exactly the one a single process orthogonalizes, at half the bytes of fp32. The
 owner orthogonalizes it and scatters the rows back. Matrices are dealt out by their place in the
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from . import precision
+from . import fused_cpu, precision
 from .base import param_update_of
 from .distributed import local
 from .muon_parts import MuonParts
@@ -36,18 +37,24 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
     (lr, decay, momentum, one_minus_momentum), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
     parts = MuonParts(optimizer._compile)
     place = {id(p): i for i, p in enumerate(group["params"])}
-    jobs = []
+    updates, in_kernel = [], []  # each matrix's rows' update in bf16; what the fused CPU kernel computes
     for p, tensor, grad in items:
         state = optimizer.state[p]
         if not state:
             optimizer._init_state(p, group, state)
-        rows = local(tensor.detach())
-        if rows.numel():
-            update = parts.momentum(local(grad), state["step"], local(state["momentum_buffer"]), momentum, one_minus_momentum, nesterov=flags["nesterov"])
-        else:  # an empty shard (more ranks than rows) only counts the step
+        rows, grad, buffer = local(tensor.detach()), local(grad), local(state["momentum_buffer"])
+        if not rows.numel():  # an empty shard (more ranks than rows) only counts the step
             state["step"].add_(1)
-            update = rows.new_zeros(rows.shape, dtype=torch.float32)
-        jobs.append(_Job(p, rows, update.bfloat16(), place[id(p)]))
+            updates.append(rows.new_zeros(rows.shape, dtype=torch.bfloat16))
+        elif optimizer._use_fused(p, group["fused"], rows, grad, state["step"], [buffer], param_update_of(p, group)):
+            updates.append(torch.empty(rows.shape, dtype=torch.bfloat16))  # the kernel writes it in bf16: the same numbers
+            in_kernel.append((updates[-1], grad.contiguous(), state["step"], buffer))
+        else:
+            update = parts.momentum(grad, state["step"], buffer, momentum, one_minus_momentum, nesterov=flags["nesterov"])
+            updates.append(update.bfloat16())
+    if in_kernel:
+        fused_cpu.muon_momentum(in_kernel, group)
+    jobs = [_Job(p, local(tensor.detach()), update, place[id(p)]) for (p, tensor, _), update in zip(items, updates)]
     for job in jobs:
         job.gather()
     for job in jobs:

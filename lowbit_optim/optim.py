@@ -223,15 +223,12 @@ class Muon(LowBitOptimizer):
                     "embeddings, the output head, biases, norms and convolutions to AdamW (lowbit_optim.muon_split splits a model)"
                 )
 
-    def _base_stepped(self, items: list[tuple[Tensor, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
-        return [item for item in items if not is_dtensor(item[0])]  # FSDP2's matrices: muon_fsdp.step
-
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         sharded = [item for item in items if is_dtensor(item[0])]
         if sharded:  # FSDP2: the iterations need whole matrices
             muon_fsdp.step(self, group, sharded)
         if len(sharded) < len(items):
-            super()._step_group(group, self._base_stepped(items))
+            super()._step_group(group, [item for item in items if not is_dtensor(item[0])])
 
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         lr, momentum = group["lr"], group["momentum"]

@@ -517,8 +517,9 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         torch.save(results, path)
     special = {
         "step_in_backward": _step_in_backward_scenario,
-        # Muon with 8bit-lowrank momentum: each rank keeps the low-rank part of its own rows
-        "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank"),
+        # Muon with 8bit-lowrank momentum: each rank keeps the low-rank part of its own rows; fused=True,
+        # as "Muon" runs the eager reference step
+        "muon_lowrank": lambda rank, world: _other_optimizer_scenario("Muon", rank, world, workdir, "8bit-lowrank", fused=True),
         "ademamix_recipe": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_RECIPE),
         "ademamix_bf16_sr": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_BF16_SR),
         "ademamix_all_8bit": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_ALL_8BIT, fused=True),
@@ -787,11 +788,13 @@ def _sharded_and_resumed(job, name: str, optimizer: str) -> list[dict]:
 
 @needs_gloo
 def test_muon_with_lowrank_momentum_trains_sharded_and_resumes_exactly(job):
-    """Muon with 8bit-lowrank momentum under fully_shard on 2 ranks: each rank's momentum rows are a
-    low-rank part of their own plus codes (not one process's factors), so the parameters stay within
-    a few lr of one process's, as where a shard boundary cuts an 8bit block; a DCP checkpoint loads
-    each rank's state whole (codes, scales and factors) and resumes bit-exactly."""
+    """Muon with 8bit-lowrank momentum under fully_shard on 2 ranks, fused=True: the fused CPU kernel
+    computes each rank's rows' momentum (before the iterations gather them). Each rank's momentum
+    rows are a low-rank part of their own plus codes (not one process's factors), so the parameters
+    stay within a few lr of one process's, as where a shard boundary cuts an 8bit block; a DCP
+    checkpoint loads each rank's state whole (codes, scales and factors) and resumes bit-exactly."""
     for found in _sharded_and_resumed(job, "muon_lowrank", "Muon"):
+        assert found["kernel_stepped"] > 0, found["kernel_stepped"]
         kinds = {tuple(kind) for param, states in found["state_kinds"].items() for kind in states.values()}
         assert kinds == {("DTensor", "OptimState8bitLowRank")}, found["state_kinds"]
 

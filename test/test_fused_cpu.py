@@ -584,26 +584,29 @@ class TestRefusals(expecttest.TestCase):
         )
 
     def test_fused_true_names_the_parameter_and_the_way_out(self):
+        """What the kernel refuses of a parameter itself is refused by the constructor, as torch.optim's
+        fused=True refuses a parameter: not in a step (or a backward, step_in_backward=True) that
+        would have stepped others first."""
         param = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
-        param.grad = torch.randn_like(param)
-        opt = lowbit_optim.AdamW([param], state_format="8bit", param_update="stochastic", fused=True)
         with self.assertRaises(RuntimeError) as caught:
-            opt.step()
+            lowbit_optim.AdamW([param], state_format="8bit", param_update="stochastic", fused=True)
         self.assertExpectedInline(
             str(caught.exception),
             """fused=True, but the fused CPU kernel cannot step a parameter of shape (64, 96): param_update='stochastic' (it rounds bf16 parameters to nearest, or keeps an int8-correction). Pass fused=None to step such parameters with the compiled step.""",
         )
 
     def test_fused_true_refuses_before_any_group_steps(self):
-        """A refusal in a later group (here a bf16 parameter rounded stochastically) leaves the
-        groups before it unstepped: their parameters and step counters as they were. (Decided
-        with the states, at the first step; a parameter with a verdict is not checked again.)"""
-        first, later = torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
-        opt = lowbit_optim.AdamW([{"params": [first]}, {"params": [later], "param_update": "stochastic"}], state_format="8bit", fused=True)
+        """A refusal in a later group (here its states: factored rows the kernel's chunks cannot
+        hold) leaves the groups before it unstepped: their parameters and step counters as they
+        were. (Decided with the states, at the first step; a parameter with a verdict is not checked
+        again.)"""
+        first, later = torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(16, 1000))
+        factored = {"exp_avg": "8bit", "exp_avg_sq": "factored"}
+        opt = lowbit_optim.AdamW([{"params": [first]}, {"params": [later], "state_format": factored}], state_format="8bit", fused=True, min_quantize_numel=0)
         before = first.detach().clone()
         for p in (first, later):
             p.grad = torch.randn_like(p)
-        with self.assertRaisesRegex(RuntimeError, r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(64, 96\): param_update='stochastic'"):
+        with self.assertRaisesRegex(RuntimeError, r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(16, 1000\): a factored state's rows"):
             opt.step()
         self.assertTrue(torch.equal(first, before))
         self.assertEqual(float(opt.state[first].get("step", 0)), 0.0)

@@ -182,13 +182,14 @@ def test_a_parameter_in_both_parts_is_refused():
 @pytest.mark.parametrize(
     "refused",
     [
-        pytest.param(dict(adamw=dict(param_update="stochastic"), fused=True), id="kernel-refuses-adamws-part"),
+        pytest.param(dict(adamw=dict(block_size=16384), fused=True), id="kernel-refuses-adamws-part"),
         pytest.param(dict(sparse=True), id="sparse-embedding-gradient"),
     ],
 )
 def test_muon_with_adamw_refuses_before_either_part_steps(refused):
-    """What AdamW's part refuses (fused=True where the kernel cannot step an embedding; a sparse
-    embedding gradient) is refused before Muon's part steps: a caught error leaves both as they were."""
+    """What AdamW's part refuses in a step (fused=True where the kernel's chunks cannot hold the
+    embedding's blocks; a sparse embedding gradient) is refused before Muon's part steps: a caught
+    error leaves both as they were."""
     options = dict(refused)
     model = TinyLM()
     model.embed.sparse = options.pop("sparse", False)
@@ -198,7 +199,7 @@ def test_muon_with_adamw_refuses_before_either_part_steps(refused):
     opt = lowbit_optim.MuonWithAdamW(model, state_format="8bit", min_quantize_numel=0, **options)
     model(torch.randint(0, 50, (2, 5))).float().square().mean().backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(50, 16\)|sparse gradients"):
+    with pytest.raises(RuntimeError, match=r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(50, 16\): block_size 16384|sparse gradients"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(int(state["step"]) == 0 for state in opt.state.values())  # (the check may make states, stepping none)
