@@ -455,7 +455,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._step_op_key, self._option_places = step_op.register(self)
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
                 for group in self.param_groups:
-                    in_backward.hook_params(self, group)
+                    in_backward.hook_params(self, group, copied=True)
             in_backward.own(self, self._params(), stacklevel=3)
         for group in self.param_groups:
             for key, value in self.defaults.items():

@@ -37,16 +37,17 @@ from .distributed import is_dtensor, local
 _CLIP_EPS = 1e-6
 
 
-def hook_params(optimizer, group: dict) -> None:
+def hook_params(optimizer, group: dict, copied: bool = False) -> None:
     """Step each parameter of param group ``group`` in backward (once ``own`` makes the optimizer
-    their owner)."""
+    their owner). ``copied``: the group of a copy (deepcopy, unpickling), whose parameters may have
+    been frozen since the original's constructor hooked them: hooked too, for when they thaw."""
     for p in group["params"]:  # every check before any hook: a refused group leaves none behind
         if optimizer._max_grad_norm is not None and is_dtensor(p) and p.device_mesh.ndim != 1:
             raise ValueError(
                 f"max_grad_norm with step_in_backward=True sums gradient norms over a 1-D mesh (FSDP2's fully_shard); "
                 f"this parameter is on a {p.device_mesh.ndim}-D mesh: drop max_grad_norm"
             )
-        if not p.requires_grad:
+        if not p.requires_grad and not copied:
             raise ValueError(
                 f"a parameter of shape {tuple(p.shape)} does not require grad: step_in_backward=True steps each parameter "
                 "from a hook on its gradient, made with the optimizer. Pass the trainable ones "
@@ -61,9 +62,22 @@ def hook_params(optimizer, group: dict) -> None:
             stacklevel=4,
         )
     owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
+    handles = []
     for p in group["params"]:
-        p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner))
+        frozen = not p.requires_grad  # (torch hooks only a tensor that requires grad)
+        p.requires_grad_(True)
+        try:
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner)))
+        finally:
+            p.requires_grad_(not frozen)
+    # the optimizer's end takes its hooks off (each would cost every later backward a call per parameter)
+    weakref.finalize(optimizer, _remove, handles).atexit = False
     _refuse_steps_of_others()
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 # Each parameter's optimizers that step it in backward, or after it where one of those had it
@@ -125,8 +139,13 @@ def _refuse_steps_of_others() -> None:
 
 
 def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
-    if torch.compiler.is_compiling() or not _STEPPING_IN_BACKWARD or getattr(type(optimizer), "owns_in_backward", False):
+    if not _STEPPING_IN_BACKWARD or getattr(type(optimizer), "owns_in_backward", False):
         return  # (lowbit_optim's own take parameters over when built, and warn)
+    _refuse_if_owned(optimizer)
+
+
+@torch.compiler.disable  # inside a torch.compile'd step too: checked as it runs, not traced
+def _refuse_if_owned(optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             owner = _owner(p)  # (a wrapper, e.g. timm's Lookahead, holds its owner's group dicts: it steps through it)
@@ -172,14 +191,17 @@ def _clip_coefficient(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     """The coefficient for ``grad``: clip_grad_norm_'s for the larger of the previous step's norm and
     the norm of this step's gradients so far, ``grad`` included."""
     norms = optimizer.__dict__.get("_backward_norms")
-    if norms is not None and param in norms:  # an earlier backward raised before its end: drop what it left
+    end = optimizer.__dict__.get("_backward_end")
+    # an earlier backward raised before its end: autograd dropped its callback, whatever its hooks counted
+    if norms is not None and (param in norms or end is not None and end() is None):
         norms = None
     if norms is None:  # the first gradient of this backward: queue the bookkeeping that ends it
         begin_step(optimizer)  # an earlier backward's norm, whose step() was skipped, is not this step's
         norms = optimizer._backward_norms = {}
         optimizer._backward_square_sum = torch.zeros((), device=grad.device)
-        owner = weakref.ref(optimizer)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(owner))
+        callback = functools.partial(_end_of_backward, weakref.ref(optimizer))
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        optimizer._backward_end = weakref.ref(callback)
     shard = local(grad)  # under FSDP2, this rank's rows: their sums add up over the ranks at the end
     norm = norms[param] = torch.linalg.vector_norm(shard, 2, dtype=torch.float32)
     optimizer._backward_square_sum = optimizer._backward_square_sum.to(shard.device) + norm.square()

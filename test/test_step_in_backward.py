@@ -403,6 +403,8 @@ def test_an_optimizer_stepping_after_backward_takes_the_parameters_over():
         del second
         gc.collect()
         theirs.step()
+    with pytest.raises(RuntimeError, match=r"this SGD steps a parameter .* step_in_backward=True \(AdamW\)"):
+        torch.compile(theirs.step, backend="eager")()  # inside torch.compile too (it was traced past)
     model.zero_grad()
     _loss(model, 1).backward()
     assert all(p.grad is None and float(first.state[p]["step"]) == 1 for p in model.parameters())
@@ -567,6 +569,63 @@ def test_a_backward_that_raises_leaves_no_stale_clipping():
     _loss(model, 0).backward()
     _loss(reference, 0).backward()
     torch.testing.assert_close(opt.last_grad_norm, torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+
+
+def test_a_backward_that_raises_after_another_branch_leaves_no_stale_clipping():
+    """A backward that raises after the hooks of a branch ran, then one that does not take the branch:
+    its count, and last_grad_norm, hold its own gradients only (the branch's norms, counted by the
+    backward that raised, were added in where the next backward's first parameter was another)."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    models, opts = _clipped_pair(0.05)
+    model, opt = models[1], opts[1]
+    branch = nn.Linear(model[-1].out_features, model[-1].out_features)
+    opt.add_param_group({"params": list(branch.parameters())})
+    x, _ = regression_data(model[-1].out_features)
+    with pytest.raises(RuntimeError, match="boom"):  # the branch's hooks run, then the failure
+        branch(Fails.apply(model(x))).square().mean().backward()
+    reference = copy.deepcopy(model)  # hooks are not copied: its backward only computes gradients
+    _loss(model, 0).backward()
+    _loss(reference, 0).backward()
+    torch.testing.assert_close(opt.last_grad_norm, torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_holds_parameters_frozen_since_the_constructor(how):
+    """A parameter frozen after the constructor hooked it (fine-tuning that freezes a layer) is
+    copied with the optimizer: the copy hooks it too, and steps it in backward once it thaws, as the
+    original does."""
+    models, opts = _pair(OPTIMIZERS[0], "8bit")
+    for model in models:
+        model[0].requires_grad_(False)
+    _train_both(models, opts, steps=1)
+    pair = {"model": models[1], "opt": opts[1]}
+    copied = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+    assert not any(p.requires_grad for p in copied["model"][0].parameters())
+    for model in (models[0], copied["model"]):
+        model[0].requires_grad_(True)
+    _train_both([models[0], copied["model"]], [opts[0], copied["opt"]], steps=2)
+    _assert_same([models[0], copied["model"]], [opts[0], copied["opt"]])
+
+
+def test_a_freed_optimizer_takes_its_hooks_off():
+    """Each optimizer built and dropped (a notebook cell run again, a sweep on one model) left a hook
+    on every parameter, which every later backward called."""
+    model = OPTIMIZERS[0].mlp()
+    with pytest.warns(UserWarning, match="built later; the earlier one, still alive"):  # (while the next is built)
+        for _ in range(3):
+            opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())  # the live one's
+    del opt
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_muon_with_adamw_accumulates_and_refuses_two_clipping_norms():
