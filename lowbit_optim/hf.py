@@ -172,6 +172,13 @@ def _check_step_in_backward(args) -> None:
             f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
             "larger per-device batch), or step after backward"
         )
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if _shards_with_fsdp(args) and str(fsdp_config.get("version", 2)) == "1":  # (transformers' default: 2)
+        raise ValueError(
+            "step_in_backward=True is made for FSDP2 (fully_shard), whose sharded parameters' hooks run after their "
+            "gradients are reduced; FSDP version 1 accumulates gradients into flat parameters: set "
+            "fsdp_config={'version': 2}, or step after backward"
+        )
     if getattr(args, "world_size", 1) > 1 and not _shards_with_fsdp(args):
         raise ValueError(
             f"step_in_backward=True under Trainer's {args.world_size} processes without FSDP (DistributedDataParallel, "

@@ -127,6 +127,8 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
     with pytest.raises(ValueError, match=r"2 processes without FSDP .* drift apart: step after backward"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True}), step_in_backward=True)
+    with pytest.raises(ValueError, match=r"FSDP version 1 accumulates gradients into flat parameters: set fsdp_config=\{'version': 2\}"):
+        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True, "fsdp_config": {"version": 1}}), step_in_backward=True)
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "parallelism_config": SimpleNamespace(dp_shard_size=2)}), step_in_backward=True)
     with pytest.MonkeyPatch.context() as env:  # accelerate launch --use_fsdp
         env.setenv("ACCELERATE_USE_FSDP", "true")
