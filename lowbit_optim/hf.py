@@ -48,8 +48,9 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
       where Trainer would act on gradients after backward: gradient accumulation (Trainer runs several
       backward passes per step without telling the optimizer), its clipping
       (``args.max_grad_norm``; pass ``max_grad_norm`` here instead: without step_in_backward it is
-      refused, Trainer clips), fp16's scaler, and several processes without FSDP (DDP averages
-      gradients after the step in backward has used them).
+      refused, Trainer clips), fp16's scaler, and several processes without FSDP2 (DDP averages
+      gradients after the step in backward has used them; FSDP version 1 accumulates them into flat
+      parameters).
     - MuonWithAdamW, which splits a model itself, is built with ``Trainer(optimizers=(opt, None))``.
     """
     cls, bound = _unwrapped(optimizer_cls)
