@@ -64,12 +64,14 @@ def hook_params(optimizer, group: dict, copied: bool = False) -> None:
     owner = weakref.ref(optimizer)  # a parameter's hook must not keep its optimizer alive
     handles = []
     for p in group["params"]:
-        frozen = not p.requires_grad  # (torch hooks only a tensor that requires grad)
-        p.requires_grad_(True)
+        frozen = not p.requires_grad  # (a copy's: torch hooks only a tensor that requires grad)
+        if frozen:
+            p.requires_grad_(True)
         try:
             handles.append(p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, owner)))
         finally:
-            p.requires_grad_(not frozen)
+            if frozen:
+                p.requires_grad_(False)
     # the optimizer's end takes its hooks off (each would cost every later backward a call per parameter)
     weakref.finalize(optimizer, _remove, handles).atexit = False
     _refuse_steps_of_others()
