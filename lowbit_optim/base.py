@@ -750,7 +750,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
         arguments = None
         declared = {s.name for s in self._declared(group)}
-        fused, corrections, written_back = [], [], []  # what the fused CPU kernel steps, all in one call at the end
+        fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
+        strided = []  # (item, correction) of those it steps through contiguous scratch copies, one at a time
         compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
@@ -763,11 +764,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 continue
             grad = local(grad)
             if self._use_fused(p, group["fused"], param, grad, step, values, mode):
-                # a channels_last or transposed parameter or gradient: the kernel reads and steps a contiguous
-                # copy (written back below), as the compiled step does (its states follow the logical order)
-                fused.append((param.contiguous(), grad.contiguous(), step, *values))
-                written_back.append(param)
-                corrections.append(local(state[extra]) if extra else None)  # int8-correction (the kernel's only extra)
+                correction = local(state[extra]) if extra else None  # int8-correction (the kernel's only extra)
+                if param.is_contiguous() and grad.is_contiguous():
+                    fused.append((param, grad, step, *values))
+                    corrections.append(correction)
+                else:  # channels_last, transposed: in the logical order, as the compiled step (and the states) read it
+                    strided.append(((param, grad, step, *values), correction))
                 continue
             if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
                 arguments = self._tensor_arguments(group, p.device)
@@ -792,9 +794,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise
         if fused:
             self._fused_step(fused, group, corrections)
-            for param, (stepped, *_) in zip(written_back, fused):
-                if stepped is not param:
-                    param.copy_(stepped)
+        for (param, grad, *rest), correction in strided:
+            # copies into buffers the optimizer keeps: fresh ones each step page-faulted 4-6x the kernel's time
+            contiguous = [t if t.is_contiguous() else self._scratch(i, t).copy_(t) for i, t in enumerate((param, grad))]
+            self._fused_step([(*contiguous, *rest)], group, [correction])
+            if contiguous[0] is not param:
+                param.copy_(contiguous[0])
+
+    def _scratch(self, slot: int, like: Tensor) -> Tensor:
+        """A contiguous tensor of ``like``'s shape and dtype: the optimizer's buffer ``slot`` (0: a
+        parameter, 1: its gradient), kept from step to step at the largest size asked (not pickled)."""
+        buffers = self.__dict__.setdefault("_scratch_buffers", {})
+        buffer = buffers.get((slot, like.dtype))
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = buffers[(slot, like.dtype)] = torch.empty(like.numel(), dtype=like.dtype)
+        return buffer[: like.numel()].view(like.shape)
 
     def _step_inputs(self, p: Tensor, tensor: Tensor, group: dict, declared: set) -> tuple:
         """(state, step counter, param_update mode, name of its extra state, the local tensor to
