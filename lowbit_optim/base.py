@@ -748,11 +748,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """Step each (parameter, its tensor to update, gradient) of ``group``."""
-        arguments = None
+        arguments = {}  # by device (a group may span several, as torch.optim's: a model split over GPUs)
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
         strided = []  # (item, correction) of those it steps through contiguous scratch copies, one at a time
-        compiled = []  # (parameter, its step function arguments, param_update) for the compiled step
+        compiled = {}  # by device: (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
@@ -771,18 +771,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 else:  # channels_last, transposed: in the logical order, as the compiled step (and the states) read it
                     strided.append(((param, grad, step, *values), correction))
                 continue
-            if arguments is None:  # once per group and step: a changed lr / beta / eps never recompiles
-                arguments = self._tensor_arguments(group, p.device)
+            if param.device not in arguments:  # once per group and step: a changed lr / beta / eps never recompiles
+                arguments[param.device] = self._tensor_arguments(group, param.device)
             shaped = _flat if self.flat_step else local
             call = (
                 shaped(param), shaped(grad), step, *(shaped(v) if v is not None else None for v in values),
                 shaped(state[extra]) if extra else None,
             )  # fmt: skip
-            compiled.append((param, call, mode))
+            compiled.setdefault(param.device, []).append((param, call, mode))
             owners.append(p)
         if compiled:
             try:
-                self._step_compiled(group, compiled, *arguments)
+                for device, calls in compiled.items():
+                    self._step_compiled(group, calls, *arguments[device])
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
                 if isinstance(error, torch._dynamo.exc.TorchDynamoException):

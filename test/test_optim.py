@@ -793,6 +793,24 @@ def test_params_without_grad_are_skipped():
     assert len(opt.state) == 3
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_param_group_over_two_devices(compile):
+    """A group whose parameters lie on two devices (a model split over two GPUs, as HF's
+    device_map="auto" makes it, under one optimizer) steps each with its own device's numbers, as
+    torch.optim does: the hyper-parameter tensors were made once, on the first one's device. The
+    meta device stands in for the other accelerator (its 0-d tensors mix with the CPU's no more than
+    cuda:0's with cuda:1's)."""
+    elsewhere = nn.Parameter(torch.zeros(8, device="meta"))
+    here, alone = (nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(0))) for _ in range(2))
+    opts = [lowbit_optim.AdamW(params, lr=LR, fused=False, compile=compile) for params in ([elsewhere, here], [alone])]
+    for step in range(2):
+        grad = torch.randn(8, generator=torch.Generator().manual_seed(step))
+        elsewhere.grad, here.grad, alone.grad = torch.zeros(8, device="meta"), grad.clone(), grad.clone()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(here, alone)
+
+
 @all_formats
 def test_non_contiguous_params_update_in_place(info):
     """A transposed (non-contiguous) parameter steps exactly like its contiguous copy and keeps its
