@@ -42,7 +42,9 @@ def register(optimizer) -> tuple[int, Callable[[], tuple[int, tuple]]]:
     return key, option_places
 
 
-@torch.library.custom_op("lowbit_optim::step", mutates_args=("params",))
+# cudagraph_unsafe: a CUDA graph (torch.compile's mode="reduce-overhead") would replay the kernels the
+# step launched once, without its Python: step counts, lr and states read from the host frozen
+@torch.library.custom_op("lowbit_optim::step", mutates_args=("params",), tags=(torch.Tag.cudagraph_unsafe,))
 def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int], options: list[Tensor], places: int) -> None:
     _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions, traced=(_PLACES[places], options))
 

@@ -69,9 +69,16 @@ def test_cuda_steps_like_the_cpu(opt_info, info):
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
-def test_cuda_per_parameter_slices_step_like_the_cpu(fmt):
-    """foreach=False on the GPU: one graph call per parameter, and per slice of one above
-    COMPILED_CHUNK (1.1M elements: a slice of 1M and one of 51,424, ending in a partial block)."""
+def test_cuda_per_parameter_slices_step_like_the_cpu(fmt, monkeypatch):
+    """foreach=False on the GPU: one graph call per parameter, and per slice of one above the slice
+    size (made the CPU's COMPILED_CHUNK here, 1M, from the GPU's 8M: 1.1M elements, a slice of 1M
+    and one of 51,424, ending in a partial block)."""
+    import lowbit_optim.base as base
+
+    monkeypatch.setattr(base, "FOREACH_ELEMENTS", base.COMPILED_CHUNK)
+    sliced = []
+    pieces = base._pieces
+    monkeypatch.setattr(base, "_pieces", lambda call, limit: sliced.append(len(pieces(call, limit))) or pieces(call, limit))
     adamw = next(o for o in OPTIMIZERS if o.name == "AdamW")
     runs = []
     for device, kwargs in (("cuda", dict(foreach=False)), ("cpu", dict(compile=False, fused=False))):
@@ -83,4 +90,29 @@ def test_cuda_per_parameter_slices_step_like_the_cpu(fmt):
                 p.grad = torch.randn(p.shape, generator=g).to(device)
             opt.step()
         runs.append((params, opt))
+        assert 2 in sliced, (device, sliced)  # the 1.1M-element parameter went in two slices
+        sliced.clear()
     assert_agree_but_for_flipped_codes(runs, adamw, format_info(fmt))
+
+
+def test_cuda_step_inside_a_cuda_graph_compile():
+    """torch.compile(mode="reduce-overhead") around opt.step(): a CUDA graph would replay the
+    kernels of one step without its Python (step counts and lr frozen); the step op is tagged
+    cudagraph_unsafe, so each step is the eager one's, bit for bit."""
+    from test_drop_in import assert_same_training
+    from test_optim import make_mlp
+
+    import lowbit_optim
+
+    models = [make_mlp().cuda() for _ in range(2)]
+    opts = [lowbit_optim.AdamW(m.parameters(), lr=1e-3, state_format="8bit") for m in models]
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0)).cuda()
+    compiled_step = torch.compile(opts[1].step, mode="reduce-overhead")
+    for step in range(4):
+        for model, step_fn in ((models[0], opts[0].step), (models[1], compiled_step)):
+            model(x).square().mean().backward()
+            step_fn()
+            model.zero_grad()
+        for opt in opts:
+            opt.param_groups[0]["lr"] = 1e-3 / (step + 2)
+    assert_same_training(models[0], opts[0], models[1], opts[1])

@@ -264,6 +264,8 @@ def test_step_inside_torch_compile(fused):
     opaque op in the user's graph (step_op.py), with no graph break and no warning, and the same
     bits as calling opt.step() eagerly. Changing lr does not recompile."""
     check_step_inside_torch_compile(lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="8bit", fused=fused), LR)
+    # a CUDA graph (mode="reduce-overhead") must not capture it: its replays would skip the step's Python
+    assert torch.Tag.cudagraph_unsafe in torch.ops.lowbit_optim.step.default.tags
 
 
 def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
