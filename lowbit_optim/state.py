@@ -246,7 +246,9 @@ class StateTensor(Tensor):
 
     @classmethod
     def kernel_layout(cls, signed: bool) -> KernelLayout | None:
-        """What the fused CPU kernel needs to step this format, or None: only the compiled step can."""
+        """What the fused CPU kernel needs to step this format, or None: only the compiled step can.
+        It vouches for the inner tensors as this class stores them: a subclass that stores them in
+        other dtypes takes the compiled step (kernel_op.format_kind)."""
         return None
 
     # A state whose values are its codes plus a part kept apart (LowRankState: a low-rank part that

@@ -547,6 +547,16 @@ class _E5M2(OptimStateFp8):  # unregistered (no name): a format whose encoding t
     scale_max = torch.finfo(torch.float8_e5m2).max
 
 
+class _HalfScales(lowbit_optim.OptimState8bit):  # unregistered: 8bit's codes under float16 block scales
+    name = None
+    inner_dtypes = (torch.uint8, torch.float16)
+
+    @classmethod
+    def _zero_blocks(cls, numel, signed, block_size, device):
+        codes, scale, block_size = super()._zero_blocks(numel, signed, block_size, device)
+        return codes, scale.half(), block_size
+
+
 class TestRefusals(expecttest.TestCase):
     def reason(self, param=None, grad=None, states=None, param_update="nearest") -> str | None:
         param = torch.zeros(8) if param is None else param
@@ -589,6 +599,16 @@ class TestRefusals(expecttest.TestCase):
 
         self.assertExpectedInline(
             self.reason(states={"exp_avg": PowerOfTwoScales.zeros(256)}), """the exp_avg state PowerOfTwoScales (a format with its own encoding or block scales)"""
+        )
+
+    def test_inner_tensors_stored_otherwise_take_the_compiled_step(self):
+        """A subclass that keeps its format's codecs but stores an inner tensor in another dtype
+        (float16 scales) is not the kernel's: it read and wrote them as float32, past their end (the
+        process aborted). The class that declares the kernel layout vouches for its inner tensors."""
+        self.assertIsNone(kernel_op.format_kind(_HalfScales, True))
+        self.assertEqual(kernel_op.format_kind(lowbit_optim.OptimState8bit, True), "codebook")
+        self.assertExpectedInline(
+            self.reason(states={"exp_avg": _HalfScales.zeros(256)}), """the exp_avg state _HalfScales (a format with its own encoding or block scales)"""
         )
 
     def test_fused_true_names_the_parameter_and_the_way_out(self):
