@@ -11,6 +11,7 @@ the library, naming the field. A Python mistake in a field's name raises instead
 import ctypes
 import functools
 import struct
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -212,12 +213,17 @@ def _declare_functions(lib: ctypes.CDLL, structs: dict[str, type]) -> None:
         function.argtypes, function.restype = argtypes, restype
 
 
+_BUILDING = threading.Lock()  # threads stepping their first steps at once: one build, none loads it half-written
+
+
 @functools.cache
 def load() -> tuple[Kernel | None, str | None]:
     """(the kernel, None), or (None, why it is unavailable). Built on first use; a failed build warns
     once (steps then take the compiled step)."""
     try:
-        kernel = Kernel(ctypes.CDLL(str(kernel_build.build())))
+        with _BUILDING:
+            library = kernel_build.build()
+        kernel = Kernel(ctypes.CDLL(str(library)))
     except kernel_build.NoCompiler as error:
         return None, str(error)
     except OSError as error:  # a failed build, an unloadable library, a LayoutMismatch

@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import threading
 
 from . import affine_codes, precision, quant, stochastic_bf16
 
@@ -139,7 +140,7 @@ def build() -> pathlib.Path:
     path = library_path(cc)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # its own, in any process or thread
         argv = command(cc, MAIN_SOURCE, partial)
         result = subprocess.run(argv, capture_output=True, text=True, check=False)
         if result.returncode != 0:

@@ -662,6 +662,33 @@ def test_without_a_compiler(monkeypatch):
         kernel_abi.load.cache_clear()
 
 
+def test_threads_that_first_need_the_kernel_at_once_build_it_once(monkeypatch, tmp_path):
+    """Threads whose first steps come at once: every one gets the kernel, built once (each had
+    compiled into the same partial file and some loaded it half-written, or failed renaming it, and
+    the failure stayed for the whole process)."""
+    import threading
+
+    monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)
+    builds, run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda argv, *a, **k: (builds.append(argv) if str(kernel_build.MAIN_SOURCE) in argv else None) or run(argv, *a, **k))
+    kernel_abi.load.cache_clear()
+    barrier, loaded = threading.Barrier(4), []
+
+    def first_use():
+        barrier.wait()
+        loaded.append(kernel_abi.load())
+
+    try:
+        threads = [threading.Thread(target=first_use) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [why for _, why in loaded] == [None] * 4 and len(builds) == 1
+    finally:
+        kernel_abi.load.cache_clear()
+
+
 def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     """A compiler that cannot build the kernel: a warning with the compiler's message, then the
     compiled step (fused=None), or an error naming the failure (fused=True)."""
