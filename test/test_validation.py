@@ -565,6 +565,23 @@ def test_the_compiled_step_names_a_state_edited_after_its_checks(case):
         opt.step()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "compiled"])
+@pytest.mark.parametrize("name, value", [("step", 5), ("exp_avg", 0.0), ("param_correction", None)])
+def test_a_state_set_to_what_is_no_tensor_is_named(name, value, fused):
+    """A state set by hand to a number or None: the kernel raised an AttributeError deep inside (or,
+    for an int8-correction of None, stepped without it) and the compiled step a dynamo error. Both
+    now name the state, before anything is stepped."""
+    param = torch.nn.Parameter(torch.randn(70, 64, dtype=torch.bfloat16))
+    opt = lowbit_optim.AdamW([param], state_format="8bit", param_update="int8-correction", fused=fused)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    opt.state[param][name] = value
+    before = param.detach().clone()
+    with pytest.raises(TypeError, match=rf"the {name!r} state of a parameter of shape \(70, 64\) is {value!r}, not a tensor: .*del opt.state\[p\]"):
+        opt.step()
+    assert torch.equal(param, before)
+
+
 def test_check_layout_accepts_what_the_library_makes():
     """Views, row slices and flattened states keep valid layouts (the checks are no stricter than
     the states the package itself builds)."""
