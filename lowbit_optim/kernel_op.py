@@ -108,7 +108,7 @@ def format_kind(cls, signed: bool) -> str | None:
         return None
     # the C reads the inner tensors as the class that declares the layout stores them: a subclass that
     # stores them otherwise (float16 scales) is the compiled step's (the kernel would read past their ends)
-    owner = next(k for k in cls.__mro__ if "kernel_layout" in vars(k))
+    owner = next(k for k in cls.__mro__ if "kernel_layout" in vars(k) and issubclass(k, StateTensor))  # (not a mixin)
     if (cls.inner_names, cls.inner_dtypes) != (owner.inner_names, owner.inner_dtypes):
         return None
     return declared.kind if declared.kind in kernel().kinds else None
