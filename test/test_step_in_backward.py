@@ -547,51 +547,33 @@ def test_freed_optimizer_leaves_inert_hooks():
     assert all(p.grad is not None for p in model.parameters())  # nothing stepped, nothing freed
 
 
-def test_a_backward_that_raises_leaves_no_stale_clipping():
-    """A backward that raises midway never ends its norm count; the next backward starts afresh."""
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
 
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
 
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("boom")
 
+@pytest.mark.parametrize("failed", ["counting the next one's first parameter", "counting a branch the next one skips"])
+def test_a_backward_that_raises_leaves_no_stale_clipping(failed):
+    """A backward that raises midway never ends its norm count; the next backward starts afresh,
+    also where the failed one counted only a branch the next one does not take (whose norms were
+    added in: the next backward's first parameter was not among them)."""
     models, opts = _clipped_pair(0.05)
     model, opt = models[1], opts[1]
     x, _ = regression_data(model[-1].out_features)
+    if failed == "counting the next one's first parameter":  # the last layer steps first
+        loss = (model[2](_FailsInBackward.apply(model[1](model[0](x)))) ** 2).mean()
+    else:  # the branch's hooks run, then the failure
+        branch = nn.Linear(model[-1].out_features, model[-1].out_features)
+        opt.add_param_group({"params": list(branch.parameters())})
+        loss = branch(_FailsInBackward.apply(model(x))).square().mean()
     with pytest.raises(RuntimeError, match="boom"):
-        (model[2](Fails.apply(model[1](model[0](x)))) ** 2).mean().backward()  # the last layer steps first
+        loss.backward()
     assert opt.last_grad_norm is None
-    reference = copy.deepcopy(model)  # hooks are not copied: its backward only computes gradients
-    _loss(model, 0).backward()
-    _loss(reference, 0).backward()
-    torch.testing.assert_close(opt.last_grad_norm, torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
-
-
-def test_a_backward_that_raises_after_another_branch_leaves_no_stale_clipping():
-    """A backward that raises after the hooks of a branch ran, then one that does not take the branch:
-    its count, and last_grad_norm, hold its own gradients only (the branch's norms, counted by the
-    backward that raised, were added in where the next backward's first parameter was another)."""
-
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("boom")
-
-    models, opts = _clipped_pair(0.05)
-    model, opt = models[1], opts[1]
-    branch = nn.Linear(model[-1].out_features, model[-1].out_features)
-    opt.add_param_group({"params": list(branch.parameters())})
-    x, _ = regression_data(model[-1].out_features)
-    with pytest.raises(RuntimeError, match="boom"):  # the branch's hooks run, then the failure
-        branch(Fails.apply(model(x))).square().mean().backward()
     reference = copy.deepcopy(model)  # hooks are not copied: its backward only computes gradients
     _loss(model, 0).backward()
     _loss(reference, 0).backward()
