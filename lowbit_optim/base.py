@@ -165,6 +165,10 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
 # copies of what it steps, ~20 bytes per element) then stays near 20 MiB, never a whole parameter's
 # (on an accelerator the slices are FOREACH_ELEMENTS long: there each call costs its host time)
 COMPILED_CHUNK = 1 << 20
+# The fused kernel steps non-contiguous parameters (channels_last) through contiguous copies kept by
+# the optimizer, up to this many elements at a time (or one larger parameter): 16 MiB of fp32 for
+# the parameters' and as much for their gradients
+SCRATCH_ELEMENTS = 1 << 22
 
 
 def _pieces(call: tuple, limit: int) -> list[tuple]:
@@ -795,21 +799,47 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise
         if fused:
             self._fused_step(fused, group, corrections)
-        for (param, grad, *rest), correction in strided:
-            # copies into buffers the optimizer keeps: fresh ones each step page-faulted 4-6x the kernel's time
-            contiguous = [t if t.is_contiguous() else self._scratch(i, t).copy_(t) for i, t in enumerate((param, grad))]
-            self._fused_step([(*contiguous, *rest)], group, [correction])
-            if contiguous[0] is not param:
-                param.copy_(contiguous[0])
+        # the strided ones in runs of at most SCRATCH_ELEMENTS elements (or one larger parameter), each
+        # run in one call through buffers the optimizer keeps: fresh copies each step page-faulted
+        # 4-6x the kernel's time, and a call per parameter cost many small ones 60 %
+        run, elements = [], 0
+        for entry in [*strided, None]:
+            size = entry[0][0].numel() if entry else 0
+            if run and (entry is None or elements + size > SCRATCH_ELEMENTS):
+                self._step_through_scratch(group, run)
+                run, elements = [], 0
+            if entry:
+                run.append(entry)
+                elements += size
 
-    def _scratch(self, slot: int, like: Tensor) -> Tensor:
-        """A contiguous tensor of ``like``'s shape and dtype: the optimizer's buffer ``slot`` (0: a
-        parameter, 1: its gradient), kept from step to step at the largest size asked (not pickled)."""
-        buffers = self.__dict__.setdefault("_scratch_buffers", {})
-        buffer = buffers.get((slot, like.dtype))
-        if buffer is None or buffer.numel() < like.numel():
-            buffer = buffers[(slot, like.dtype)] = torch.empty(like.numel(), dtype=like.dtype)
-        return buffer[: like.numel()].view(like.shape)
+    def _step_through_scratch(self, group: dict, run: list[tuple]) -> None:
+        """The kernel's step of each ((param, grad, step, *states), correction) of ``run`` in one call,
+        its non-contiguous parameters and gradients copied into the optimizer's buffers, the
+        parameters copied back."""
+        sizes = {}  # (slot: 0 the parameters, 1 the gradients; dtype) -> elements
+        for item, _ in run:
+            for slot, t in enumerate(item[:2]):
+                if not t.is_contiguous():
+                    sizes[(slot, t.dtype)] = sizes.get((slot, t.dtype), 0) + t.numel()
+        buffers = self.__dict__.setdefault("_scratch_buffers", {})  # (not pickled)
+        for key, size in sizes.items():
+            if key not in buffers or buffers[key].numel() < size:
+                buffers[key] = torch.empty(size, dtype=key[1])
+        used = dict.fromkeys(sizes, 0)
+        items = []
+        for (param, grad, *rest), _ in run:
+            contiguous = []
+            for slot, t in enumerate((param, grad)):
+                if not t.is_contiguous():
+                    start = used[(slot, t.dtype)]
+                    used[(slot, t.dtype)] = start + t.numel()
+                    t = buffers[(slot, t.dtype)][start : start + t.numel()].view(t.shape).copy_(t)
+                contiguous.append(t)
+            items.append((*contiguous, *rest))
+        self._fused_step(items, group, [correction for _, correction in run])
+        for ((param, *_), _), (stepped, *_) in zip(run, items):
+            if stepped is not param:
+                param.copy_(stepped)
 
     def _step_inputs(self, p: Tensor, tensor: Tensor, group: dict, declared: set) -> tuple:
         """(state, step counter, param_update mode, name of its extra state, the local tensor to
