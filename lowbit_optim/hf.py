@@ -160,6 +160,15 @@ def _shards_with_fsdp(args) -> bool:
     return bool(getattr(args, "fsdp", False)) or sharded > 1 or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
 
 
+def _fsdp_version(args) -> str:
+    """The FSDP version Trainer would shard with: its fsdp_config's (transformers' default 2) where
+    TrainingArguments name FSDP, else that of accelerate's plugin, made from the environment of
+    ``accelerate launch --use_fsdp`` (whose default is 1)."""
+    if not getattr(args, "fsdp", None) and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+        return os.environ.get("FSDP_VERSION", "1")
+    return str((getattr(args, "fsdp_config", None) or {}).get("version", 2))
+
+
 def _check_step_in_backward(args) -> None:
     if args is None:
         raise ValueError(
@@ -173,8 +182,7 @@ def _check_step_in_backward(args) -> None:
             f"{args.gradient_accumulation_steps} backward passes per step: set gradient_accumulation_steps=1 (use a "
             "larger per-device batch), or step after backward"
         )
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if _shards_with_fsdp(args) and str(fsdp_config.get("version", 2)) == "1":  # (transformers' default: 2)
+    if _shards_with_fsdp(args) and _fsdp_version(args) == "1":
         raise ValueError(
             "step_in_backward=True is made for FSDP2 (fully_shard), whose sharded parameters' hooks run after their "
             "gradients are reduced; FSDP version 1 accumulates gradients into flat parameters: set "
