@@ -103,7 +103,7 @@ def test_helper_takes_training_arguments(tmp_path):
     assert {(g["lr"], g["weight_decay"]) for g in trainer.create_optimizer().param_groups} == {(1e-4, 0.0)}
 
 
-def test_helper_refuses_step_in_backward_where_trainer_uses_gradients(monkeypatch):
+def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
     """Trainer accumulates and clips gradients after backward; the step in backward has used them."""
     from types import SimpleNamespace
 
@@ -129,16 +129,13 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients(monkeypatc
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"FSDP version 1 accumulates gradients into flat parameters: set fsdp_config=\{'version': 2\}"):
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "fsdp": True, "fsdp_config": {"version": 1}}), step_in_backward=True)
-    with monkeypatch.context() as launched:  # accelerate launch --use_fsdp, whose plugin's version defaults to 1
+    with pytest.MonkeyPatch.context() as launched:  # accelerate launch --use_fsdp, whose plugin's version defaults to 1
         launched.setenv("ACCELERATE_USE_FSDP", "true")
         with pytest.raises(ValueError, match="FSDP version 1"):
             optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
         launched.setenv("FSDP_VERSION", "2")
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "parallelism_config": SimpleNamespace(dp_shard_size=2)}), step_in_backward=True)
-    with pytest.MonkeyPatch.context() as env:  # accelerate launch --use_fsdp
-        env.setenv("ACCELERATE_USE_FSDP", "true")
-        optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"max_grad_norm here clips in backward, for step_in_backward=True; .* TrainingArguments\(max_grad_norm"):
         optimizer_cls_and_kwargs(model, args, max_grad_norm=1.0)
     # a setting changed after the helper (a hyperparameter search's trial) is refused when Trainer builds it
