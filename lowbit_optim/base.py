@@ -851,12 +851,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         state = self.state[p] if has_states or p in self.state else {}
         if has_states and not state or extra and extra not in state or not declared <= state.keys():
             self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
-        if not all(isinstance(value, Tensor) for value in state.values()):  # set by hand: the kernel or a trace would fail deep inside
-            name = next(name for name, value in state.items() if not isinstance(value, Tensor))
-            raise TypeError(
-                f"the {name!r} state of a parameter of shape {tuple(p.shape)} is {repr(state[name])[:60]}, not a tensor: "
-                f"delete the parameter's states (del opt.state[p]) to start them afresh, or load a checkpoint with load_state_dict"
-            )
+        for name, value in state.items():  # (a loop: all() of a generator cost 0.2 us a parameter)
+            if not isinstance(value, Tensor):  # set by hand: the kernel or a trace would fail deep inside
+                raise TypeError(
+                    f"the {name!r} state of a parameter of shape {tuple(p.shape)} is {repr(value)[:60]}, not a tensor: "
+                    f"delete the parameter's states (del opt.state[p]) to start them afresh, or load a checkpoint with load_state_dict"
+                )
         # counted where a state is (a buffer kept from before momentum was set to 0 waits, uncounted)
         step = state.get("step") if has_states else None
         param = local(tensor.detach())  # the step runs on local shards: one compiled graph with or without FSDP2
