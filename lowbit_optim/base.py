@@ -803,14 +803,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # run in one call through buffers the optimizer keeps: fresh copies each step page-faulted
         # 4-6x the kernel's time, and a call per parameter cost many small ones 60 %
         run, elements = [], 0
-        for entry in [*strided, None]:
-            size = entry[0][0].numel() if entry else 0
-            if run and (entry is None or elements + size > SCRATCH_ELEMENTS):
+        for entry in strided:
+            size = entry[0][0].numel()
+            if run and elements + size > SCRATCH_ELEMENTS:
                 self._step_through_scratch(group, run)
                 run, elements = [], 0
-            if entry:
-                run.append(entry)
-                elements += size
+            run.append(entry)
+            elements += size
+        if run:
+            self._step_through_scratch(group, run)
 
     def _step_through_scratch(self, group: dict, run: list[tuple]) -> None:
         """The kernel's step of each ((param, grad, step, *states), correction) of ``run`` in one call,

@@ -37,12 +37,13 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
     (lr, decay, momentum, one_minus_momentum), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
     parts = MuonParts(optimizer._compile)
     place = {id(p): i for i, p in enumerate(group["params"])}
-    updates, in_kernel = [], []  # each matrix's rows' update in bf16; what the fused CPU kernel computes
+    rows_of, updates, in_kernel = [], [], []  # each matrix's rows and their update in bf16; what the fused CPU kernel computes
     for p, tensor, grad in items:
         state = optimizer.state[p]
         if not state:
             optimizer._init_state(p, group, state)
         rows, grad, buffer = local(tensor.detach()), local(grad), local(state["momentum_buffer"])
+        rows_of.append(rows)
         if not rows.numel():  # an empty shard (more ranks than rows) only counts the step
             state["step"].add_(1)
             updates.append(rows.new_zeros(rows.shape, dtype=torch.bfloat16))
@@ -54,7 +55,7 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
             updates.append(update.bfloat16())
     if in_kernel:
         fused_cpu.muon_momentum(in_kernel, group)
-    jobs = [_Job(p, local(tensor.detach()), update, place[id(p)]) for (p, tensor, _), update in zip(items, updates)]
+    jobs = [_Job(p, rows, update, place[id(p)]) for (p, _, _), rows, update in zip(items, rows_of, updates)]
     for job in jobs:
         job.gather()
     for job in jobs:
