@@ -157,14 +157,19 @@ def _shards_with_fsdp(args) -> bool:
     """Whether Trainer will shard the model with FSDP: named in TrainingArguments (fsdp=...,
     parallelism_config's dp_shard_size) or chosen through accelerate (``accelerate launch --use_fsdp``)."""
     sharded = getattr(getattr(args, "parallelism_config", None), "dp_shard_size", 1) or 1
-    return bool(getattr(args, "fsdp", False)) or sharded > 1 or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+    return bool(getattr(args, "fsdp", False)) or sharded > 1 or _launched_with_fsdp()
+
+
+def _launched_with_fsdp() -> bool:
+    """Whether ``accelerate launch --use_fsdp`` started this process (its environment says so)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
 
 
 def _fsdp_version(args) -> str:
     """The FSDP version Trainer would shard with: its fsdp_config's (transformers' default 2) where
     TrainingArguments name FSDP, else that of accelerate's plugin, made from the environment of
     ``accelerate launch --use_fsdp`` (whose default is 1)."""
-    if not getattr(args, "fsdp", None) and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+    if not getattr(args, "fsdp", None) and _launched_with_fsdp():
         return os.environ.get("FSDP_VERSION", "1")
     return str((getattr(args, "fsdp_config", None) or {}).get("version", 2))
 
