@@ -141,6 +141,10 @@ def _into(kind: str, a: Tensor, b: Tensor, out: Tensor | None = None, minuend: T
     op, shape = _op_name(kind, minuend is not None), _shape(kind, a, b)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
+    elif out.is_neg():  # the C writes its memory, which would hold the values negated
+        raise ValueError(f"{op}: out is a lazily negated view (torch's neg bit): pass out.resolve_neg()")
+    # the C reads memory, not values: a lazily negated input is negated first (the op's calls are by torch's dispatcher)
+    a, b, minuend = (t if t is None else t.resolve_neg() for t in (a, b, minuend))
     for name, t in (("out", out), ("the minuend", minuend)):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu"):
             raise ValueError(f"{op}: {name} is a {t.dtype} {tuple(t.shape)} tensor on {t.device}, not a contiguous float32 {shape} CPU matrix")

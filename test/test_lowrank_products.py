@@ -166,6 +166,21 @@ def test_into_a_buffer(kind):
     assert torch.equal(out, product(kind, a, b))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_lazily_negated_inputs_are_read_as_their_values(kind):
+    """A neg-bit view's memory holds its values negated: the C, which reads memory, gets them resolved
+    (through the op, torch's dispatcher resolves them; into a buffer, the library)."""
+    a, b = factors(kind, 5, 7, 3)
+    expected = product(kind, -a, b)
+    assert torch.equal(getattr(lowrank_products, kind)(a._neg_view(), b), expected)
+    assert torch.equal(getattr(lowrank_products, kind)(a._neg_view(), b, out=torch.empty_like(expected)), expected)
+    if kind == "outer":
+        values = torch.randn(expected.shape)
+        assert torch.equal(lowrank_products.residual((-values)._neg_view(), a, b._neg_view(), out=torch.empty_like(values)), values - expected)
+    with pytest.raises(ValueError, match=re.escape("out is a lazily negated view (torch's neg bit): pass out.resolve_neg()")):
+        getattr(lowrank_products, kind)(a, b, out=torch.empty_like(expected)._neg_view())
+
+
 def freed(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its storage resized to nothing in place (as FSDP frees memory): same shape, no bytes."""
     t.untyped_storage().resize_(0)
