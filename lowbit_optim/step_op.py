@@ -46,7 +46,11 @@ def register(optimizer) -> tuple[int, Callable[[], tuple[int, tuple]]]:
 # step launched once, without its Python: step counts, lr and states read from the host frozen
 @torch.library.custom_op("lowbit_optim::step", mutates_args=("params",), tags=(torch.Tag.cudagraph_unsafe,))
 def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], positions: list[int], options: list[Tensor], places: int) -> None:
-    _OPTIMIZERS[optimizer_id]._step_params(params, grads, positions, traced=(_PLACES[places], options))
+    optimizer = _OPTIMIZERS.get(optimizer_id)
+    if optimizer is None or not 0 <= places < len(_PLACES):
+        # only a graph traced from a live optimizer's step() holds a valid pair
+        raise RuntimeError(f"lowbit_optim::step: optimizer key {optimizer_id} or option places {places} is no live optimizer's: the op is emitted by step() while torch.compile traces, not called directly")
+    optimizer._step_params(params, grads, positions, traced=(_PLACES[places], options))
 
 
 @_step.register_fake

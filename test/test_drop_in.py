@@ -596,6 +596,16 @@ def test_step_op_refuses_positions_that_are_no_parameters(positions):
         torch.ops.lowbit_optim.step(opt._step_op_key, tensors, [torch.ones(4) for _ in positions], positions, [], opt._option_places()[0])
 
 
+@pytest.mark.parametrize("key_shift, places_shift", [(10**9, 0), (0, 10**9), (0, -10**9)], ids=["key", "places", "negative places"])
+def test_step_op_refuses_keys_of_no_live_optimizer(key_shift, places_shift):
+    """A key or option-places index no graph of a live optimizer holds (a direct call) is refused by
+    name, not a raw KeyError or IndexError (or a negative index taken from the end)."""
+    param = nn.Parameter(torch.randn(4))
+    opt = lowbit_optim.AdamW([param])
+    with pytest.raises(RuntimeError, match="is no live optimizer's: the op is emitted by step"):
+        torch.ops.lowbit_optim.step(opt._step_op_key + key_shift, [param], [torch.ones(4)], [0], [], opt._option_places()[0] + places_shift)
+
+
 @pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
 def test_sgd_momentum_switched_off_and_on_again(fused):
     """A scheduler may take SGD's momentum to 0 and back (CyclicLR with base_momentum=0): as
