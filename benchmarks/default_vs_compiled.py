@@ -5,8 +5,8 @@ path never be slower than the compiled step on the machine it runs on.
 Each row builds the same parameters twice and steps one optimizer with fused=None (the default: the
 kernel, wherever it takes the format) and one with fused=False (torch.compile); after the warm-up
 steps it steps them in turn and keeps the fastest step of each. A format stored as another pairs as
-the tests pair it (``paired_state_format``: ``factored`` holds AdamW's second moment beside a 4bit
-first moment); a format the optimizer refuses (a signed state in a nonnegative-only format, an
+the tests pair it (``paired_state_format``: ``factored`` holds AdamW's and AdEMAMix's second moment
+beside 4bit first moments); a format the optimizer refuses (a signed state in a nonnegative-only format, an
 average too slow for a low-rank format) is listed as refused, with the reason's start.
 
     python benchmarks/default_vs_compiled.py --out-md benchmarks/results/default_vs_compiled_epyc.md
@@ -89,7 +89,7 @@ def main(argv=None) -> list[dict]:
                     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in its_shapes]
                     for p in params:
                         p.grad = torch.randn(p.shape, generator=g) * 1e-2
-                    steppers.append(makers[optimizer](params, state_format=paired_state_format(name), fused=fused))
+                    steppers.append(makers[optimizer](params, state_format=paired_state_format(name, optimizer=getattr(lowbit_optim, optimizer)), fused=fused))
             except (ValueError, TypeError) as error:
                 row["refused"] = str(error).split(";")[0][:100]
                 lines.append(f"| {optimizer} | {name} | refused: {row['refused']} | | |")

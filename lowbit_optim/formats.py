@@ -15,11 +15,18 @@ from .registry import get_format, register_format, registered_formats
 from .state import SCALED_AS_THE_KERNEL, CodebookState, KernelLayout, OptimState, StateTensor, check_block_size, computes_as, extend_fingerprint
 
 
-def paired_state_format(name: str, exp_avg: str = "4bit"):
-    """Format ``name`` as an optimizer's ``state_format``: the name itself, or for a format that
-    holds only nonnegative states (``factored``) ``{"exp_avg": exp_avg, "exp_avg_sq": name}``."""
-    fmt = get_format(name)
-    return name if fmt.holds_signed else {"exp_avg": exp_avg, "exp_avg_sq": name}
+def paired_state_format(name: str, exp_avg: str = "4bit", optimizer: type | None = None):
+    """Format ``name`` as the ``state_format`` of ``optimizer`` (a class; None: Adam's states): the
+    name itself, or for a format that holds only nonnegative states (``factored``) a per-state dict,
+    ``name`` for the nonnegative states and ``exp_avg`` for the signed ones (Adam's
+    ``{"exp_avg": exp_avg, "exp_avg_sq": name}``). Where all of the optimizer's states are signed
+    (SGD, Lion, Muon), the name itself, which the optimizer refuses with its reason."""
+    if get_format(name).holds_signed:
+        return name
+    if optimizer is None:
+        return {"exp_avg": exp_avg, "exp_avg_sq": name}
+    keys = [s for s in optimizer.states if s.follows is None]  # the keys a per-state dict names
+    return {s.name: exp_avg if s.signed else name for s in keys} if not all(s.signed for s in keys) else name
 
 
 def paired_label(name: str) -> str:
