@@ -24,7 +24,7 @@ import operator
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -488,8 +488,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_new_group(self, group: dict, block_size_given: bool) -> None:
         """Validates and normalizes the group add_param_group has just added (the last one)."""
         for key, value in group.items():  # NumPy scalars as Python numbers: the step's float64 arithmetic (1 - beta) then holds
-            if key != "params":
-                group[key] = _plain_numbers(value)
+            if key != "params":  # (a key of the user's keeps its type, as in torch.optim)
+                group[key] = _plain_numbers(_as_tuple(value) if key in self.defaults else value)
         for state in self.states:
             if state.when is not None and state.when not in group:
                 raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
@@ -559,7 +559,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _format_names(self, spec):
         """A format spec as registry names: one name, or {state name: name} for every format key."""
-        if not isinstance(spec, dict):
+        if not isinstance(spec, Mapping):  # (a config's mapping, OmegaConf's DictConfig, reads as a dict)
             return formats.get_format(spec).name
         keys = self._format_keys()
         if set(spec) != set(keys):
@@ -1338,6 +1338,19 @@ def _plain_number(value):
     return value.item() if numpy_number or numpy_bool else value
 
 
+def _as_tuple(value):
+    """An option's sequence of another type than a tuple or list (OmegaConf's ListConfig, which
+    Hydra's instantiate passes; a 1-D NumPy array; a tensor of several numbers, as one-element
+    tensors) as a tuple, which torch.optim's indexing reads alike; anything else as it is."""
+    if isinstance(value, Tensor):  # (a one-element tensor is a number: a tensor lr)
+        return tuple(value) if value.dim() == 1 and value.numel() > 1 else value
+    if isinstance(value, (str, bytes, tuple, list)):
+        return value
+    if isinstance(value, Sequence) or (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1):
+        return tuple(value)
+    return value
+
+
 def _plain_numbers(value):
     """``value`` through _plain_number, or a tuple's or list's items: rebuilt as its type (a
     namedtuple with _make) where one of them changes, else the same object."""
@@ -1472,7 +1485,8 @@ def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> Non
     their bias corrections."""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(example):
         names = ", ".join(f"beta{i + 1}" for i in range(len(example)))
-        raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}")
+        given = f"{len(betas)} given" if isinstance(betas, (tuple, list)) else f"{describe_tensor(betas)} given (pass a tuple)"
+        raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}; {given}")
     values = [_real_value(b) for b in betas]
     if None in values:
         raise ValueError(f"invalid betas {betas!r}: each beta must be a number (or a one-element tensor)")

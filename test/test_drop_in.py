@@ -7,10 +7,13 @@ shares the default AdamW graphs of the rest of the suite.
 """
 
 import collections
+import collections.abc
 import copy
 import functools
 import io
+import operator
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -655,6 +658,75 @@ def test_numpy_and_tensor_hyper_parameters():
     opt = lowbit_optim.AdamW(model.parameters(), lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.999)), state_format="8bit")
     losses = train(model, opt, 3)
     assert losses[-1] < losses[0]
+
+
+class ConfigList(collections.abc.Sequence):
+    """A sequence that is no tuple or list, as OmegaConf's ListConfig (what Hydra's instantiate passes)."""
+
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __len__(self):
+        return len(self._items)
+
+
+class ConfigDict(collections.abc.Mapping):
+    """A mapping that is no dict, as OmegaConf's DictConfig."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+@pytest.mark.parametrize("sequence", [ConfigList, np.array, torch.tensor], ids=["config list", "numpy array", "tensor"])
+def test_options_from_a_config_train_as_tuples_and_dicts(sequence):
+    """betas, ns_coefficients and a per-state state_format as a config file's containers (a sequence
+    that is no tuple or list, a 1-D NumPy array, a mapping that is no dict) are read as torch.optim
+    reads them: the group holds them as a tuple and a dict of names, and trains as with those."""
+    cases = [
+        (lowbit_optim.AdamW, dict(betas=(0.9, 0.95), state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"})),
+        (lowbit_optim.AdEMAMix, dict(betas=(0.9, 0.95, 0.999))),
+        (lowbit_optim.Muon, dict(ns_coefficients=(3.4445, -4.775, 2.0315), weight_decay=0.0)),
+    ]
+    for cls, options in cases[:2] if sequence is torch.tensor else cases:  # (Muon's coefficients are Python numbers)
+        runs = []
+        for config in (False, True):
+            model = make_mlp(bias=False)
+            if sequence is torch.tensor:  # a tensor's betas are fp32, as one-element tensors: the reference's too
+                options = {k: tuple(torch.tensor(v)) if isinstance(v, tuple) else v for k, v in options.items()}
+            given = {k: (ConfigDict(v) if isinstance(v, dict) else sequence(v) if isinstance(v, tuple) else v) if config else v for k, v in options.items()}
+            opt = cls(model.parameters(), **given, compile=False)
+            group = opt.param_groups[0]
+            assert all(type(group[k]) is type(v) and all(map(operator.eq, group[k], v)) if isinstance(v, tuple) else group[k] == v for k, v in options.items())
+            train(model, opt, 2)
+            runs.append((model, opt))
+        assert_same_training(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: lowbit_optim.AdamW(p, betas=torch.tensor([[0.9, 0.999]])), "Adam takes two, (beta1, beta2), e.g. (0.9, 0.999); a torch.float32 tensor of shape (1, 2) on cpu given (pass a tuple)"),
+        (lambda p: lowbit_optim.Lion(p, betas=(0.9, 0.99, 0.999)), "Lion takes two, (beta1, beta2), e.g. (0.9, 0.99); 3 given"),
+        (lambda p: lowbit_optim.Muon(p, ns_coefficients=(3.4445, -4.775)), "Muon takes three numbers (a, b, c), e.g. (3.4445, -4.775, 2.0315); 2 given"),
+        (lambda p: lowbit_optim.Muon(p, ns_coefficients=("3.4", -4.775, 2.0)), "Muon takes three numbers (a, b, c), e.g. (3.4445, -4.775, 2.0315); each a Python number"),
+    ],
+    ids=["tensor betas", "three betas for two", "two coefficients", "a string coefficient"],
+)
+def test_a_wrong_sequence_option_says_what_was_given(make, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make([nn.Parameter(torch.randn(4, 4))])
 
 
 def test_namedtuple_group_values():

@@ -1155,7 +1155,7 @@ betas edited past a format's slowest average: StateFormatError: param group 0, a
 block_size=100: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 100
 block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
-betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999)
+betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999); 1 given
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 a parameter made float64 through .data: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 fused=True, an fp16 parameter: RuntimeError: fused=True, but the fused CPU kernel cannot step a parameter of shape (8,): parameter dtype torch.float16 (it takes float32 and bfloat16). Pass fused=None to step such parameters with the compiled step.

@@ -674,10 +674,10 @@ SGD(nesterov=True): ValueError: nesterov=True needs momentum > 0 and dampening=0
 SGD(momentum=-1): ValueError: invalid momentum -1: momentum must be >= 0
 SGD(state_format="factored"): ValueError: the 'factored' state format holds nonnegative states only, and SGD's momentum_buffer can be negative: pick another format
 Lion(state_format={"exp_avg_sq": "8bit"}): ValueError: a per-state state_format for Lion needs exactly the keys ['exp_avg'], got ['exp_avg_sq']
-Lion(betas=(0.9, 0.99, 0.999)): ValueError: invalid betas (0.9, 0.99, 0.999): Lion takes two, (beta1, beta2), e.g. (0.9, 0.99)
+Lion(betas=(0.9, 0.99, 0.999)): ValueError: invalid betas (0.9, 0.99, 0.999): Lion takes two, (beta1, beta2), e.g. (0.9, 0.99); 3 given
 Lion(lr=-1): ValueError: invalid learning rate -1: lr must be a number >= 0
 AdEMAMix(state_format="factored"): StateFormatError: the 'factored' state format holds nonnegative states only: use it for exp_avg_sq, e.g. state_format={'exp_avg': '4bit', 'exp_avg_slow': '4bit', 'exp_avg_sq': 'factored'}
-AdEMAMix(betas=(0.9, 0.999)): ValueError: invalid betas (0.9, 0.999): AdEMAMix takes three, (beta1, beta2, beta3), e.g. (0.9, 0.999, 0.9999)
+AdEMAMix(betas=(0.9, 0.999)): ValueError: invalid betas (0.9, 0.999): AdEMAMix takes three, (beta1, beta2, beta3), e.g. (0.9, 0.999, 0.9999); 2 given
 AdEMAMix(t_alpha=0): ValueError: invalid t_alpha 0: pass None (no warm-up) or a number of steps > 0
 AdEMAMix(alpha=-1): ValueError: invalid alpha -1: alpha must be >= 0
 AdEMAMix(betas=(0, 0.999, 0.9999), t_beta3=10): ValueError: t_beta3 warms beta3 up from beta1 in log space: beta1 and beta3 must be > 0, got betas (0, 0.999, 0.9999)
