@@ -4,6 +4,8 @@ bitsandbytes' (AdamW8bit, Adam8bit, SGD8bit, Lion8bit, AdEMAMix8bit). Arguments 
 lowbit_optim does not do are accepted at their neutral value and refused, with the reason, otherwise.
 """
 
+import warnings
+
 import torch
 
 from . import formats
@@ -45,7 +47,7 @@ class AnyPrecisionAdamW(AdamW):
     def add_param_group(self, param_group: dict) -> None:
         given = {k: param_group[k] for k in _TORCHDISTX_OPTIONS if k in param_group}
         if given:
-            ours = sorted({"state_format", "param_update", "compensation_format"} & param_group.keys())
+            ours = sorted(set(_TORCHDISTX_KEYS_OURS) & param_group.keys())
             if ours:
                 raise ValueError(f"a param group sets {sorted(given)} and {ours}, which they become: set one or the other")
             d = self.defaults  # the constructor's options, for those the group leaves out
@@ -54,8 +56,41 @@ class AnyPrecisionAdamW(AdamW):
             param_group = {k: v for k, v in param_group.items() if k not in given} | _torchdistx_options(**(built | given))
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A checkpoint of this optimizer or of torchdistx's. As for any checkpoint, its states
+        convert to this optimizer's settings (a Kahan buffer it does not use is dropped); torchdistx's
+        group keys are not kept (they would contradict them), and a warning names a group whose
+        keys chose other settings."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(groups, list):
+            for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
+                given = {k: saved[k] for k in _TORCHDISTX_OPTIONS if k in saved} if isinstance(saved, dict) else {}
+                ours = {k: group[k] for k in _TORCHDISTX_KEYS_OURS}
+                if len(given) == len(_TORCHDISTX_OPTIONS) and not _same_settings(given, ours):
+                    warnings.warn(
+                        f"param group {i} of this torchdistx checkpoint has {given}, and this optimizer's {ours}: its "
+                        "states load converted to the latter (build the optimizer with the checkpoint's options to resume as it ran)",
+                        stacklevel=2,
+                    )
+            groups = [{k: v for k, v in g.items() if k not in _TORCHDISTX_OPTIONS} if isinstance(g, dict) else g for g in groups]
+            state_dict = {**state_dict, "param_groups": groups}
+        super().load_state_dict(state_dict)
+
 
 _TORCHDISTX_OPTIONS = ("use_kahan_summation", "momentum_dtype", "variance_dtype", "compensation_buffer_dtype")
+_TORCHDISTX_KEYS_OURS = ("state_format", "param_update", "compensation_format")  # what they become
+
+
+def _same_settings(given: dict, ours: dict) -> bool:
+    """Whether torchdistx's options ``given`` choose our settings ``ours`` (the compensation's only
+    with Kahan summation, as torchdistx ignores it otherwise)."""
+    try:
+        theirs = _torchdistx_options(**given)
+    except ValueError:  # a dtype that maps to no format of ours
+        return False
+    if theirs["param_update"] == ours["param_update"] == "nearest":
+        theirs["compensation_format"] = ours["compensation_format"]
+    return theirs == ours
 
 
 def _torchdistx_options(use_kahan_summation, momentum_dtype, variance_dtype, compensation_buffer_dtype) -> dict:

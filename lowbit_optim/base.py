@@ -1590,10 +1590,12 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
         return
     if torchao:
         saved_signed = getattr(local(value), "signed", None)  # (torchao's fp8 keeps none)
+        if saved_signed is not None and type(saved_signed) is not bool:
+            raise ValueError(f"{where} is corrupt: its signed is {saved_signed!r}, not True or False")
         if type(saved_signed) is bool and saved_signed != signed:
             raise ValueError(f"{where} is corrupt: {signedness_mismatch(saved_signed)}")
     if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign
-        values, held = local(value).scale, "scale"
+        values, held = foreign.torchao_parts(local(value), where)[1], "scale"
         if bool((values < 0).any()):
             raise ValueError(f"{where} is corrupt: its scale holds a negative value ({float(values.min())}), where it holds block maxima")
         if not signed:  # as it decodes (its table may hold negative values, its fp8 codes sign bits)

@@ -8,13 +8,14 @@ before use.
 """
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
 
 from . import quant
 from .registry import get_format
-from .state import check_block_size
+from .state import check_block_size, describe_tensor, not_plain
 
 # torchao class name -> (our format holding the same numbers, bits per code)
 _TORCHAO = {"OptimState8bit": ("8bit", 8), "OptimState4bit": ("4bit-torchao", 4), "OptimStateFp8": ("fp8", 8)}
@@ -35,8 +36,8 @@ def from_foreign(state: Tensor, signed: bool) -> Tensor:
         return state
     name, bits = _TORCHAO[cls.__name__]
     fmt, fp8 = get_format(name), name == "fp8"
-    codes, scale, signed = state.codes, state.scale, getattr(state, "signed", signed)
     what = f"torchao {cls.__name__} of shape {tuple(state.shape)} in this checkpoint"
+    (codes, scale, table), signed = torchao_parts(state, what), getattr(state, "signed", signed)
     if fp8 and not (codes.dtype.is_floating_point and codes.dtype.itemsize == 1):
         raise ValueError(f"{what} has codes of dtype {codes.dtype}, not a float8 dtype")
     if not fp8 and codes.dtype != torch.uint8:
@@ -55,7 +56,6 @@ def from_foreign(state: Tensor, signed: bool) -> Tensor:
     if fp8:
         exact = codes.dtype == fmt.fp8_dtype
     else:
-        table = state.qmap
         if table.dtype != torch.float32 or table.shape != (2**bits,):
             raise ValueError(f"{what} has a code table of dtype {table.dtype} and shape {tuple(table.shape)}, not {2**bits} float32 values")
         if not bool(table.isfinite().all()):  # each of its codes would decode to NaN or inf
@@ -71,6 +71,28 @@ def from_foreign(state: Tensor, signed: bool) -> Tensor:
     else:
         values = quant.decode_codebook(quant.unpack_nibbles(codes) if bits == 4 else codes, table)
     return (values.view(blocks, block_size) * scale[:, None]).view(state.shape)
+
+
+def torchao_parts(state: Tensor, what: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A torchao state's codes, block scales and code table (None for fp8), each a plain dense
+    tensor that holds values (as the reads of them take them), or a ValueError naming ``what``: a
+    file may hold anything."""
+    names = ("codes", "scale") if _TORCHAO[type(state).__name__][0] == "fp8" else ("codes", "scale", "qmap")
+    parts = [getattr(state, name, None) for name in names]
+    for name, part in zip(names, parts):
+        problem = _plain_tensor_problem(part)
+        if problem:
+            raise ValueError(f"{what} is corrupt: its {name} is {problem}")
+    return (*parts, None) if len(parts) == 2 else tuple(parts)
+
+
+def _plain_tensor_problem(t) -> str | None:
+    """Why ``t``, read from a file, is no plain dense tensor that holds values (None: it is one)."""
+    if not isinstance(t, Tensor):
+        return "missing" if t is None else f"{describe_tensor(t)}, not a tensor"
+    if t.device.type == "meta":
+        return "on the meta device, where it holds no values"
+    return not_plain(t)
 
 
 def _valid_block_size(block_size: int, bits: int) -> bool:
@@ -141,9 +163,10 @@ def from_bitsandbytes(state_dict: dict, optimizer) -> dict:
       codes and scales (an 8bit optimizer keeps them: bit-exact); any other table, the values its
       codes stand for. 32-bit states are taken as they are.
     - Hyper-parameters bitsandbytes records (lr, betas, eps, weight_decay, AdEMAMix's alpha,
-      t_alpha, t_beta3; SGD's momentum and dampening, which it stores as betas) come from the
-      checkpoint, as torch.optim's do, and so does what its Adam does without recording it:
-      decoupled weight decay (Adam's ``decoupled_weight_decay=True``); everything else (state
+      t_alpha, t_beta3; SGD's momentum, which it stores as betas) come from the checkpoint, as
+      torch.optim's do, and so does what its Adam does without recording it: decoupled weight
+      decay (Adam's ``decoupled_weight_decay=True``), and its SGD: no dampening (the betas' second
+      records one its step ignores; a warning says so where it is not 0); everything else (state
       formats, nesterov, maximize, ...) stays as the optimizer was built.
 
     bitsandbytes' checkpoints do not name their optimizer: one with as many states as ``optimizer``
@@ -198,7 +221,14 @@ def _bitsandbytes_group(saved: dict, group: dict, defaults: dict) -> dict:
         if "betas" in group:
             out["betas"] = tuple(betas) if isinstance(betas, (tuple, list)) else betas
         elif "momentum" in group and isinstance(betas, (tuple, list)) and len(betas) == 2:
-            out["momentum"], out["dampening"] = betas  # bitsandbytes' SGD: betas=(momentum, dampening)
+            # bitsandbytes' SGD: betas=(momentum, dampening), whose step never applies the dampening
+            out["momentum"], out["dampening"] = betas[0], 0.0
+            if betas[1] != 0:
+                warnings.warn(
+                    f"this bitsandbytes SGD checkpoint records dampening={betas[1]!r}, which bitsandbytes' step does not apply: "
+                    "loaded as dampening=0, so that training goes on as it ran (set the group's 'dampening' after the load to apply it)",
+                    stacklevel=4,
+                )
     out["params"] = list(saved["params"])
     return out
 
@@ -265,6 +295,10 @@ def _bitsandbytes_pieces(state: dict, i: int, shape: tuple, where: str) -> list:
     value = state[key]
     if type(value) is not Tensor:  # not a subclass: bitsandbytes keeps plain tensors
         raise ValueError(f"{where}: {key} is {_describe(value)}, not a plain tensor")
+    for name in (key, f"absmax{i}", f"qmap{i}"):  # dense ones that hold values: a file may hold anything
+        problem = _plain_tensor_problem(state[name]) if name in state else None
+        if problem:
+            raise ValueError(f"{where}: {name} is {problem}")
     if tuple(value.shape) == shape:
         stacked = 1
     elif tuple(value.shape) == (2, *shape):

@@ -267,9 +267,9 @@ class OptimState8bitSR(StochasticRounding, OptimState8bit):
 
 class OptimState8bitTorchao(AbsmaxScales, OptimState8bit):
     """``8bit`` with torchao's and bitsandbytes' block scales (AbsmaxScales): codes and numerics
-    identical to torchao's OptimState8bit and bitsandbytes' 8-bit states, bit for bit, for runs that
-    must continue theirs exactly. It quantizes a tensor that is not whole blocks, as bitsandbytes
-    does and torchao does not."""
+    identical to torchao's OptimState8bit, bit for bit, for runs that must continue theirs exactly;
+    bitsandbytes' codebook and scales (its CPU quantizer rounds some codes otherwise). It quantizes
+    a tensor that is not whole blocks, as bitsandbytes does and torchao does not."""
 
     name = "8bit-torchao"
 

@@ -200,6 +200,25 @@ def test_switching_from_bitsandbytes_is_an_import_change(name, eager_step):
     assert max(relative_change_error(resumed_model, model, start)) < RELATIVE_CHANGE_TOL_8BIT
 
 
+def test_an_sgd_checkpoint_with_dampening_goes_on_as_bitsandbytes_ran():
+    """bitsandbytes' SGD records dampening (its betas' second) but its step never applies it: the
+    load takes dampening=0, with a warning that says so, and goes on as bitsandbytes does (applying
+    the recorded 0.5 left 39 % of its parameter change)."""
+    kwargs = dict(CASES["SGD"][3], dampening=0.5)
+    model = make_mlp()
+    reference = bnb.optim.SGD8bit(model.parameters(), **kwargs)
+    train(model, reference, STEPS)
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.SGD8bit(resumed_model.parameters(), **kwargs)
+    with pytest.warns(UserWarning, match=r"records dampening=0.5, which bitsandbytes' step does not apply: loaded as dampening=0"):
+        resumed.load_state_dict(save_and_load(reference.state_dict()))
+    assert resumed.param_groups[0]["dampening"] == 0.0 and resumed.param_groups[0]["momentum"] == 0.9
+    start = [p.detach().clone() for p in model.parameters()]
+    train(model, reference, STEPS)
+    train(resumed_model, resumed, STEPS)
+    assert max(relative_change_error(resumed_model, model, start)) < RELATIVE_CHANGE_TOL_8BIT
+
+
 @pytest.mark.parametrize("named", [False, True], ids=["parameters", "named_parameters"])
 @pytest.mark.parametrize("name", CASES)
 def test_a_checkpoint_saved_before_the_first_step_loads_its_hyper_parameters(name, named):
@@ -344,6 +363,9 @@ class TestRefused(expecttest.TestCase):
             "absmax1 negative, qmap1 not ours": ("Lion", edited(lion, absmax1=torch.full_like(lion_absmax, -0.5), qmap1=lion_qmap * (1 + 2**-20))),
             "state1 missing": ("Lion", edited(lion, state1=None)),
             "state1 a subclass": ("Lion", edited(lion, state1=torch.nn.Parameter(state1.float(), requires_grad=False))),
+            "state1 sparse": ("Lion", edited(lion, state1=state1.to_sparse())),
+            "absmax1 on the meta device": ("Lion", edited(lion, absmax1=lion_absmax.to("meta"))),
+            "qmap1 sparse": ("Lion", edited(lion, qmap1=lion_qmap.to_sparse())),
             "non-blockwise 8-bit (max1)": ("Lion", edited(lion, max1=torch.zeros(1))),
             "percentile clipping (gnorm_vec)": ("Lion", edited(lion, gnorm_vec=torch.zeros(100))),
             "beta1 of 1.5": ("Lion", bad_group),
@@ -372,6 +394,9 @@ qmap1 with a NaN: bitsandbytes state of parameter 0 (shape (64, 96)): qmap1 hold
 absmax1 negative, qmap1 not ours: bitsandbytes state of parameter 0 (shape (64, 96)): absmax1 holds a negative value (-0.5), where it holds block maxima: it is corrupt
 state1 missing: bitsandbytes state of parameter 0 (shape (64, 96)) lacks 'state1' but holds ['absmax1', 'qmap1', 'step']: the checkpoint is truncated or edited
 state1 a subclass: bitsandbytes state of parameter 0 (shape (64, 96)): state1 is a torch.float32 Parameter of shape (64, 96), not a plain tensor
+state1 sparse: bitsandbytes state of parameter 0 (shape (64, 96)): state1 is a torch.sparse_coo tensor, not a dense one
+absmax1 on the meta device: bitsandbytes state of parameter 0 (shape (64, 96)): absmax1 is on the meta device, where it holds no values
+qmap1 sparse: bitsandbytes state of parameter 0 (shape (64, 96)): qmap1 is a torch.sparse_coo tensor, not a dense one
 non-blockwise 8-bit (max1): bitsandbytes state of parameter 0 (shape (64, 96)) holds ['max1'] (non-blockwise 8-bit states (block_wise=False)): lowbit_optim reads bitsandbytes' blockwise 8-bit and 32-bit states (step, state1, state2, absmax1, absmax2, qmap1, qmap2)
 percentile clipping (gnorm_vec): bitsandbytes state of parameter 0 (shape (64, 96)) holds ['gnorm_vec'] (the gradient norms of percentile_clipping, which lowbit_optim does not do: clip with torch.nn.utils.clip_grad_norm_ and delete 'gnorm_vec' from the states to load the rest): lowbit_optim reads bitsandbytes' blockwise 8-bit and 32-bit states (step, state1, state2, absmax1, absmax2, qmap1, qmap2)
 beta1 of 1.5: param group 0 of this bitsandbytes checkpoint: invalid betas (1.5, 0.99): each beta must be in [0, 1)

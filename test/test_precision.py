@@ -271,6 +271,42 @@ def test_any_precision_adamw_takes_torchdistx_options_per_group():
         opt.add_param_group({"params": [model[0].bias], "momentum_dtype": torch.bfloat16, "state_format": "8bit"})
 
 
+TORCHDISTX_KAHAN = dict(use_kahan_summation=True, momentum_dtype=torch.bfloat16, variance_dtype=torch.bfloat16, compensation_buffer_dtype=torch.bfloat16)
+
+
+def as_torchdistx_checkpoint(state_dict: dict) -> dict:
+    """``state_dict`` laid out as torchdistx's AnyPrecisionAdamW saves it: its options as group keys
+    (Kahan summation, bf16 states), none of lowbit_optim's."""
+    ours = ("state_format", "param_update", "compensation_format", "block_size", "min_quantize_numel", "fused", "compile")
+    groups = [{**{k: v for k, v in g.items() if k not in ours}, **TORCHDISTX_KAHAN} for g in state_dict["param_groups"]]
+    return {"state": state_dict["state"], "param_groups": groups}
+
+
+@pytest.mark.parametrize("built", ["as saved", "defaults"])
+def test_any_precision_adamw_loads_a_torchdistx_checkpoint(built):
+    """torchdistx's group keys are not kept (they would say Kahan summation where the optimizer does
+    none). Built with the checkpoint's options, the run resumes bit-exactly, Kahan buffer and all;
+    built otherwise, the states convert to its settings, and a warning names the group."""
+    model = _bf16_model()
+    opt = lowbit_optim.AnyPrecisionAdamW(model.parameters(), lr=1e-2, **TORCHDISTX_KAHAN)
+    _train(model, opt, 2)
+    checkpoint = as_torchdistx_checkpoint(copy.deepcopy(opt.state_dict()))
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.AnyPrecisionAdamW(resumed_model.parameters(), lr=1e-2, **(TORCHDISTX_KAHAN if built == "as saved" else {}))
+    if built == "as saved":
+        resumed.load_state_dict(checkpoint)
+    else:
+        with pytest.warns(UserWarning, match=r"param group 0 of this torchdistx checkpoint has \{'use_kahan_summation': True.*its states load converted"):
+            resumed.load_state_dict(checkpoint)
+    assert not {"use_kahan_summation", "momentum_dtype", "variance_dtype", "compensation_buffer_dtype"} & resumed.param_groups[0].keys()
+    assert ("compensation" in resumed.state[resumed_model[0].weight]) == (built == "as saved")
+    if built == "as saved":
+        _train(model, opt, 2)
+        _train(resumed_model, resumed, 2)
+        for a, b in zip(model.parameters(), resumed_model.parameters()):
+            assert torch.equal(a, b)
+
+
 def test_precision_buffers_only_for_bf16_params():
     fp32 = torch.nn.Parameter(torch.randn(80))
     bf16 = torch.nn.Parameter(torch.randn(80, dtype=torch.bfloat16))

@@ -179,6 +179,11 @@ def test_foreign_code_table_is_decoded_with_it():
         # a table not ours: decoded with it, where a negative scale flipped its blocks' signs silently
         pytest.param(lambda s: (setattr(s, "scale", -s.scale), setattr(s, "qmap", s.qmap * (1 + 2**-20))), "its scale holds a negative value", id="negative-scale-foreign-table"),
         pytest.param(lambda s: s.qmap.__setitem__(3, float("nan")), "has a code table with a non-finite value", id="code-table-nan"),
+        # what the reads take for plain tensors (a file may hold anything): named, not an AttributeError or torch's
+        pytest.param(lambda s: delattr(s, "qmap"), "is corrupt: its qmap is missing", id="code-table-missing"),
+        pytest.param(lambda s: setattr(s, "scale", s.scale.to_sparse()), "is corrupt: its scale is a torch.sparse_coo tensor, not a dense one", id="scale-sparse"),
+        pytest.param(lambda s: setattr(s, "codes", s.codes.to("meta")), "is corrupt: its codes is on the meta device", id="codes-meta"),
+        pytest.param(lambda s: setattr(s, "signed", "yes"), "is corrupt: its signed is 'yes', not True or False", id="signed-not-bool"),
     ],
 )
 def test_invalid_torchao_state_is_refused(corrupt, message):
