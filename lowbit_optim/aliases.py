@@ -190,6 +190,8 @@ def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, p
     for key, (bad, why) in refused.items():
         if bad:
             raise ValueError(f"{name}({key}={values[key]!r}) is not supported: {why}. Leave {key} at its default")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:  # (named as given, not as it becomes)
+        raise ValueError(f"invalid min_8bit_size {min_8bit_size!r}: use an int >= 0 (the fewest elements of a parameter whose states are 8-bit)")
     return dict(state_format="8bit", min_quantize_numel=min_8bit_size)
 
 
