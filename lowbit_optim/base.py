@@ -240,7 +240,10 @@ class State:
       of the param group. A format whose rounding noise is fresh at every write holds signed averages
       up to its ``max_signed_decay`` only (lowrank.py), and the optimizer refuses it for a slower one
       when a group is added or a checkpoint loads its betas, and at the next step after a beta is
-      edited (not a tensor beta changed in place).
+      edited (not a tensor beta changed in place);
+    - ``running_max``: the state is a running maximum of each element (amsgrad's), which a format
+      that keeps no element's value of its own (``factored``'s row and column sums) would shrink at
+      every write: the optimizer refuses that format for it, as for a slow average (``decay``).
     """
 
     name: str
@@ -249,6 +252,7 @@ class State:
     when: str | None = None
     follows: str | None = None
     decay: Callable[[dict], float] | None = None
+    running_max: bool = False
 
     def __post_init__(self):  # refused where it is declared, not at the first step
         if isinstance(self.initial, bool) or not isinstance(self.initial, numbers.Real):
@@ -513,6 +517,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if formats.is_quantized(fmt):
                 fmt.check_format(state.signed, devices[0] if devices else torch.device("cpu"))
         self._check_decays(group)
+        self._check_running_maxima(group)
         if group["param_update"] == "kahan":
             _check_compensation_format(formats.get_format(group["compensation_format"]))
         else:
@@ -607,6 +612,23 @@ class LowBitOptimizer(torch.optim.Optimizer):
             f"slow averages\"). Use a format without that limit for it",
             example,
         )
+
+    def _check_running_maxima(self, group: dict) -> None:
+        """Refuse a format that keeps no element's value (holds_elements) for a running maximum
+        (State.running_max) that exists under the group, as it stands: when the group is added, and
+        at a step after an edit (amsgrad switched on)."""
+        used = self._state_format_names(group)
+        for state in self.states:
+            fmt = formats.get_format(used[state.name])
+            if state.running_max and not fmt.holds_elements and (state.when is None or group.get(state.when)):
+                key, spec = state.follows or state.name, group["state_format"]
+                example = {k: ("8bit-log" if k == key else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
+                raise StateFormatError(
+                    f"the {fmt.name!r} state format keeps no element's value of its own, and {self._family}'s {state.name} "
+                    f"is a running maximum of each element, which it would shrink at every write. Use another format for {key}"
+                    + (f" or {state.when}=False" if state.when else ""),
+                    example,
+                )
 
     def _state(self, name: str) -> State:
         return next(s for s in self.states if s.name == name)
@@ -955,6 +977,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The constructor's checks of a group's numbers, its betas under its formats included."""
         self._check_hyper_parameters(group)
         self._check_decays(group)
+        self._check_running_maxima(group)
 
     def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per

@@ -44,6 +44,7 @@ class FactoredState(StateTensor):
     inner_names = ("row", "col")
     inner_dtypes = (torch.float32, torch.float32)
     holds_signed = False
+    holds_elements = False  # a maximum spread over rows and columns shrinks where it is largest
     nonnegative = {"row": "sums of squares", "col": "sums of squares"}
     default_block_size = None  # no blocks: block_size is accepted and ignored
 

@@ -51,6 +51,7 @@ class PlainFormat:
     bits: int
     default_block_size = None
     holds_signed = True
+    holds_elements = True
     max_signed_decay = None
 
     def __init__(self, name: str, dtype: torch.dtype):

@@ -30,7 +30,7 @@ class Adam(LowBitOptimizer):
     states = (
         State("exp_avg", signed=True, decay=lambda group: group["betas"][0]),
         State("exp_avg_sq", signed=False, decay=lambda group: group["betas"][1]),
-        State("max_exp_avg_sq", signed=False, when="amsgrad", follows="exp_avg_sq"),
+        State("max_exp_avg_sq", signed=False, when="amsgrad", follows="exp_avg_sq", running_max=True),
     )
     family = "Adam/AdamW"
     torch_name = "Adam"

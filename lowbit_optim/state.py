@@ -154,6 +154,7 @@ class StateTensor(Tensor):
     inner_names: ClassVar[tuple[str, ...]] = ()
     inner_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # of the inner tensors, in inner_names' order
     holds_signed: ClassVar[bool] = True  # False: only nonnegative states (second moments)
+    holds_elements: ClassVar[bool] = True  # False: no element's value of its own (factored's sums), so no running maximum
     # the slowest moving average (its per-step decay, beta) that a signed state in this format holds,
     # or None: any. A format whose rounding noise is drawn afresh at every write gathers it in an
     # average with a larger beta faster than the average lets it decay (lowrank.py)
