@@ -100,8 +100,10 @@ class FactoredState(StateTensor):
         return KernelLayout("factored") if computes_as(cls, FactoredState, "quantize_", "dequantize", "_total") else None
 
     def _total(self) -> Tensor:
-        # an all-zero state (total 0) reads as zeros
-        return self.col.sum().clamp(min=torch.finfo(torch.float32).tiny)
+        # an all-zero state (total 0) reads as zeros; a subnormal total divides as it is (a 1-D state
+        # reads back exactly), NaN stays NaN
+        total = self.col.sum()
+        return torch.where(total == 0, 1.0, total)
 
     def quantize_(self, x: Tensor) -> None:
         matrix = x.float().reshape(self.row.numel(), self.col.numel())

@@ -54,9 +54,12 @@ def test_reads_the_rank_one_matrix_with_those_sums(shape):
         torch.testing.assert_close(again.col, state.col, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-39, 1e-44], ids=["normal", "subnormal", "subnormal, few bits"])
 @pytest.mark.parametrize("shape", [(7,), (1,), (4096,)], ids=str)
-def test_one_dimensional_states_are_exact(shape):
-    x = nonnegative(shape)
+def test_one_dimensional_states_are_exact(shape, scale):
+    """Each value is its row's sum, read as row * (col / total) with col = total: exact, subnormal
+    sums too (a total clamped to float32's smallest normal read 1e-39 as 8.5e-40)."""
+    x = nonnegative(shape) * scale
     assert torch.equal(FactoredState.from_float(x).dequantize(), x)
 
 

@@ -61,7 +61,7 @@ static size_t factored_scratch_bytes(const state_t *s, int64_t tasks) {
 }
 
 /* A factored state's fields for one step, in the scratch at *next (factored_scratch_bytes of it):
- * col / total (total = the column sums' sum, at least FLT_MIN, as factored.py reads it) and each
+ * col / total (total = the column sums' sum, 1 where it is 0, as factored.py reads it) and each
  * task's column sums (zeroed by the task itself: start_factored_task). */
 static void begin_factored(state_t *s, int64_t tasks, char **next) {
     s->col_scaled = NULL;
@@ -71,7 +71,7 @@ static void begin_factored(state_t *s, int64_t tasks, char **next) {
     s->col_sums = (double *)(s->col_scaled + scaled_floats(s));
     *next += factored_scratch_bytes(s, tasks);
     float total = (float)sum_of(s->col, s->cols);
-    if (total < FLT_MIN) total = FLT_MIN;  /* clamp(min=tiny); NaN stays NaN */
+    if (total == 0.0f) total = 1.0f;  /* as factored.py's _total: zeros read as zeros, NaN stays NaN */
     for (int64_t c = 0; c < s->cols; c++) s->col_scaled[c] = s->col[c] / total;
     s->zero = total - total;
 }
