@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 
 import lowbit_optim
 from conftest import BUILTIN_FORMAT_NAMES, FormatInfo, all_formats, format_info, quantized_formats, stored_format
-from lowbit_optim import FactoredState, LowRankState, StateFormatError, OptimState, StateTensor, StochasticBF16State, quant
+from lowbit_optim import LowRankState, OptimState, StateFormatError, StateTensor, StochasticBF16State, quant
 from lowbit_optim.formats import PlainFormat, get_format, paired_label, paired_state_format, registered_formats
 
 # ------------------------------------------------------------------------------------------------
