@@ -18,6 +18,8 @@ import functools
 import hashlib
 import inspect
 import math
+import pathlib
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -119,6 +121,27 @@ def _global_values(fn) -> str:
     return repr(sorted((n, text) for n in names if n in namespace and (text := _plain_text(namespace[n])) is not None))
 
 
+@functools.cache
+def _package_source() -> str:
+    """The source of every lowbit_optim module: a format's numbers come from its methods and all
+    they call (state.py's dispatch, a helper such as factored's _total), which no list of method
+    names kept up with: a graph compiled before an edit of _total served the compiled step after it."""
+    return "".join(path.read_text() for path in sorted(pathlib.Path(__file__).parent.glob("*.py")))
+
+
+def _modules_source(cls) -> str:
+    """The source of the modules outside lowbit_optim that define ``cls`` and its bases (a user's
+    format and its helpers), or their names where no source is kept."""
+    texts = []
+    for name in sorted({klass.__module__ for klass in cls.__mro__[: cls.__mro__.index(StateTensor)]}):
+        if name.split(".")[0] != __package__:
+            try:
+                texts.append(inspect.getsource(sys.modules[name]))
+            except (OSError, TypeError, KeyError):  # (an interactive session, or installed without sources)
+                texts.append(name)
+    return "".join(texts)
+
+
 def _quant_fingerprint() -> str:
     """quant.py's code and constants: the formats' methods call its functions, whose own constants
     (MIN_BLOCK_SCALE, read by block_absmax) their sources do not show; a stale graph kept 1e-12."""
@@ -126,7 +149,8 @@ def _quant_fingerprint() -> str:
         source = inspect.getsource(quant)
     except (OSError, TypeError):  # (installed without sources)
         source = ""
-    return source + repr(sorted((n, text) for n, v in vars(quant).items() if (text := _plain_text(v)) is not None))
+    # (not its dunders: __file__ would tell one install of the same code from another)
+    return source + repr(sorted((n, text) for n, v in vars(quant).items() if not n.startswith("__") and (text := _plain_text(v)) is not None))
 
 
 def computes_as(cls, base, *methods: str) -> bool:
@@ -445,6 +469,7 @@ class StateTensor(Tensor):
         parts.append(":".join(f"{k}={getattr(cls, k, None)}" for k in ("bits", "scale_max", "inner_names", "inner_dtypes")))
         parts.append(_class_values(cls))
         parts.append(_quant_fingerprint())
+        parts += [_package_source(), _modules_source(cls)]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def __repr__(self):

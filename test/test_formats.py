@@ -12,8 +12,10 @@ import importlib.util
 import io
 import itertools
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 import expecttest
 import pytest
@@ -1568,6 +1570,72 @@ def test_a_format_edited_in_a_module_constant_gets_another_fingerprint(monkeypat
     assert fingerprint() == before
     monkeypatch.setattr(sys.modules[__name__], "LEVELS", 7)
     assert fingerprint() != before
+
+
+HELPER_FORMAT = """
+import torch
+import lowbit_optim
+
+
+def levels():  # a helper of the format's, which no method name lists
+    return {levels}
+
+
+class HelperLevels(lowbit_optim.OptimState):
+    bits = 8
+
+    @classmethod
+    def encode(cls, normalized, signed):
+        return (torch.round(normalized * levels()).clamp(-levels(), levels()) + levels()).to(torch.uint8)
+
+    @classmethod
+    def decode(cls, codes, signed):
+        return (codes.float() - levels()) / levels()
+"""
+
+
+def test_a_format_edited_in_a_helper_of_its_module_gets_another_fingerprint(tmp_path):
+    """A format's numbers may come from any function its methods call: the source of the modules that
+    define it and its bases is hashed, so that an edit there does not load the graphs compiled before
+    it (a factored total's clamp, edited in a helper, was served stale by torch.compile's cache)."""
+
+    def fingerprint(levels: int) -> str:
+        path = tmp_path / f"helper_levels_{levels}.py"
+        path.write_text(HELPER_FORMAT.format(levels=levels))
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module  # (inspect finds a module's source through sys.modules)
+        try:
+            spec.loader.exec_module(module)
+            return module.HelperLevels._numerics_fingerprint(True)
+        finally:
+            del sys.modules[path.stem]
+
+    assert fingerprint(127) != fingerprint(7)
+
+
+def test_a_format_edited_in_a_helper_of_the_package_gets_another_fingerprint(tmp_path):
+    """The same for lowbit_optim's own modules: a copy of the package whose factored _total clamps
+    (as before a fix) gives factored another fingerprint than the package (each in a fresh process)."""
+    import shutil
+    import subprocess
+
+    package = Path(lowbit_optim.__file__).parent
+    same, edited = tmp_path / "same", tmp_path / "edited"  # (two copies: where a package lies is not hashed)
+    for copy_ in (same, edited):
+        shutil.copytree(package, copy_ / "lowbit_optim", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    source = (edited / "lowbit_optim" / "factored.py").read_text()
+    clamp = "return total.clamp(min=torch.finfo(torch.float32).tiny)"
+    (edited / "lowbit_optim" / "factored.py").write_text(source.replace("return torch.where(total == 0, 1.0, total)", clamp))
+    assert clamp in (edited / "lowbit_optim" / "factored.py").read_text()
+
+    def fingerprint(path: Path) -> str:
+        code = "import lowbit_optim; print(lowbit_optim.__file__, lowbit_optim.FactoredState._numerics_fingerprint(False))"
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(path)}, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+        assert out[0].startswith(str(path)), out  # the copy imported, not the installed package
+        return out[1]
+
+    assert fingerprint(edited) != fingerprint(same) == fingerprint(package.parent)
 
 
 def test_every_format_hashes_the_block_scale_floor():

@@ -130,14 +130,14 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-def test_a_factored_state_of_subnormal_values_reads_them_in_the_kernel_and_eagerly():
+def test_a_factored_state_of_subnormal_values_reads_them_on_every_path():
     """A 1-D factored second moment of subnormal values (gradients of 1e-20, squares 1e-40) reads
-    them back exactly in the kernel and the eager step, so its rows (the values) are the eager
-    reference's bits after steps that read it (a total clamped to float32's smallest normal read
-    them up to 12x small). (The compiled step still reads them as 0 in this test, where its fp32
-    states keep subnormal values: a difference of inductor's code left open.)"""
+    them back exactly in the kernel, the compiled and the eager step, so its rows (the values) are
+    the eager reference's bits after steps that read it (a total clamped to float32's smallest
+    normal read them up to 12x small; the compiled step kept doing so after the fix, from a graph
+    torch.compile's cache had kept: the numerics fingerprint now hashes the package's source)."""
     runs = []
-    for options in (dict(fused=True), dict(fused=False, compile=False)):
+    for options in (dict(fused=True), dict(fused=False), dict(fused=False, compile=False)):
         p = torch.nn.Parameter(torch.zeros(300))
         opt = lowbit_optim.AdamW([p], lr=1e-2, eps=0.0, state_format=FACTORED, min_quantize_numel=256, **options)
         for step in range(3):
