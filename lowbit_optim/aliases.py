@@ -65,7 +65,8 @@ class AnyPrecisionAdamW(AdamW):
         if isinstance(groups, list):
             for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
                 given = {k: saved[k] for k in _TORCHDISTX_OPTIONS if k in saved} if isinstance(saved, dict) else {}
-                ours = {k: group[k] for k in _TORCHDISTX_KEYS_OURS}
+                names = self._state_format_names(group)  # (a group's state_format may be one name for every state)
+                ours = {"state_format": {k: names[k] for k in ("exp_avg", "exp_avg_sq")}, **{k: group[k] for k in _TORCHDISTX_KEYS_OURS[1:]}}
                 if len(given) == len(_TORCHDISTX_OPTIONS) and not _same_settings(given, ours):
                     warnings.warn(
                         f"param group {i} of this torchdistx checkpoint has {given}, and this optimizer's {ours}: its "
@@ -190,8 +191,6 @@ def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, p
     for key, (bad, why) in refused.items():
         if bad:
             raise ValueError(f"{name}({key}={values[key]!r}) is not supported: {why}. Leave {key} at its default")
-    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:  # (named as given, not as it becomes)
-        raise ValueError(f"invalid min_8bit_size {min_8bit_size!r}: use an int >= 0 (the fewest elements of a parameter whose states are 8-bit)")
     return dict(state_format="8bit", min_quantize_numel=min_8bit_size)
 
 

@@ -492,8 +492,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_new_group(self, group: dict, block_size_given: bool) -> None:
         """Validates and normalizes the group add_param_group has just added (the last one)."""
         for key, value in group.items():  # NumPy scalars as Python numbers: the step's float64 arithmetic (1 - beta) then holds
-            if key != "params":  # (a key of the user's keeps its type, as in torch.optim)
-                group[key] = _plain_numbers(_as_tuple(value) if key in self.defaults else value)
+            if key != "params":
+                group[key] = self._normalized(key, value)
         for state in self.states:
             if state.when is not None and state.when not in group:
                 raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
@@ -625,8 +625,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 example = {k: ("8bit-log" if k == key else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
                 raise StateFormatError(
                     f"the {fmt.name!r} state format keeps no element's value of its own, and {self._family}'s {state.name} "
-                    f"is a running maximum of each element, which it would shrink at every write. Use another format for {key}"
-                    + (f" or {state.when}=False" if state.when else ""),
+                    f"is a running maximum of each element, which it would shrink at every write. Use another format for {key} "
+                    "(a checkpoint's states convert to it as they load)"
+                    + (f" or {state.when}=False (a checkpoint's param groups set their own {state.when})" if state.when else ""),
                     example,
                 )
 
@@ -965,6 +966,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     f"convert its states, build a new optimizer with the new setting and load this one's state_dict() into it "
                     f"(a load converts every state)"
                 )
+            for key in changed & group.keys():  # (as the constructor takes them: a config's sequence)
+                group[key] = self._normalized(key, group[key])
             with _naming_the_group(f"param group {index}, as edited since it was built: "):
                 if changed == {"lr"}:
                     _check_lr(group["lr"])
@@ -972,6 +975,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     continue
                 self._check_numbers(group)
             self._remember_group(group)
+
+    def _normalized(self, key: str, value):
+        """A group option as the step reads it: NumPy numbers as Python numbers, and an option whose
+        default is a tuple (betas) given as another sequence (a config's) as a tuple. A key of the
+        user's keeps its type but for NumPy numbers, as before."""
+        return _plain_numbers(_as_tuple(value) if key in _tuple_options(type(self)) else value)
 
     def _check_numbers(self, group: dict) -> None:
         """The constructor's checks of a group's numbers, its betas under its formats included."""
@@ -1354,22 +1363,28 @@ def _is_flag(value) -> bool:
 
 
 def _plain_number(value):
-    """A NumPy scalar as the Python number it holds (its bool too, which is no numbers.Number);
-    anything else as it is."""
-    numpy_number = isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item")
-    numpy_bool = type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and isinstance(value.item(), bool)
-    return value.item() if numpy_number or numpy_bool else value
+    """A NumPy scalar (np.float64, a float subclass, included; a bool) as the Python number it
+    holds, which torch.load(weights_only=True) reads back; anything else as it is."""
+    return value.item() if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () else value
+
+
+@functools.cache
+def _tuple_options(cls) -> frozenset:
+    """The options whose default in ``cls``'s constructor is a tuple (betas, ns_coefficients)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters if isinstance(p.default, tuple))
 
 
 def _as_tuple(value):
-    """An option's sequence of another type than a tuple or list (OmegaConf's ListConfig, which
-    Hydra's instantiate passes; a 1-D NumPy array; a tensor of several numbers, as one-element
-    tensors) as a tuple, which torch.optim's indexing reads alike; anything else as it is."""
-    if isinstance(value, Tensor):  # (a one-element tensor is a number: a tensor lr)
-        return tuple(value) if value.dim() == 1 and value.numel() > 1 else value
+    """A sequence option given as another sequence than a tuple or list (OmegaConf's ListConfig,
+    which Hydra's instantiate passes; a 1-D NumPy array or tensor) as a tuple, which torch.optim's
+    indexing reads alike (a tensor's items: one-element tensors); anything else as it is."""
     if isinstance(value, (str, bytes, tuple, list)):
         return value
-    if isinstance(value, Sequence) or (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1):
+    if isinstance(value, Sequence) or (isinstance(value, Tensor) or type(value).__module__ == "numpy") and getattr(value, "ndim", None) == 1:
         return tuple(value)
     return value
 
@@ -1446,13 +1461,14 @@ def _remembered_value(key: str, value):
 
 def _changed_options(then: dict, group: dict) -> set:
     """The options of ``group`` that are not those of ``then`` (as remembered): each the same object
-    or an equal value (a scheduler sets a new float each step); a tensor only as itself."""
+    or an equal value of the same type (a scheduler sets a new float each step; an equal config
+    list in place of a tuple is normalized as an edit); a tensor only as itself."""
     changed = set(then) ^ (set(group) - {"params"})
     for key, old in then.items():
         new = group.get(key, then)
         if new is old or key in changed:
             continue
-        if isinstance(new, Tensor) or isinstance(old, Tensor):
+        if isinstance(new, Tensor) or isinstance(old, Tensor) or type(new) is not type(old):
             changed.add(key)
             continue
         try:

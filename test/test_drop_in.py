@@ -710,8 +710,21 @@ def test_options_from_a_config_train_as_tuples_and_dicts(sequence):
             group = opt.param_groups[0]
             assert all(type(group[k]) is type(v) and all(map(operator.eq, group[k], v)) if isinstance(v, tuple) else group[k] == v for k, v in options.items())
             train(model, opt, 2)
+            save_and_load(opt.state_dict())  # (weights_only: NumPy's float64, a float subclass, as a float)
+            opt.param_groups[0].update({k: sequence(v) for k, v in options.items() if isinstance(v, tuple)})  # edited to equal values
+            train(model, opt, 1)
+            assert all(type(opt.param_groups[0][k]) is tuple for k, v in options.items() if isinstance(v, tuple))
             runs.append((model, opt))
         assert_same_training(*runs[0], *runs[1])
+
+
+def test_one_element_numpy_options_stay_as_given():
+    """A NumPy array of one number for a number option (weight_decay, eps) is read as before, not
+    made a tuple (only options whose default is a tuple, betas, are)."""
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, weight_decay=np.array([0.01]), eps=np.array([1e-8]), compile=False)
+    train(model, opt, 1)
+    assert isinstance(opt.param_groups[0]["weight_decay"], np.ndarray) and isinstance(opt.param_groups[0]["eps"], np.ndarray)
 
 
 @pytest.mark.parametrize(

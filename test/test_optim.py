@@ -1178,6 +1178,25 @@ a model's state dict: ValueError: not an optimizer state dict: it needs the keys
 # ------------------------------------------------------------------------------------------------
 
 
+def test_amsgrad_with_a_factored_second_moment_is_refused_when_switched_on_or_loaded():
+    """A factored exp_avg_sq cannot hold amsgrad's maximum (test below): refused too where amsgrad
+    comes on after the group was built, at the next step (before it steps), and where a checkpoint's
+    group sets it (one saved before the refusal), naming the way out."""
+    spec = {"exp_avg": "8bit", "exp_avg_sq": "factored"}
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=spec)
+    train(model, opt, 1)
+    checkpoint = save_and_load(opt.state_dict())
+    opt.param_groups[0]["amsgrad"] = True
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StateFormatError, match=r"param group 0, as edited since it was built: the 'factored' state format keeps no element's value"):
+        train(model, opt, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    checkpoint["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(StateFormatError, match=r"param group 0 of this checkpoint: .*a checkpoint's param groups set their own amsgrad"):
+        lowbit_optim.AdamW(make_mlp().parameters(), lr=LR, state_format=spec).load_state_dict(checkpoint)
+
+
 @quantized_formats
 def test_amsgrad_state_is_quantized_and_dominates(info):
     """max_exp_avg_sq is stored in the format and never below exp_avg_sq beyond the quantization

@@ -647,7 +647,6 @@ BAD_INPUT = {
     "Lion(float64 parameter)": lambda: lowbit_optim.Lion([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "Lion8bit(percentile_clipping=5)": one_param(lowbit_optim.Lion8bit, percentile_clipping=5),
     "Lion8bit(is_paged=True)": one_param(lowbit_optim.Lion8bit, is_paged=True),
-    "AdamW8bit(min_8bit_size=-1)": one_param(lowbit_optim.AdamW8bit, min_8bit_size=-1),
     "SGD8bit(block_wise=False)": lambda: lowbit_optim.SGD8bit([nn.Parameter(torch.randn(4))], lr=0.1, block_wise=False),
     "SGD8bit(args={...})": lambda: lowbit_optim.SGD8bit([nn.Parameter(torch.randn(4))], 0.1, args={"optim_bits": 8}),
     "AdamW checkpoint into Lion": lambda: _load_into(lowbit_optim.Lion, lowbit_optim.AdamW),
@@ -685,7 +684,6 @@ AdEMAMix(betas=(0, 0.999, 0.9999), t_beta3=10): ValueError: t_beta3 warms beta3 
 Lion(float64 parameter): TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float())
 Lion8bit(percentile_clipping=5): ValueError: Lion8bit(percentile_clipping=5) is not supported: bitsandbytes' adaptive gradient clipping; clip with torch.nn.utils.clip_grad_norm_. Leave percentile_clipping at its default
 Lion8bit(is_paged=True): ValueError: Lion8bit(is_paged=True) is not supported: bitsandbytes' paged (CUDA unified memory) states; lowbit_optim's states are ordinary tensors. Leave is_paged at its default
-AdamW8bit(min_8bit_size=-1): ValueError: invalid min_8bit_size -1: use an int >= 0 (the fewest elements of a parameter whose states are 8-bit)
 SGD8bit(block_wise=False): ValueError: SGD8bit(block_wise=False) is not supported: lowbit_optim's 8-bit states are always blockwise. Leave block_wise at its default
 SGD8bit(args={...}): ValueError: SGD8bit(args={'optim_bits': 8}) is not supported: bitsandbytes' configuration object; pass its fields as keywords. Leave args at its default
 AdamW checkpoint into Lion: ValueError: checkpoint state of parameter 0 (shape (64, 96)) holds ['exp_avg_sq'], which Lion does not keep: it is a checkpoint of another optimizer

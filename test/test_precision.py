@@ -8,6 +8,7 @@ import copy
 import functools
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -305,6 +306,20 @@ def test_any_precision_adamw_loads_a_torchdistx_checkpoint(built):
         _train(resumed_model, resumed, 2)
         for a, b in zip(model.parameters(), resumed_model.parameters()):
             assert torch.equal(a, b)
+
+
+def test_any_precision_adamw_loads_matching_torchdistx_options_without_a_warning():
+    """A group whose state_format is one name for every state (fp32) matches torchdistx's fp32
+    momentum and variance: no warning (it compared the name with the per-state dict)."""
+    model = _bf16_model()
+    opt = lowbit_optim.AnyPrecisionAdamW([{"params": model.parameters(), "state_format": "fp32"}], compile=False)
+    _train(model, opt, 1)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    for group in checkpoint["param_groups"]:
+        group.update(use_kahan_summation=False, momentum_dtype=torch.float32, variance_dtype=torch.float32, compensation_buffer_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(checkpoint)
 
 
 def test_precision_buffers_only_for_bf16_params():
