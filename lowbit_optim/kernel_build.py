@@ -1,8 +1,11 @@
 """Building the fused CPU kernel (csrc/) once per machine.
 
-It is compiled with the C compiler torch.compile uses, for this CPU (-march=native), and cached
-beside inductor's cache under a key of every source file, the compiler, the flags and the CPU's
-features: an edited header, another flag or another CPU sharing the cache directory builds anew.
+It is compiled with the system's C compiler ($CC, else the first of gcc, cc, clang, $CXX, g++, c++),
+for this CPU (-march=native), and cached beside inductor's cache under a key of every source file,
+the compiler, the flags and the CPU's features (its /proc/cpuinfo flags and what -march=native
+enables): an edited header, another flag or another CPU sharing the cache directory builds anew. A
+cached library is loaded only if its bytes are those the build wrote (a sha256 beside it): a file
+cut short by a crash or a copy is built again, never mapped (which killed the process with SIGBUS).
 """
 
 import functools
@@ -20,6 +23,7 @@ SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 MAIN_SOURCE = SOURCE_DIR / "fused_step.c"  # the one translation unit; it includes the others
 # -ffp-contract=off: no FMA contraction, so the kernel rounds as the compiled step does
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+BUILD_TIMEOUT_S = 300  # a build takes seconds; a compiler that hangs must not hang the first step
 
 
 class NoCompiler(OSError):
@@ -27,7 +31,11 @@ class NoCompiler(OSError):
 
 
 def compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
+    """The compiler's path: $CC where it is set (None where it names no executable), else the
+    first found of gcc, cc, clang, $CXX, g++ and c++."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    for name in ("gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -104,9 +112,21 @@ def sources() -> list[pathlib.Path]:
     return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
 
-def _machine_key() -> str:
-    # -march=native: a library built on one CPU may not run on another sharing the cache directory
-    return cpuinfo_field("flags") or os.uname().machine
+def _machine_key(cc: str) -> str:
+    """-march=native: a library built on one CPU may not run on another sharing the cache directory.
+    The CPU's flags where /proc/cpuinfo has them (x86; aarch64's say Features) and the macros the
+    compiler defines for this CPU (every architecture: what -march=native turns on)."""
+    return " ".join([os.uname().machine, cpuinfo_field("flags") or cpuinfo_field("Features") or "", native_macros(cc)])
+
+
+@functools.cache
+def native_macros(cc: str) -> str:
+    """A sha256 of the macros ``cc -march=native`` predefines here (__AVX512F__, __ARM_FEATURE_SVE, ...)."""
+    try:
+        target = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError):  # (then the build itself says what is wrong)
+        target = ""
+    return hashlib.sha256(target.encode()).hexdigest()
 
 
 def sources_digest(*extra: pathlib.Path):
@@ -122,7 +142,7 @@ def library_path(cc: str) -> pathlib.Path:
     """Where the library built by ``cc`` with FLAGS lies in the cache: its name is a hash of every
     source file, the compiler, the flags and this CPU's features."""
     digest = sources_digest()
-    digest.update(" ".join([cc, *flags(), _machine_key()]).encode())
+    digest.update(" ".join([cc, *flags(), _machine_key(cc)]).encode())
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 
 
@@ -133,17 +153,42 @@ def command(cc: str, source: pathlib.Path, output: pathlib.Path) -> list[str]:
 
 
 def build() -> pathlib.Path:
-    """The path of the compiled library, built unless cached. Raises OSError saying why it failed."""
+    """The path of the compiled library, built unless cached intact. Raises OSError saying why it
+    failed (NoCompiler where there is no compiler at all)."""
     cc = compiler()
+    if cc is None and os.environ.get("CC"):
+        raise OSError(f"CC={os.environ['CC']!r} names no executable compiler (one program, found on PATH): fix it, or unset CC to use gcc, cc or clang")
     if cc is None:
-        raise NoCompiler("no C compiler was found to build it (set CC)")
+        raise NoCompiler("no C compiler was found to build it (install gcc or set CC; torch.compile's CPU step needs one too: without any, pass compile=False)")
     path = library_path(cc)
-    if not path.exists():
+    if not _intact(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # its own, in any process or thread
         argv = command(cc, MAIN_SOURCE, partial)
-        result = subprocess.run(argv, capture_output=True, text=True, check=False)
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            partial.unlink(missing_ok=True)
+            raise OSError(f"{cc} did not finish building the kernel in {BUILD_TIMEOUT_S} s (a build takes seconds): {' '.join(argv)}") from None
         if result.returncode != 0:
+            partial.unlink(missing_ok=True)
             raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
+        data = partial.read_bytes()
+        with open(partial, "rb+") as written:  # on disk before it is named: a crash leaves no short file under the name
+            os.fsync(written.fileno())
+        _digest_path(path).write_text(hashlib.sha256(data).hexdigest())
         os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
     return path
+
+
+def _digest_path(library: pathlib.Path) -> pathlib.Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: pathlib.Path) -> bool:
+    """Whether the cached ``library`` holds the bytes its build wrote (the sha256 beside it):
+    mapping a file cut short kills the process (SIGBUS), a garbage one never loads."""
+    try:
+        return _digest_path(library).read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:  # (either missing: not built here, or by a version that wrote no digest)
+        return False

@@ -12,9 +12,12 @@ raise with fused=True.
 import contextlib
 import ctypes
 import math
+import os
+import pathlib
 import platform
 import re
 import subprocess
+import sys
 
 import expecttest
 import pytest
@@ -729,6 +732,53 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
         kernel_abi.load.cache_clear()
+
+
+def test_a_cached_library_cut_short_is_built_again(tmp_path):
+    """A cached library that is not the bytes its build wrote (cut short by a crash or a copy) is
+    built again, in a process of its own: mapping it killed every later process with SIGBUS."""
+    script = "from lowbit_optim import kernel_abi, kernel_build; kernel, why = kernel_abi.load(); print(kernel_build.build(), why)"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def load() -> tuple[str, str]:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    library, why = load()
+    assert why == "None"
+    data = pathlib.Path(library).read_bytes()
+    pathlib.Path(library).write_bytes(data[:1000])
+    assert load() == [library, "None"] and pathlib.Path(library).read_bytes() == data
+
+
+def test_a_compiler_that_hangs_or_a_cc_that_names_none_fails_the_build(monkeypatch, tmp_path):
+    """A compiler that never finishes is stopped (the first step hung for ever); a CC naming no
+    executable is refused by name (another compiler was used in silence). Both warn and fall back."""
+    hanging = tmp_path / "hanging-cc"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(kernel_build, "BUILD_TIMEOUT_S", 1)
+    for cc, message in ((str(hanging), "did not finish building the kernel in 1 s"), ("/no/such/gcc", "CC='/no/such/gcc' names no executable compiler")):
+        monkeypatch.setenv("CC", cc)
+        kernel_abi.load.cache_clear()
+        try:
+            with pytest.warns(UserWarning, match=re.escape(message)):
+                assert kernel_abi.load()[0] is None
+        finally:
+            kernel_abi.load.cache_clear()
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_the_build_key_covers_what_march_native_turns_on(monkeypatch):
+    """Where /proc/cpuinfo lists no flags (aarch64's say Features; none readable), the macros the
+    compiler predefines for this CPU still tell two CPUs sharing a cache apart."""
+    monkeypatch.setattr(kernel_build, "cpuinfo_field", {}.get)
+    monkeypatch.setattr(kernel_build, "native_macros", lambda cc: "neoverse-n1")
+    key = kernel_build.library_path("cc")
+    monkeypatch.setattr(kernel_build, "native_macros", lambda cc: "neoverse-v1")
+    assert kernel_build.library_path("cc") != key
 
 
 def test_fused_step_bumps_version_counters():
