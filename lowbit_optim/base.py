@@ -603,8 +603,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if not too_slow:
             return
         name, decay, fmt_name, limit = next(iter(too_slow.values()))
-        spec = group["state_format"]
-        example = {k: ("10bit-sr" if k in too_slow else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
+        example = self._example_format(group, dict.fromkeys(too_slow, "10bit-sr"))
         raise StateFormatError(
             f"the {fmt_name!r} state format cannot hold {self._family}'s {name}, an average that keeps {decay} of itself "
             f"per step: its rounding noise is drawn afresh at every write, and an average that keeps more than {limit} per "
@@ -621,8 +620,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for state in self.states:
             fmt = formats.get_format(used[state.name])
             if state.running_max and not fmt.holds_elements and (state.when is None or group.get(state.when)):
-                key, spec = state.follows or state.name, group["state_format"]
-                example = {k: ("8bit-log" if k == key else spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
+                key = state.follows or state.name
+                example = self._example_format(group, {key: "8bit-log"})
                 raise StateFormatError(
                     f"the {fmt.name!r} state format keeps no element's value of its own, and {self._family}'s {state.name} "
                     f"is a running maximum of each element, which it would shrink at every write. Use another format for {key} "
@@ -630,6 +629,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     + (f" or {state.when}=False (a checkpoint's param groups set their own {state.when})" if state.when else ""),
                     example,
                 )
+
+    def _example_format(self, group: dict, replaced: dict) -> dict:
+        """The group's state_format per state, ``replaced``'s formats in place: a refusal's example."""
+        spec = group["state_format"]
+        return {k: replaced.get(k, spec[k] if isinstance(spec, dict) else spec) for k in self._format_keys()}
 
     def _state(self, name: str) -> State:
         return next(s for s in self.states if s.name == name)
