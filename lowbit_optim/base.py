@@ -1522,13 +1522,18 @@ def _check_lr(lr) -> None:
     _check_finite("lr", lr)
 
 
+def sequence_given(value) -> str:
+    """What a sequence option that is refused holds, for its message: how many items, or its type."""
+    return f"{len(value)} given" if isinstance(value, (tuple, list)) else f"{describe_tensor(value)} given (pass a tuple)"
+
+
 def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> None:
     """Raise a ValueError unless ``betas`` holds as many numbers (or one-element tensors) in [0, 1)
     as ``example``, the first ``bias_corrected`` of them below 1.0 in fp32, where the step computes
     their bias corrections."""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(example):
         names = ", ".join(f"beta{i + 1}" for i in range(len(example)))
-        given = f"{len(betas)} given" if isinstance(betas, (tuple, list)) else f"{describe_tensor(betas)} given (pass a tuple)"
+        given = sequence_given(betas)
         raise ValueError(f"invalid betas {betas!r}: {who} takes {_COUNT_WORDS[len(example)]}, ({names}), e.g. {example}; {given}")
     values = [_real_value(b) for b in betas]
     if None in values:

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
-from .base import LowBitOptimizer, State, check_betas, check_nonnegative
+from .base import LowBitOptimizer, State, check_betas, check_nonnegative, sequence_given
 from .distributed import is_dtensor, local, map_local
 from .muon_parts import MuonParts
-from .state import StateTensor, describe_tensor
+from .state import StateTensor
 
 
 class Adam(LowBitOptimizer):
@@ -208,7 +208,7 @@ class Muon(LowBitOptimizer):
         check_nonnegative(group, "weight_decay", "momentum", "eps")
         coefficients, steps = group["ns_coefficients"], group["ns_steps"]
         if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3 or not all(isinstance(c, (int, float)) for c in coefficients):
-            given = f"{describe_tensor(coefficients)} given (pass a tuple)" if not isinstance(coefficients, (tuple, list)) else f"{len(coefficients)} given" if len(coefficients) != 3 else "each a Python number"
+            given = "each a Python number" if isinstance(coefficients, (tuple, list)) and len(coefficients) == 3 else sequence_given(coefficients)
             raise ValueError(f"invalid ns_coefficients {coefficients!r}: Muon takes three numbers (a, b, c), e.g. (3.4445, -4.775, 2.0315); {given}")
         group["ns_coefficients"] = tuple(float(c) for c in coefficients)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
