@@ -229,7 +229,7 @@ def load() -> tuple[Kernel | None, str | None]:
     except OSError as error:  # a failed build, an unloadable library, a LayoutMismatch
         why = f"building it failed ({error})" if not isinstance(error, LayoutMismatch) else f"its structures do not match ({error})"
         warnings.warn(
-            f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead, and low-rank states' products "
+            f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead (fused=True refuses to), and low-rank states' products "
             f"fall back to torch's matmul (another summation order: compiled and eager steps agree, but not bit for bit with a "
             f"built kernel): {why}",
             stacklevel=2,
