@@ -8,11 +8,13 @@ cached library is loaded only if its bytes are those the build wrote (a sha256 b
 cut short by a crash or a copy is built again, never mapped (which killed the process with SIGBUS).
 """
 
+import contextlib
 import functools
 import hashlib
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -123,10 +125,24 @@ def _machine_key(cc: str) -> str:
 def native_macros(cc: str) -> str:
     """A sha256 of the macros ``cc -march=native`` predefines here (__AVX512F__, __ARM_FEATURE_SVE, ...)."""
     try:
-        target = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S).stdout
-    except (OSError, subprocess.SubprocessError):  # (then the build itself says what is wrong)
+        target = _run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull]).stdout
+    except FileNotFoundError:  # (then the build itself says what is wrong)
         target = ""
     return hashlib.sha256(target.encode()).hexdigest()
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    """``argv`` run to its end, or stopped with everything it started after BUILD_TIMEOUT_S (an
+    OSError saying so): a compiler that hangs must not hang the first step."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the compiler's children too
+            process.communicate()
+            raise OSError(f"{argv[0]} did not finish in {BUILD_TIMEOUT_S} s (a build takes seconds): {' '.join(argv)}") from None
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
 
 
 def sources_digest(*extra: pathlib.Path):
@@ -166,13 +182,13 @@ def build() -> pathlib.Path:
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # its own, in any process or thread
         argv = command(cc, MAIN_SOURCE, partial)
         try:
-            result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            partial.unlink(missing_ok=True)
-            raise OSError(f"{cc} did not finish building the kernel in {BUILD_TIMEOUT_S} s (a build takes seconds): {' '.join(argv)}") from None
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
+            result = _run(argv)
+            if result.returncode != 0:
+                raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
+        except OSError:
+            with contextlib.suppress(OSError):  # (in a read-only cache: the compiler's own error says so)
+                partial.unlink(missing_ok=True)
+            raise
         data = partial.read_bytes()
         with open(partial, "rb+") as written:  # on disk before it is named: a crash leaves no short file under the name
             os.fsync(written.fileno())

@@ -126,7 +126,14 @@ def _package_source() -> str:
     """The source of every lowbit_optim module: a format's numbers come from its methods and all
     they call (state.py's dispatch, a helper such as factored's _total), which no list of method
     names kept up with: a graph compiled before an edit of _total served the compiled step after it."""
-    return "".join(path.read_text() for path in sorted(pathlib.Path(__file__).parent.glob("*.py")))
+    return "".join(map(_file_text, sorted(pathlib.Path(__file__).parent.glob("[!.]*.py"))))  # (not an editor's .#x.py)
+
+
+def _file_text(path: pathlib.Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8", "replace")
+    except OSError:  # (a file gone, or unreadable: its name, rather than no fingerprint at all)
+        return path.name
 
 
 def _modules_source(cls) -> str:

@@ -1624,6 +1624,7 @@ def test_a_format_edited_in_a_helper_of_the_package_gets_another_fingerprint(tmp
     same, edited = tmp_path / "same", tmp_path / "edited"  # (two copies: where a package lies is not hashed)
     for copy_ in (same, edited):
         shutil.copytree(package, copy_ / "lowbit_optim", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (same / "lowbit_optim" / ".#factored.py").symlink_to("/nonexistent")  # an editor's lock beside a file: no module
     source = (edited / "lowbit_optim" / "factored.py").read_text()
     clamp = "return total.clamp(min=torch.finfo(torch.float32).tiny)"
     (edited / "lowbit_optim" / "factored.py").write_text(source.replace("return torch.where(total == 0, 1.0, total)", clamp))

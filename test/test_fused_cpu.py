@@ -18,6 +18,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 import expecttest
 import pytest
@@ -699,8 +700,8 @@ def test_threads_that_first_need_the_kernel_at_once_build_it_once(monkeypatch, t
     import threading
 
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)
-    builds, run = [], subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda argv, *a, **k: (builds.append(argv) if str(kernel_build.MAIN_SOURCE) in argv else None) or run(argv, *a, **k))
+    builds, run = [], kernel_build._run
+    monkeypatch.setattr(kernel_build, "_run", lambda argv: (builds.append(argv) if str(kernel_build.MAIN_SOURCE) in argv else None) or run(argv))
     kernel_abi.load.cache_clear()
     barrier, loaded = threading.Barrier(4), []
 
@@ -752,22 +753,40 @@ def test_a_cached_library_cut_short_is_built_again(tmp_path):
     assert load() == [library, "None"] and pathlib.Path(library).read_bytes() == data
 
 
+def running_sleep(pid: str) -> bool:
+    """Whether process ``pid`` is a live (not zombie) ``sleep``."""
+    try:
+        comm, stat = (pathlib.Path(f"/proc/{pid}") / name for name in ("comm", "stat"))
+        return comm.read_text().strip() == "sleep" and stat.read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # gone
+        return False
+
+
 def test_a_compiler_that_hangs_or_a_cc_that_names_none_fails_the_build(monkeypatch, tmp_path):
-    """A compiler that never finishes is stopped (the first step hung for ever); a CC naming no
-    executable is refused by name (another compiler was used in silence). Both warn and fall back."""
-    hanging = tmp_path / "hanging-cc"
-    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    """A compiler that never finishes is stopped once, with what it started (the first step hung
+    for ever); a CC naming no executable is refused by name (another compiler was used in silence).
+    Both warn and fall back."""
+    hanging, started = tmp_path / "hanging-cc", tmp_path / "started"
+    hanging.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >> {started}\nwait\n")
     hanging.chmod(0o755)
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(kernel_build, "BUILD_TIMEOUT_S", 1)
-    for cc, message in ((str(hanging), "did not finish building the kernel in 1 s"), ("/no/such/gcc", "CC='/no/such/gcc' names no executable compiler")):
+    for cc, message in ((str(hanging), f"{hanging} did not finish in 1 s"), ("/no/such/gcc", "CC='/no/such/gcc' names no executable compiler")):
         monkeypatch.setenv("CC", cc)
         kernel_abi.load.cache_clear()
+        kernel_build.native_macros.cache_clear()
         try:
             with pytest.warns(UserWarning, match=re.escape(message)):
                 assert kernel_abi.load()[0] is None
         finally:
             kernel_abi.load.cache_clear()
+    children = started.read_text().split()
+    assert len(children) == 1  # stopped once: the build did not wait for it again
+    for _ in range(100):  # what it started was killed with it (a SIGKILL lands in a moment)
+        if not running_sleep(children[0]):
+            break
+        time.sleep(0.05)
+    assert not running_sleep(children[0])
     assert not list((tmp_path / "cache").glob("*.tmp"))
 
 
