@@ -75,12 +75,37 @@ def _compiled(function, step_function):
     compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
-        if _on_meta(args[0]):  # nothing to compute, and dynamo cannot fake a state subclass on meta
+        if _on_meta(args[0]) or _WITHOUT_COMPILER:  # nothing to compute, and dynamo cannot fake a state subclass on meta
             return function(*args, **kwargs)
         with _configured(torch.fx.experimental._config, use_duck_shape=False), _raised_recompile_limit():
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as error:  # (compiling fails before the graph runs: nothing is stepped yet)
+                if not _lacks_compiler(error):
+                    raise
+                _WITHOUT_COMPILER.append(error)
+                warnings.warn(
+                    f"lowbit_optim: torch.compile found no C++ compiler ({type(_lacks_compiler(error)).__name__}), so steps run "
+                    "eagerly instead: the same formulas, slower. Install g++ (or set CXX), or pass compile=False to choose this",
+                    stacklevel=2,
+                )
+        return function(*args, **kwargs)
 
     return run
+
+
+_WITHOUT_COMPILER: list = []  # the error that showed torch.compile has no C++ compiler here (then steps run eagerly)
+
+
+def _lacks_compiler(error: BaseException) -> BaseException | None:
+    """The InvalidCxxCompiler behind ``error`` (inductor's, wrapped), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ == "InvalidCxxCompiler":
+            return error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
 
 
 def _on_meta(first) -> bool:

@@ -175,7 +175,7 @@ def build() -> pathlib.Path:
     if cc is None and os.environ.get("CC"):
         raise OSError(f"CC={os.environ['CC']!r} names no executable compiler (one program, found on PATH): fix it, or unset CC to use gcc, cc or clang")
     if cc is None:
-        raise NoCompiler("no C compiler was found to build it (install gcc or set CC; torch.compile's CPU step needs one too: without any, pass compile=False)")
+        raise NoCompiler("no C compiler was found to build it (install gcc or set CC; torch.compile's CPU step needs one too: without any, steps run eagerly)")
     path = library_path(cc)
     if not _intact(path):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -693,6 +693,36 @@ def test_without_a_compiler(monkeypatch):
         kernel_abi.load.cache_clear()
 
 
+NO_CXX = """
+import warnings, torch, torch._inductor.config as config
+config.cpp.cxx = (None, "/no/such/g++")  # as on a machine without a C++ compiler
+import lowbit_optim
+results = []
+for compile_ in (True, False):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = lowbit_optim.AdamW([p], fused=False, compile=compile_, state_format="8bit", min_quantize_numel=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            p.grad = torch.linspace(-1, 1, 300)
+            opt.step()
+    results.append(p.detach().clone())
+    print(sum("torch.compile found no C++ compiler" in str(w.message) for w in caught))
+print(torch.equal(*results))
+"""
+
+
+def test_without_a_cxx_compiler_steps_run_eagerly_with_one_warning(tmp_path):
+    """Where torch.compile has no C++ compiler (a laptop without one), the first step failed inside
+    inductor; now one warning says so and steps run eagerly: compile=False's bits. (A child process
+    with an empty compile cache, so that inductor must compile.)"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", NO_CXX], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "0", "True"]
+
+
 def test_threads_that_first_need_the_kernel_at_once_build_it_once(monkeypatch, tmp_path):
     """Threads whose first steps come at once: every one gets the kernel, built once (each had
     compiled into the same partial file and some loaded it half-written, or failed renaming it, and
