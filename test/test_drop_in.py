@@ -7,7 +7,6 @@ shares the default AdamW graphs of the rest of the suite.
 """
 
 import collections
-import collections.abc
 import copy
 import functools
 import io
@@ -660,33 +659,9 @@ def test_numpy_and_tensor_hyper_parameters():
     assert losses[-1] < losses[0]
 
 
-class ConfigList(collections.abc.Sequence):
-    """A sequence that is no tuple or list, as OmegaConf's ListConfig (what Hydra's instantiate passes)."""
-
-    def __init__(self, items):
-        self._items = list(items)
-
-    def __getitem__(self, i):
-        return self._items[i]
-
-    def __len__(self):
-        return len(self._items)
-
-
-class ConfigDict(collections.abc.Mapping):
-    """A mapping that is no dict, as OmegaConf's DictConfig."""
-
-    def __init__(self, items):
-        self._items = dict(items)
-
-    def __getitem__(self, key):
-        return self._items[key]
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __len__(self):
-        return len(self._items)
+# a sequence that is no tuple or list and a mapping that is no dict, as OmegaConf's ListConfig and
+# DictConfig (what Hydra's instantiate passes)
+ConfigList, ConfigDict = collections.UserList, collections.UserDict
 
 
 @pytest.mark.parametrize("sequence", [ConfigList, np.array, torch.tensor], ids=["config list", "numpy array", "tensor"])
