@@ -81,11 +81,12 @@ def _compiled(function, step_function):
             try:
                 return compiled(*args, **kwargs)
             except Exception as error:  # (compiling fails before the graph runs: nothing is stepped yet)
-                if not _lacks_compiler(error):
+                missing = _lacks_compiler(error)
+                if missing is None:
                     raise
-                _WITHOUT_COMPILER.append(error)
+                _WITHOUT_COMPILER.append(missing)
                 warnings.warn(
-                    f"lowbit_optim: torch.compile found no C++ compiler ({type(_lacks_compiler(error)).__name__}), so steps run "
+                    f"lowbit_optim: torch.compile found no C++ compiler ({type(missing).__name__}), so steps run "
                     "eagerly instead: the same formulas, slower. Install g++ (or set CXX), or pass compile=False to choose this",
                     stacklevel=2,
                 )
@@ -1665,9 +1666,9 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
         saved_signed = getattr(local(value), "signed", None)  # (torchao's fp8 keeps none)
         if saved_signed is not None and type(saved_signed) is not bool:
             raise ValueError(f"{where} is corrupt: its signed is {saved_signed!r}, not True or False")
-        if type(saved_signed) is bool and saved_signed != signed:
+        if saved_signed is not None and saved_signed != signed:
             raise ValueError(f"{where} is corrupt: {signedness_mismatch(saved_signed)}")
-    if torchao:  # its scales are block maxima (over its table's largest value), whatever the state's sign
+        # its scales are block maxima (over its table's largest value), whatever the state's sign
         values, held = foreign.torchao_parts(local(value), where)[1], "scale"
         if bool((values < 0).any()):
             raise ValueError(f"{where} is corrupt: its scale holds a negative value ({float(values.min())}), where it holds block maxima")
