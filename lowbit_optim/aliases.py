@@ -66,7 +66,7 @@ class AnyPrecisionAdamW(AdamW):
             for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
                 given = {k: saved[k] for k in _TORCHDISTX_OPTIONS if k in saved} if isinstance(saved, dict) else {}
                 names = self._state_format_names(group)  # (a group's state_format may be one name for every state)
-                ours = {"state_format": {k: names[k] for k in ("exp_avg", "exp_avg_sq")}, **{k: group[k] for k in _TORCHDISTX_KEYS_OURS[1:]}}
+                ours = dict(state_format={k: names[k] for k in ("exp_avg", "exp_avg_sq")}, param_update=group["param_update"], compensation_format=group["compensation_format"])
                 if len(given) == len(_TORCHDISTX_OPTIONS) and not _same_settings(given, ours):
                     warnings.warn(
                         f"param group {i} of this torchdistx checkpoint has {given}, and this optimizer's {ours}: its "

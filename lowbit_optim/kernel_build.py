@@ -189,10 +189,9 @@ def build() -> pathlib.Path:
             with contextlib.suppress(OSError):  # (in a read-only cache: the compiler's own error says so)
                 partial.unlink(missing_ok=True)
             raise
-        data = partial.read_bytes()
-        with open(partial, "rb+") as written:  # on disk before it is named: a crash leaves no short file under the name
+        with open(partial, "rb") as written:  # on disk before it is named: a crash leaves no short file under the name
             os.fsync(written.fileno())
-        _digest_path(path).write_text(hashlib.sha256(data).hexdigest())
+        _digest_path(path).write_text(_sha256(partial))
         os.replace(partial, path)  # atomic: concurrent processes never load a half-written file
     return path
 
@@ -201,10 +200,14 @@ def _digest_path(library: pathlib.Path) -> pathlib.Path:
     return library.with_name(library.name + ".sha256")
 
 
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _intact(library: pathlib.Path) -> bool:
     """Whether the cached ``library`` holds the bytes its build wrote (the sha256 beside it):
     mapping a file cut short kills the process (SIGBUS), a garbage one never loads."""
     try:
-        return _digest_path(library).read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+        return _digest_path(library).read_text().strip() == _sha256(library)
     except OSError:  # (either missing: not built here, or by a version that wrote no digest)
         return False
