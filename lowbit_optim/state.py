@@ -150,14 +150,11 @@ def _modules_source(cls) -> str:
 
 
 def _quant_fingerprint() -> str:
-    """quant.py's code and constants: the formats' methods call its functions, whose own constants
-    (MIN_BLOCK_SCALE, read by block_absmax) their sources do not show; a stale graph kept 1e-12."""
-    try:
-        source = inspect.getsource(quant)
-    except (OSError, TypeError):  # (installed without sources)
-        source = ""
-    # (not its dunders: __file__ would tell one install of the same code from another)
-    return source + repr(sorted((n, text) for n, v in vars(quant).items() if not n.startswith("__") and (text := _plain_text(v)) is not None))
+    """quant.py's constants (its source is the package's): the formats' methods call its functions,
+    whose own constants (MIN_BLOCK_SCALE, read by block_absmax) their sources do not show, and which
+    may be set at run time; a stale graph kept 1e-12. (Not its dunders: __file__ would tell one
+    install of the same code from another.)"""
+    return repr(sorted((n, text) for n, v in vars(quant).items() if not n.startswith("__") and (text := _plain_text(v)) is not None))
 
 
 def computes_as(cls, base, *methods: str) -> bool:
