@@ -26,7 +26,9 @@ def paired_state_format(name: str, exp_avg: str = "4bit", optimizer: type | None
     if optimizer is None:
         return {"exp_avg": exp_avg, "exp_avg_sq": name}
     keys = [s for s in optimizer.states if s.follows is None]  # the keys a per-state dict names
-    return {s.name: exp_avg if s.signed else name for s in keys} if not all(s.signed for s in keys) else name
+    if all(s.signed for s in keys):
+        return name
+    return {s.name: exp_avg if s.signed else name for s in keys}
 
 
 def paired_label(name: str) -> str:
