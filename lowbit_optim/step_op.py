@@ -50,7 +50,33 @@ def _step(optimizer_id: int, params: list[Tensor], grads: list[Tensor], position
     if optimizer is None or not 0 <= places < len(_PLACES):
         # only a graph traced from a live optimizer's step() holds a valid pair
         raise RuntimeError(f"lowbit_optim::step: optimizer key {optimizer_id} or option places {places} is no live optimizer's: the op is emitted by step() while torch.compile traces, not called directly")
-    optimizer._step_params(params, grads, positions, traced=(_PLACES[places], options))
+    with _dispatch_keys_of_a_plain_call():
+        optimizer._step_params(params, grads, positions, traced=(_PLACES[places], options))
+
+
+# The dispatch keys a TorchDispatchMode's handler excludes that a tensor can carry. AOTAutograd runs
+# a graph's first call under such a mode (it checks custom ops' aliasing), so that call alone would
+# see them excluded, and the step's own compiled functions, whose guards read their inputs' keys as
+# the call sees them, would compile again at the second call (a RecompileError under
+# set_stance("fail_on_recompile")).
+_KEYS_A_MODE_EXCLUDES = tuple(
+    getattr(torch._C.DispatchKey, name) for name in ("ADInplaceOrView", "Conjugate", "Negative", "ZeroTensor", "PythonTLSSnapshot")
+)
+
+
+@contextlib.contextmanager
+def _dispatch_keys_of_a_plain_call():
+    """The op's body with the dispatch keys a plain call of it sees (inference mode's exclusion of
+    ADInplaceOrView kept), whether or not a TorchDispatchMode is handling it."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not excluded.has(torch._C.DispatchKey.PythonTLSSnapshot):  # no mode is handling it
+        yield
+        return
+    for key in _KEYS_A_MODE_EXCLUDES:
+        if not (key == torch._C.DispatchKey.ADInplaceOrView and torch.is_inference_mode_enabled()):
+            excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        yield
 
 
 @_step.register_fake

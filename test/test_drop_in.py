@@ -7,6 +7,7 @@ shares the default AdamW graphs of the rest of the suite.
 """
 
 import collections
+import contextlib
 import copy
 import functools
 import io
@@ -272,8 +273,10 @@ def test_step_inside_torch_compile(fused):
 
 def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
     """The optimizers ``make(params)`` builds for two ``mlp()`` models, stepped by ``@torch.compile(
-    fullgraph=True) def fn(): opt.step()`` and eagerly, side by side for 3 steps with lr changed
-    between them (test_optimizers.py runs it for every optimizer)."""
+    fullgraph=True) def fn(): opt.step()`` and eagerly, one after the other for 3 steps with lr
+    changed between them (test_optimizers.py runs it for every optimizer). After the first step
+    nothing compiles again: not the user's function, nor the step's own compiled functions (the
+    README's advice for error_on_recompile / set_stance("fail_on_recompile"))."""
     (model, opt), (reference_model, reference) = ((m, make(m.parameters())) for m in (mlp(), mlp()))
     x = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
 
@@ -286,12 +289,12 @@ def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(3):
-            for m, step_fn in ((model, compiled_step), (reference_model, reference.step)):
-                m(x).square().mean().backward()
-                step_fn()
+        for m, o, step_fn in ((model, opt, compiled_step), (reference_model, reference, reference.step)):
+            for step in range(3):
+                with torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext():
+                    m(x).square().mean().backward()
+                    step_fn()
                 m.zero_grad()
-            for o in (opt, reference):
                 o.param_groups[0]["lr"] = lr / (step + 2)
     # torch's own DeprecationWarnings (torch.jit inside inductor) are not ours to fix
     assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
