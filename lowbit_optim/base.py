@@ -953,6 +953,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if param.numel():
                     self._use_fused(p, True, param, local(grad), step, values, mode)
 
+    def _make_states(self) -> None:
+        """Makes the states this optimizer's next step would make, stepping nothing: where dynamo
+        traces its step (step_op.py), so that the traced code after the step can read a first
+        step's states (under fullgraph=True, a missing one failed every call, none of which stepped)."""
+        for group in self.param_groups:
+            declared = {s.name for s in self._declared(group)}
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_inputs(p, p, group, declared)
+
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``
         after it), and autograd does not check a gradient assigned through it: each step checks them,

@@ -185,6 +185,14 @@ def _break_if_edited(ctx) -> None:
             ctx.graph_break(STATES_USED_IN_GRAPH.format(name=name))
 
 
+def _make_states(ctx) -> None:
+    """At trace time: the states the stepped optimizer's step will make, made now (base's
+    _make_states), so that code traced after the step finds them (a new graph input each)."""
+    stepped = _stepped(ctx)
+    if len(stepped) == 1:  # (where dynamo made the key symbolic and neither tells which: none)
+        stepped[0]._make_states()
+
+
 def _stepped(ctx) -> list:
     """The optimizer being stepped, from the traced ``step``'s locals: by its key, or where dynamo made
     that symbolic, by its option_places function (every optimizer where neither tells)."""
@@ -214,6 +222,7 @@ def step(key: int, params: list[Tensor], groups: list[dict], option_places) -> N
     param-group order; ``groups``: its param_groups; ``option_places``: what register gave) as one
     op of the graph being traced."""
     comptime(_break_if_edited)
+    comptime(_make_states)
     index, places = option_places()
     options = [groups[g][name] if i == -1 else groups[g][name][i] for g, name, i in places]
     torch.ops.lowbit_optim.step(key, *with_grads(params), options, index)

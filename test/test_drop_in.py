@@ -511,6 +511,32 @@ def test_states_used_inside_torch_compile_around_the_step():
             refused()
 
 
+def test_states_read_after_a_first_step_inside_torch_compile():
+    """A state read after opt.step() in a fullgraph=True function, from the first call on: the
+    states a first step makes are made where dynamo traces the step (missing there, they failed
+    every call, none of which stepped). Reads and training are the eager ones."""
+    x, y = regression_data()
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+
+        def step_and_read():
+            opt.step()
+            return opt.state[model[0].weight]["exp_avg"].dequantize().abs().sum()
+
+        step_fn = torch.compile(step_and_read, fullgraph=True) if compiled else step_and_read
+        reads = []
+        for _ in range(3):
+            (model(x) - y).square().mean().backward()
+            reads.append(step_fn())
+            opt.zero_grad()
+        runs.append((model, opt, reads))
+    (model, opt, reads), (c_model, c_opt, c_reads) = runs
+    torch.testing.assert_close(c_reads, reads, rtol=1e-5, atol=0)  # (sums: compiled reductions)
+    assert_same_training(model, opt, c_model, c_opt)
+
+
 def test_another_optimizers_states_used_before_a_step_break_nothing():
     """Optimizers given to the compiled function as arguments (dynamo makes their keys symbolic):
     one's state logged between the two steps is the other's business, under fullgraph=True."""
