@@ -937,17 +937,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_kernel_takes(self, groups: list[dict], items: dict) -> None:
         """Raise the error of fused=True where the kernel cannot take a parameter of ``groups``
         (``items``: _checked_items'; its states, made here, enter the verdict), before the step
-        changes anything. Once a parameter has a verdict it is skipped (each step would pay a few
-        microseconds per parameter): only new states (the first step, a new format) are decided
-        here; a verdict made stale by a load, or a gradient of another dtype, is refused where the
-        group steps, as before."""
+        changes anything. Once a parameter has a verdict for its dtype it is skipped (each step would
+        pay a few microseconds per parameter): only new states (the first step, a new format, a
+        load) and a dtype changed through ``.data`` are decided here."""
         verdicts = self.__dict__.get("_kernel_verdicts", {})
         for group in groups:
             if not group["fused"]:
                 continue
             declared = {s.name for s in self._declared(group)}
             for p, tensor, grad in items[id(group)]:
-                if p in verdicts:
+                decided = verdicts.get(p)
+                if decided is not None and decided[1][1] is tensor.dtype:  # (its facts: mode, dtype, device)
                     continue
                 _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
                 if param.numel():
@@ -971,6 +971,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(_sparse_gradients_refused(type(self).__name__, self.torch_name))
         _check_grad_shape(p, grad)
+        state = self.state.get(p)
+        if state:
+            _check_state_shapes(p, state)
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
         _check_fp16_update(group, [p])
@@ -1167,6 +1170,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         finally:
             for hook in hooks:
                 hook.remove()
+        self.__dict__.pop("_kernel_verdicts", None)  # new states: fused=True's checks decide anew before a step
         in_backward.begin_step(self)
         if norm is not None and self._max_grad_norm is not None:  # the next step in backward clips with it
             in_backward.set_last_grad_norm(self, norm)
@@ -1646,6 +1650,22 @@ def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
         )
 
 
+def _check_state_shapes(param: Tensor, state: dict) -> None:
+    # a parameter reshaped through .data (a weight transposed, of as many elements) would be stepped
+    # with states that belong to other elements, or its kernel step refused after other groups stepped.
+    # Its states are made together, from its shape: the first tells (each step pays this per parameter)
+    for name, value in state.items():
+        if name == "step":
+            continue
+        if isinstance(value, Tensor) and value.shape != param.shape:
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} has a {name!r} state of shape {tuple(value.shape)}: the "
+                "parameter's shape (through .data) or the state was changed after its states were made. Delete "
+                "its states (del opt.state[p]) to start them afresh, or give the parameter back its shape"
+            )
+        return
+
+
 def _loaded_state(name: str, param: Tensor, index: int) -> str:
     """How load errors name a checkpoint state: by its parameter's place in the checkpoint."""
     return f"checkpoint state {name!r} of parameter {index} (shape {tuple(param.shape)})"
@@ -1717,7 +1737,7 @@ def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor
                     continue
                 except ValueError as inconsistent:
                     problem = str(inconsistent)
-            elif name != "step" and isinstance(value, Tensor) and value.shape != local(p).shape:
+            elif name != "step" and isinstance(value, Tensor) and value.shape != local(p).shape:  # (one set by hand)
                 problem = f"its {name} state has shape {tuple(value.shape)}"
             else:
                 continue

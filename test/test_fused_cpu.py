@@ -670,6 +670,22 @@ class TestRefusals(expecttest.TestCase):
         self.assertTrue(torch.equal(first, before))
         self.assertEqual(float(opt.state[first].get("step", 0)), 0.0)
 
+    def test_fused_true_refuses_a_dtype_changed_after_a_step_before_any_group_steps(self):
+        """A parameter made fp16 through .data after its first step (model.half() on part of a model)
+        has its verdict for float32: it is decided anew before the groups before it step (they were
+        stepped, then the refusal came)."""
+        first, later = (torch.nn.Parameter(torch.randn(64, 96)) for _ in range(2))
+        opt = lowbit_optim.AdamW([{"params": [first]}, {"params": [later]}], state_format="8bit", fused=True)
+        for p in (first, later):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        later.data, later.grad = later.data.half(), later.grad.half()
+        before = first.detach().clone()
+        with self.assertRaisesRegex(RuntimeError, r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(64, 96\): parameter dtype torch.float16"):
+            opt.step()
+        self.assertTrue(torch.equal(first, before))
+        self.assertEqual(float(opt.state[first]["step"]), 1.0)
+
     def test_bad_fused_arguments(self):
         with self.assertRaises(ValueError) as caught:
             lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True, compile=False)

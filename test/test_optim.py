@@ -1056,6 +1056,33 @@ def made_float64_after_construction():
     opt.step()
 
 
+def transposed_after_a_step(kwargs: dict | None = None, groups: int = 1) -> list[nn.Parameter]:
+    """Parameters of shape (20, 15), stepped once, the last made (15, 20) through .data and stepped
+    again (what the step refuses); returns them."""
+    params = [nn.Parameter(torch.randn(20, 15)) for _ in range(groups)]
+    opt = lowbit_optim.AdamW([{"params": [p]} for p in params], **(kwargs or {}))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params[-1].data = params[-1].data.t().contiguous()
+    params[-1].grad = torch.randn_like(params[-1])
+    before = [p.detach().clone() for p in params]
+    try:
+        opt.step()
+    finally:  # refused before any group stepped
+        assert all(float(opt.state[p]["step"]) == 1 and torch.equal(p, b) for p, b in zip(params[:-1], before))
+    return params
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(fused=False), dict(compile=False), dict(state_format="8bit", min_quantize_numel=0), dict(state_format="8bit", min_quantize_numel=0, fused=False)], ids=str)
+def test_a_parameter_reshaped_after_its_states_were_made_is_refused_before_any_step(kwargs):
+    """p.data given another shape of as many elements (a weight transposed between layouts): its
+    states belong to other elements. Every path refuses it, before any group steps (it was stepped
+    with misplaced moments, or refused after the groups before it had stepped)."""
+    with pytest.raises(ValueError, match=r"a parameter of shape \(15, 20\) has a 'exp_avg' state of shape \(20, 15\)"):
+        transposed_after_a_step(kwargs, groups=2)  # (which checks that no group stepped)
+
+
 def fp16_parameter_fused():
     p = nn.Parameter(torch.randn(8, dtype=torch.float16))
     p.grad = torch.randn_like(p)
@@ -1093,6 +1120,7 @@ BAD_INPUT = {
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "a parameter made float64 through .data": made_float64_after_construction,
+    "a parameter transposed through .data after a step": transposed_after_a_step,
     "fused=True, an fp16 parameter": fp16_parameter_fused,
     "negated-view parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4)._neg_view())]),
     "compensation_format='factored'": with_one_param(param_update="kahan", compensation_format="factored"),
@@ -1158,6 +1186,7 @@ block_size with fp32 states: ValueError: block_size=64 applies to blockwise stat
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999); 1 given
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 a parameter made float64 through .data: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+a parameter transposed through .data after a step: ValueError: a parameter of shape (15, 20) has a 'exp_avg' state of shape (20, 15): the parameter's shape (through .data) or the state was changed after its states were made. Delete its states (del opt.state[p]) to start them afresh, or give the parameter back its shape
 fused=True, an fp16 parameter: RuntimeError: fused=True, but the fused CPU kernel cannot step a parameter of shape (8,): parameter dtype torch.float16 (it takes float32 and bfloat16). Pass fused=None to step such parameters with the compiled step.
 negated-view parameter: TypeError: a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())
 compensation_format='factored': ValueError: compensation_format 'factored' holds nonnegative values only, and Kahan's compensation (the rounding error of each bf16 weight) is signed: use a signed format, e.g. 'bf16-sr' (2 bytes), '8bit-log' (1) or 'fp32'
