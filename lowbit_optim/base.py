@@ -233,6 +233,21 @@ def _pieces(call: tuple, limit: int) -> list[tuple]:
     return pieces
 
 
+def _cpu_by_default(method):
+    """``method`` with the tensors it makes without a device (step counters, as torch.optim's,
+    scratch buffers, tables) on the CPU where the caller made another device the default
+    (torch.set_default_device, ``with torch.device(...)``): they would land there."""
+
+    @functools.wraps(method)
+    def on_the_cpu(*args, **kwargs):
+        if torch._C._len_torch_function_stack() and torch.get_default_device().type != "cpu":  # (the first: 0.05 us)
+            with torch.device("cpu"):
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return on_the_cpu
+
+
 class StateFormatError(ValueError):
     """A state format refused for one of an optimizer's states (one that holds nonnegative values only
     for a signed state, _check_signed; one too coarse for a slow average, _check_decays), with a
@@ -754,6 +769,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._step_params(with_grads, grads, positions)
         return loss
 
+    @_cpu_by_default
     def _step_params(self, params: list[Tensor], grads: list[Tensor], positions: list[int], traced: tuple | None = None) -> None:
         """Step ``params`` (the parameters that have a gradient, or the tensors the step op was
         given for them) with ``grads``; ``positions``: theirs among all parameters in param-group
@@ -783,6 +799,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # ---- the step in backward -------------------------------------------------------------------
 
+    @_cpu_by_default
     def _step_one(self, group: dict, param: Tensor, grad: Tensor) -> None:
         """Step one parameter of ``group`` (the step in backward's hook)."""
         self._check_edits([group])
@@ -1095,6 +1112,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
+    @_cpu_by_default
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint of this or any other format (or of the torch.optim optimizer this one
         reproduces, or of bitsandbytes' version of it, see ``foreign.from_bitsandbytes``): states

@@ -303,6 +303,29 @@ def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
     assert_same_training(reference_model, reference, model, opt)
 
 
+@pytest.mark.parametrize("fused", [None, True, False], ids=["default", "fused", "compiled"])
+def test_a_default_device_around_the_step_places_nothing(fused):
+    """torch.set_default_device / ``with torch.device(...)`` around step() and load_state_dict()
+    (here "meta", which holds no values) changes nothing: the tensors the optimizer makes without a
+    device (step counters, as torch.optim's, scratch buffers) are on the CPU as without it. They
+    landed there, and the step failed."""
+    x, y = regression_data()
+    runs = []
+    for device in (None, "meta"):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", fused=fused)
+        for _ in range(2):
+            (model(x) - y).square().mean().backward()
+            with torch.device(device) if device else contextlib.nullcontext():
+                opt.step()
+            opt.zero_grad()
+        with torch.device(device) if device else contextlib.nullcontext():
+            opt.load_state_dict(save_and_load(opt.state_dict()))
+        runs.append((model, opt))
+    assert {t.device.type for state in runs[1][1].state.values() for t in state.values()} == {"cpu"}
+    assert_same_training(*runs[0], *runs[1])
+
+
 def test_grad_scaler_skips_non_finite_steps():
     """torch.amp.GradScaler drives the optimizer as it drives torch.optim: scaled gradients are
     unscaled before the step, and a step with a non-finite gradient (which would poison a whole block
