@@ -185,6 +185,8 @@ def build() -> pathlib.Path:
             result = _run(argv)
             if result.returncode != 0:
                 raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
+            if not partial.is_file() or partial.stat().st_size == 0:  # (CC=true: a program that compiles nothing)
+                raise OSError(f"{' '.join(argv)} exited 0 but wrote no library: CC={cc!r} is no C compiler; fix it, or unset CC to use gcc, cc or clang")
         except OSError:
             with contextlib.suppress(OSError):  # (in a read-only cache: the compiler's own error says so)
                 partial.unlink(missing_ok=True)
