@@ -161,8 +161,9 @@ def _shards_with_fsdp(args) -> bool:
 
 
 def _launched_with_fsdp() -> bool:
-    """Whether ``accelerate launch --use_fsdp`` started this process (its environment says so)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+    """Whether ``accelerate launch --use_fsdp`` started this process (its environment says so, read
+    as accelerate's Accelerator reads it: "1" makes no FSDP plugin)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def _fsdp_version(args) -> str:

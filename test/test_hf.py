@@ -135,6 +135,9 @@ def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
             optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
         launched.setenv("FSDP_VERSION", "2")
         optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
+        launched.setenv("ACCELERATE_USE_FSDP", "1")  # accelerate's Accelerator shards only for "true"
+        with pytest.raises(ValueError, match=r"2 processes without FSDP"):
+            optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2}), step_in_backward=True)
     optimizer_cls_and_kwargs(model, SimpleNamespace(**{**vars(args), "world_size": 2, "parallelism_config": SimpleNamespace(dp_shard_size=2)}), step_in_backward=True)
     with pytest.raises(ValueError, match=r"max_grad_norm here clips in backward, for step_in_backward=True; .* TrainingArguments\(max_grad_norm"):
         optimizer_cls_and_kwargs(model, args, max_grad_norm=1.0)
