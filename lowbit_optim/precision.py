@@ -87,7 +87,8 @@ def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor,
     elif mode == "int8-correction":
         rounded = quant.bf16_round_nearest(new)
         units = ((new - rounded) / bf16_ulp(rounded) * CORRECTION_UNITS_PER_ULP).round()
-        units = torch.where(bf16_ulp(rounded) > 0, units, torch.zeros_like(units))
+        # none beside a zero, subnormal or non-finite weight (NaN units: an int8 of NaN is undefined), as the kernel's store
+        units = torch.where((bf16_ulp(rounded) > 0) & (units == units), units, torch.zeros_like(units))
         extra.copy_(units.to(torch.int8))
         param.copy_(rounded)
     else:
