@@ -832,6 +832,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
+            if extra is None and mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
+                _fold_stale_buffer(param, state, group["param_update"])
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
                     step.add_(1)
@@ -1666,6 +1668,16 @@ def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
             f"the gradient of a parameter of shape {tuple(param.shape)} has shape {tuple(grad.shape)}; it was "
             "probably set through .data. Assign p.grad a tensor of the parameter's shape"
         )
+
+
+def _fold_stale_buffer(param: Tensor, state: dict, mode: str) -> None:
+    """The buffer ``mode`` keeps beside a bf16 weight, if ``state`` holds one though ``param`` (its
+    local tensor) is no longer bf16 (model.float()), folded into it and dropped: a later cast back
+    to bf16 read it as that weight's (a step of lr 0 moved weights), and makes a buffer afresh."""
+    buffer = state.pop(precision.extra_state_name(mode), None) if param.dtype == torch.float32 else None
+    if buffer is not None:
+        held = local(buffer)
+        precision.fold_extra(param, held.dequantize() if isinstance(held, StateTensor) else held.float(), mode)
 
 
 def _check_state_shapes(param: Tensor, state: dict) -> None:

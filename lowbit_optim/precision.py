@@ -73,6 +73,15 @@ def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     return p
 
 
+def fold_extra(param: Tensor, held: Tensor, mode: str) -> None:
+    """Add to ``param``, a bf16 weight made fp32 since ``mode`` kept its buffer (``held``: the
+    buffer's values as fp32; model.float() after bf16 steps), what the buffer held: the fp32 weight
+    that run stood for. A weight set since (no bf16 value now) is not the buffer's: left as it is."""
+    if mode == "int8-correction":
+        held = held * (bf16_ulp(param.float()) / CORRECTION_UNITS_PER_ULP)
+    param.add_(torch.where(param == param.bfloat16().float(), held, torch.zeros_like(held)))
+
+
 def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor, mode: str) -> None:
     """Store fp32 ``new`` (computed from ``start`` = read_param(...)) into ``param`` (and ``extra``)."""
     mode = _checked(param, extra, mode)

@@ -427,6 +427,34 @@ def test_a_model_cast_to_bf16_after_a_step_starts_its_buffer_from_zero_error(mod
     assert opt.state[model[0].weight][name].shape == (64, 80) and bool(model[0].weight.isfinite().all())
 
 
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "compiled"])
+@pytest.mark.parametrize("mode", ["kahan", "int8-correction"])
+def test_a_model_made_fp32_after_bf16_steps_takes_the_weights_its_buffer_stood_for(mode, fused):
+    """model.float() after bf16 steps: the next step folds the buffer into the fp32 weights (the
+    weights that run stood for) and drops it, and a cast back to bf16 starts one afresh. The stale
+    buffer was kept, and read as the new bf16 weights' (a step of lr 0 moved them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 2)).bfloat16()
+    exact = {"compensation_format": "fp32"} if mode == "kahan" else {}
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=mode, fused=fused, **exact)
+    _train(model, opt, 3)
+    name, weight = precision.extra_state_name(mode), model[0].weight
+    buffer = opt.state[weight][name]
+    stood_for = weight.float() + (buffer if mode == "kahan" else buffer.float() * precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP)
+    assert bool((stood_for != weight.float()).any()), "test setup: a buffer that holds something"
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        before = weight.detach().clone()
+        opt.param_groups[0]["lr"] = 0.0  # a step that moves nothing
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        if dtype == torch.float32:
+            assert torch.equal(weight, stood_for) and name not in opt.state[weight]
+        else:
+            assert torch.equal(weight, before) and not bool(opt.state[weight][name].float().any())
+
+
 @pytest.mark.parametrize("mode", ["stochastic", "kahan", "int8-correction"])
 def test_fp16_parameters_refuse_a_bf16_param_update(mode):
     """The param_update modes keep bf16 weights precise; fp16 weights would be rounded to nearest
