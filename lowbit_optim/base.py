@@ -75,7 +75,9 @@ def _compiled(function, step_function):
     compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
-        if _on_meta(args[0]) or _WITHOUT_COMPILER:  # nothing to compute, and dynamo cannot fake a state subclass on meta
+        # on meta: nothing to compute, and dynamo cannot fake a state subclass there; under a TorchDispatchMode
+        # (FlopCounterMode) dynamo skips the frame, which fullgraph=True refuses: the same formulas eagerly
+        if _on_meta(args[0]) or _WITHOUT_COMPILER or torch._C._len_torch_dispatch_stack():
             return function(*args, **kwargs)
         with _configured(torch.fx.experimental._config, use_duck_shape=False), _raised_recompile_limit():
             try:
@@ -711,7 +713,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Makes each state ``param`` lacks under ``group``'s options (all of them at its first step)
         as a first step makes it, from its initial value."""
         if self._declared(group) and "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # never the default dtype: bf16 stops counting at 256
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # never the default dtype: bf16 stops counting at 256
         for name in self._state_names(param, group):
             if name not in state:
                 state[name] = self._new_state(param, group, name)
@@ -946,6 +948,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             items[id(group)].append((p, tensor, grad))
         return items
 
+    @_cpu_by_default
     def _check_step_would_run(self) -> None:
         """Raise what this optimizer's step() would refuse of its parameters and gradients now,
         stepping nothing: MuonWithAdamW checks its AdamW part so before its Muon part steps."""
@@ -972,15 +975,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if param.numel():
                     self._use_fused(p, True, param, local(grad), step, values, mode)
 
+    @_cpu_by_default
     def _make_states(self) -> None:
         """Makes the states this optimizer's next step would make, stepping nothing: where dynamo
         traces its step (step_op.py), so that the traced code after the step can read a first
-        step's states (under fullgraph=True, a missing one failed every call, none of which stepped)."""
+        step's states (under fullgraph=True, a missing one failed every call, none of which stepped).
+        A parameter the step refuses gets none: the op raises why as it runs (raised here, dynamo
+        would wrap it as its own internal error)."""
         for group in self.param_groups:
             declared = {s.name for s in self._declared(group)}
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_inputs(p, p, group, declared)
+                    with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                        self._check_stepped(p, p.grad, group)
+                        self._step_inputs(p, p, group, declared)
 
     def _check_stepped(self, p: Tensor, grad: Tensor, group: dict) -> None:
         """What the constructor checked of ``p`` may have changed through ``.data`` (``model.half()``

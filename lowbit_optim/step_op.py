@@ -66,15 +66,14 @@ _KEYS_A_MODE_EXCLUDES = tuple(
 
 @contextlib.contextmanager
 def _dispatch_keys_of_a_plain_call():
-    """The op's body with the dispatch keys a plain call of it sees (inference mode's exclusion of
-    ADInplaceOrView kept), whether or not a TorchDispatchMode is handling it."""
+    """The op's body with the dispatch keys a plain call of it sees, whether or not a
+    TorchDispatchMode is handling it."""
     excluded = torch._C._dispatch_tls_local_exclude_set()
     if not excluded.has(torch._C.DispatchKey.PythonTLSSnapshot):  # no mode is handling it
         yield
         return
     for key in _KEYS_A_MODE_EXCLUDES:
-        if not (key == torch._C.DispatchKey.ADInplaceOrView and torch.is_inference_mode_enabled()):
-            excluded = excluded.remove(key)
+        excluded = excluded.remove(key)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
         yield
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
+from torch.utils.flop_counter import FlopCounterMode
 
 import lowbit_optim
 from conftest import all_formats, torch_setting
@@ -303,8 +304,17 @@ def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
     assert_same_training(reference_model, reference, model, opt)
 
 
-@pytest.mark.parametrize("fused", [None, True, False], ids=["default", "fused", "compiled"])
-def test_a_default_device_around_the_step_places_nothing(fused):
+DEFAULT_DEVICE_CASES = {
+    "default": lambda model: lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit"),
+    "fused": lambda model: lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", fused=True),
+    "compiled": lambda model: lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", fused=False),
+    # (its AdamW part's checks, before its Muon part steps, make that part's first states)
+    "MuonWithAdamW": lambda model: lowbit_optim.MuonWithAdamW(model, muon=dict(lr=LR), adamw=dict(lr=LR, fused=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULT_DEVICE_CASES))
+def test_a_default_device_around_the_step_places_nothing(case):
     """torch.set_default_device / ``with torch.device(...)`` around step() and load_state_dict()
     (here "meta", which holds no values) changes nothing: the tensors the optimizer makes without a
     device (step counters, as torch.optim's, scratch buffers) are on the CPU as without it. They
@@ -313,7 +323,7 @@ def test_a_default_device_around_the_step_places_nothing(fused):
     runs = []
     for device in (None, "meta"):
         model = make_mlp()
-        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", fused=fused)
+        opt = DEFAULT_DEVICE_CASES[case](model)
         for _ in range(2):
             (model(x) - y).square().mean().backward()
             with torch.device(device) if device else contextlib.nullcontext():
@@ -324,6 +334,38 @@ def test_a_default_device_around_the_step_places_nothing(fused):
         runs.append((model, opt))
     assert {t.device.type for state in runs[1][1].state.values() for t in state.values()} == {"cpu"}
     assert_same_training(*runs[0], *runs[1])
+
+
+def test_a_step_under_a_torch_dispatch_mode_runs_eagerly():
+    """Under a TorchDispatchMode (FlopCounterMode counting a training step's flops) dynamo skips the
+    compiled step's frames, which it refused ("found no compiled frames"): the step takes the same
+    formulas eagerly, with compile=False's bits, as torch.optim steps there."""
+    x, y = regression_data()
+    runs = []
+    for options, mode in ((dict(fused=False), FlopCounterMode(display=False)), (dict(compile=False), contextlib.nullcontext())):
+        model = make_mlp()
+        opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", **options)
+        for _ in range(2):
+            (model(x) - y).square().mean().backward()
+            with mode:
+                opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_training(*runs[0], *runs[1])
+
+
+def test_a_refused_step_inside_torch_compile_raises_its_own_error():
+    """A state set by hand to a number, stepped inside the user's torch.compile: the step's own
+    TypeError, as outside (raised where dynamo traced the step, making its states, it came wrapped
+    as dynamo's internal error)."""
+    model = make_mlp()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit")
+    x, y = regression_data()
+    (model(x) - y).square().mean().backward()
+    opt.step()
+    opt.state[model[0].weight]["exp_avg_sq"] = 0.5
+    with pytest.raises(TypeError, match=r"the 'exp_avg_sq' state of a parameter of shape \(64, 96\) is 0.5, not a tensor"):
+        torch.compile(lambda: opt.step())()
 
 
 def test_grad_scaler_skips_non_finite_steps():
