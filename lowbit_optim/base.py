@@ -24,6 +24,7 @@ import operator
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -968,7 +969,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 continue
             declared = {s.name for s in self._declared(group)}
             for p, tensor, grad in items[id(group)]:
-                decided = verdicts.get(p)
+                decided = verdicts.get(id(p))
                 if decided is not None and decided[1][1] is tensor.dtype:  # (its facts: mode, dtype, device)
                     continue
                 _, step, mode, _, param, values = self._step_inputs(p, tensor, group, declared)
@@ -1108,16 +1109,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         layout, the parameter's dtype and its param_update mode do not change from step to step. New
         state tensors (a load, a conversion, a new format) or another mode or dtype decide anew."""
         verdicts = self.__dict__.get("_kernel_verdicts")
-        if verdicts is None:  # by parameter, as self.state; not pickled
+        if verdicts is None:  # not pickled
             verdicts = self.__dict__["_kernel_verdicts"] = {}
         inputs = (step, *values)
         facts = (mode, param.dtype, param.is_cpu)  # what the verdict reads of param
-        cached = verdicts.get(p)
+        key = id(p)  # not the parameter: a dropped layer's, and the states here, were kept for good
+        cached = verdicts.get(key)
         if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
             return cached[2]
         states = {s.name: v for s, v in zip(self.states, values) if v is not None}
         reason = fused_cpu.param_unsupported_reason(param, step, states, mode)
-        verdicts[p] = (inputs, facts, reason)
+        # its entry goes with the parameter (before its id can be another's)
+        alive = cached[3] if cached is not None else weakref.ref(p, lambda _, verdicts=verdicts, key=key: verdicts.pop(key, None))
+        verdicts[key] = (inputs, facts, reason, alive)
         return reason
 
     # ---- checkpoints ----------------------------------------------------------------------------

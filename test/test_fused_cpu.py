@@ -11,6 +11,7 @@ raise with fused=True.
 
 import contextlib
 import ctypes
+import gc
 import math
 import os
 import pathlib
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 
 import expecttest
 import pytest
@@ -686,6 +688,23 @@ class TestRefusals(expecttest.TestCase):
             opt.step()
         self.assertTrue(torch.equal(first, before))
         self.assertEqual(float(opt.state[first]["step"]), 1.0)
+
+    def test_a_parameter_dropped_from_the_optimizer_is_freed(self):
+        """A layer dropped from the model and from the optimizer (its entry in param_groups and its
+        states removed) is freed, as under torch.optim: the kernel's verdict for it kept the
+        parameter, and the states it had checked, for the optimizer's life."""
+        params = [torch.nn.Parameter(torch.randn(64, 96)) for _ in range(2)]
+        opt = lowbit_optim.AdamW(params, state_format="8bit", fused=True)
+        for param in params:
+            param.grad = torch.randn_like(param)
+        opt.step()
+        del param
+        dropped = weakref.ref(params.pop())
+        opt.param_groups[0]["params"] = params
+        del opt.state[dropped()]
+        opt.step()
+        gc.collect()
+        self.assertIsNone(dropped())
 
     def test_bad_fused_arguments(self):
         with self.assertRaises(ValueError) as caught:
