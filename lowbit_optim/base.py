@@ -200,6 +200,19 @@ COMPILED_CHUNK = 1 << 20
 SCRATCH_ELEMENTS = 1 << 22
 
 
+def element_runs(entries: list, sizes: list[int], limit: int) -> list[list]:
+    """``entries`` in order, in runs of at most ``limit`` elements (``sizes``: each entry's), a
+    larger entry alone."""
+    runs, elements = [[]], 0
+    for entry, size in zip(entries, sizes):
+        if runs[-1] and elements + size > limit:
+            runs.append([])
+            elements = 0
+        runs[-1].append(entry)
+        elements += size
+    return [run for run in runs if run]
+
+
 def _pieces(call: tuple, limit: int) -> list[tuple]:
     """A flat step function's arguments (param, grad, step, *states, param_extra) cut into
     consecutive slices of at most about ``limit`` elements on the states' block boundaries, so
@@ -877,15 +890,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # the strided ones in runs of at most SCRATCH_ELEMENTS elements (or one larger parameter), each
         # run in one call through buffers the optimizer keeps: fresh copies each step page-faulted
         # 4-6x the kernel's time, and a call per parameter cost many small ones 60 %
-        run, elements = [], 0
-        for entry in strided:
-            size = entry[0][0].numel()
-            if run and elements + size > SCRATCH_ELEMENTS:
-                self._step_through_scratch(group, run)
-                run, elements = [], 0
-            run.append(entry)
-            elements += size
-        if run:
+        for run in element_runs(strided, [entry[0][0].numel() for entry in strided], SCRATCH_ELEMENTS):
             self._step_through_scratch(group, run)
 
     def _step_through_scratch(self, group: dict, run: list[tuple]) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
-from .base import LowBitOptimizer, State, check_betas, check_nonnegative, sequence_given
+from .base import SCRATCH_ELEMENTS, LowBitOptimizer, State, check_betas, check_nonnegative, element_runs, sequence_given
 from .distributed import is_dtensor, local, map_local
 from .muon_parts import MuonParts
 from .state import StateTensor
@@ -242,15 +242,18 @@ class Muon(LowBitOptimizer):
     def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
         """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
         in bf16 (the rounding the iterations start with: the same numbers), then each matrix's
-        iterations and apply, in one compiled call (muon_parts.py)."""
-        starts = [torch.empty(param.shape, dtype=torch.bfloat16) for param, *_ in items]
-        fused_cpu.muon_momentum([(start, *item[1:]) for start, item in zip(starts, items)], group)
+        iterations and apply, in one compiled call (muon_parts.py). In runs of at most
+        SCRATCH_ELEMENTS elements (a larger matrix alone): the bf16 momenta in flight were the whole
+        group's, 2 bytes a parameter."""
         (lr, decay, _, _), flags = self._tensor_arguments(group, torch.device("cpu"))
         parts = MuonParts(self._compile)
         finish_flags = {k: flags[k] for k in ("ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}  # nesterov was the momentum's
-        for (param, *_), start, correction in zip(items, starts, corrections):
-            mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
-            parts.finish(param, correction, start, lr, decay, **finish_flags, param_update=mode)
+        for run in element_runs(list(zip(items, corrections)), [item[0].numel() for item in items], SCRATCH_ELEMENTS):
+            starts = [torch.empty(item[0].shape, dtype=torch.bfloat16) for item, _ in run]
+            fused_cpu.muon_momentum([(start, *item[1:]) for start, (item, _) in zip(starts, run)], group)
+            for ((param, *_), correction), start in zip(run, starts):
+                mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
+                parts.finish(param, correction, start, lr, decay, **finish_flags, param_update=mode)
 
 
 class AdEMAMix(LowBitOptimizer):

@@ -223,6 +223,20 @@ def test_muon_takes_the_kernel_by_default_for_states_in_codes(monkeypatch, state
     assert sum(calls) == len(MATRICES) * STEPS
 
 
+def test_fused_muon_steps_its_matrices_in_runs_of_bounded_size(monkeypatch):
+    """Muon's bf16 momenta in flight, between the kernel's momentum and each matrix's iterations, are
+    at most SCRATCH_ELEMENTS elements (a larger matrix alone): the whole group's were, 2 bytes a
+    parameter (more than its 8-bit momentum). The same bits as in one run."""
+    sizes = [shape[0] * shape[1] for shape in MATRICES]
+    expected = run(True, cls=MUON, state_format="8bit", shapes=MATRICES)
+    calls = []
+    momentum = fused_cpu.muon_momentum
+    monkeypatch.setattr(fused_cpu, "muon_momentum", lambda items, group: (calls.append(sum(i[0].numel() for i in items)), momentum(items, group)))
+    monkeypatch.setattr(lowbit_optim.optim, "SCRATCH_ELEMENTS", max(sizes))
+    assert_identical(run(True, cls=MUON, state_format="8bit", shapes=MATRICES), expected)
+    assert max(calls) == max(sizes) and len(calls) > STEPS  # (test setup: matrices in several runs)
+
+
 def test_fused_muon_makes_one_compiled_call_per_matrix(monkeypatch):
     """After the kernel's momentum, each matrix's iterations and apply are one compiled call
     (functional.muon_finish): two calls had made a small matrix's default step slower than its
