@@ -1245,9 +1245,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"{self._family} does not keep: it is a checkpoint of another optimizer"
             )
         names = self._state_names(param, group)
+        _convert_precision_buffer(param, group, state, index)
         for name in list(state):
             if name != "step" and name not in names:
-                del state[name]  # e.g. a Kahan buffer or amsgrad maximum this optimizer's options do not use
+                del state[name]  # e.g. an amsgrad maximum this optimizer's options do not use
         for name in names:
             value = state.get(name)
             if value is None:  # a precision buffer the checkpoint did not have: start from zero error
@@ -1685,6 +1686,28 @@ def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
             f"the gradient of a parameter of shape {tuple(param.shape)} has shape {tuple(grad.shape)}; it was "
             "probably set through .data. Assign p.grad a tensor of the parameter's shape"
         )
+
+
+def _convert_precision_buffer(param: Tensor, group: dict, state: dict, index: int) -> None:
+    """A loaded checkpoint's buffer of the other of kahan / int8-correction, checked, converted to
+    the one ``param``'s mode keeps (they hold the same fp32 weights: it was dropped, the new one
+    starting from zero error); where the mode keeps none, dropped with a warning."""
+    keeps = precision.extra_state_name(param_update_of(param, group))
+    for name in {precision.extra_state_name(mode) for mode in precision.PARAM_UPDATES} - {None, keeps}:
+        if name not in state:
+            continue
+        _check_loaded_state(name, state[name], param, index, True)
+        if keeps is None:
+            del state[name]
+            warnings.warn(
+                f"the checkpoint's {name} buffers (of bf16 weights, below their precision) are dropped: this optimizer's "
+                f"param_update ({group['param_update']!r}, parameter of dtype {param.dtype}) keeps none",
+                stacklevel=_outside_stacklevel(),
+            )
+            continue
+        held = local(shard_like(state.pop(name), param))
+        held = held.dequantize() if isinstance(held, StateTensor) else held.float()
+        state[keeps] = like_param(precision.converted_extra(local(param), held, group["param_update"]), param)
 
 
 def _fold_stale_buffer(param: Tensor, state: dict, mode: str) -> None:

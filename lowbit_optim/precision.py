@@ -73,12 +73,23 @@ def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     return p
 
 
+def converted_extra(param: Tensor, held: Tensor, mode: str) -> Tensor:
+    """The buffer ``mode`` keeps beside bf16 ``param`` that holds what ``held`` holds, the other
+    mode's buffer as fp32 values: Kahan's compensation from int8-correction's units, or those units
+    from a compensation (to 1/254 of an ulp; none beside a zero, subnormal or non-finite weight)."""
+    unit = bf16_ulp(param.float()) / CORRECTION_UNITS_PER_ULP
+    if mode == "kahan":
+        return held * unit
+    units = (held / unit).round().clamp(-127, 127)
+    return torch.where((unit > 0) & (units == units), units, torch.zeros_like(units)).to(torch.int8)
+
+
 def fold_extra(param: Tensor, held: Tensor, mode: str) -> None:
     """Add to ``param``, a bf16 weight made fp32 since ``mode`` kept its buffer (``held``: the
     buffer's values as fp32; model.float() after bf16 steps), what the buffer held: the fp32 weight
     that run stood for. A weight set since (no bf16 value now) is not the buffer's: left as it is."""
     if mode == "int8-correction":
-        held = held * (bf16_ulp(param.float()) / CORRECTION_UNITS_PER_ULP)
+        held = converted_extra(param, held, "kahan")
     param.add_(torch.where(param == param.bfloat16().float(), held, torch.zeros_like(held)))
 
 

@@ -308,6 +308,32 @@ def test_any_precision_adamw_loads_a_torchdistx_checkpoint(built):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("saved, loaded", [("kahan", "int8-correction"), ("int8-correction", "kahan"), ("kahan", "nearest")])
+def test_a_buffer_of_the_other_param_update_loads_converted(saved, loaded):
+    """A Kahan checkpoint loaded by an int8-correction optimizer, or the other way round: the buffer
+    converts (both hold the fp32 weights, the int8 units to 1/254 of an ulp); it was dropped, the
+    new one starting from zero error. Where the optimizer keeps none, a warning says it is dropped."""
+    model = _bf16_model()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=saved, compensation_format="fp32" if saved == "kahan" else None)
+    _train(model, opt, 3)
+    weight = model[0].weight
+    unit = precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP
+
+    def stood_for(optimizer, mode):
+        buffer = optimizer.state[weight][precision.extra_state_name(mode)]
+        return weight.float() + (buffer.float() if mode == "kahan" else buffer.float() * unit)
+
+    expected = stood_for(opt, saved)
+    resumed = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=loaded, **({"compensation_format": "fp32"} if loaded == "kahan" else {}))
+    if loaded == "nearest":
+        with pytest.warns(UserWarning, match=r"the checkpoint's compensation buffers .* are dropped: this optimizer's param_update \('nearest'"):
+            resumed.load_state_dict(opt.state_dict())
+        return
+    resumed.load_state_dict(opt.state_dict())
+    assert bool((expected != weight.float()).any()), "test setup: buffers that hold something"
+    assert bool(((stood_for(resumed, loaded) - expected).abs() <= unit / 2).all())
+
+
 def test_any_precision_adamw_loads_matching_torchdistx_options_without_a_warning():
     """A group whose state_format is one name for every state (fp32) matches torchdistx's fp32
     momentum and variance: no warning (it compared the name with the per-state dict)."""
