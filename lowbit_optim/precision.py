@@ -69,7 +69,7 @@ def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     mode = _checked(param, extra, mode)
     p = param.float()
     if mode == "int8-correction":
-        p = p + extra.float() * (bf16_ulp(p) / CORRECTION_UNITS_PER_ULP)
+        p = p + converted_extra(p, extra.float(), "kahan")
     return p
 
 
