@@ -24,7 +24,6 @@ import operator
 import os
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -1118,15 +1117,18 @@ class LowBitOptimizer(torch.optim.Optimizer):
             verdicts = self.__dict__["_kernel_verdicts"] = {}
         inputs = (step, *values)
         facts = (mode, param.dtype, param.is_cpu)  # what the verdict reads of param
-        key = id(p)  # not the parameter: a dropped layer's, and the states here, were kept for good
-        cached = verdicts.get(key)
+        # by id, not the parameter: a dropped layer was kept for good (no weak reference either:
+        # swap_tensors, which FSDP2's and swap-on-conversion's model.to() use, refuses one)
+        cached = verdicts.get(id(p))
         if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
             return cached[2]
+        if cached is None and len(verdicts) >= len(self._params()):  # a parameter dropped since: its entry (and states) go
+            live = {id(q) for q in self._params()}
+            for key in [key for key in verdicts if key not in live]:
+                del verdicts[key]
         states = {s.name: v for s, v in zip(self.states, values) if v is not None}
         reason = fused_cpu.param_unsupported_reason(param, step, states, mode)
-        # its entry goes with the parameter (before its id can be another's)
-        alive = cached[3] if cached is not None else weakref.ref(p, lambda _, verdicts=verdicts, key=key: verdicts.pop(key, None))
-        verdicts[key] = (inputs, facts, reason, alive)
+        verdicts[id(p)] = (inputs, facts, reason)  # (a reused id: its states are new, so it is decided anew)
         return reason
 
     # ---- checkpoints ----------------------------------------------------------------------------

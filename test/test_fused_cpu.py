@@ -720,6 +720,15 @@ class TestRefusals(expecttest.TestCase):
         gc.collect()
         self.assertIsNone(dropped())
 
+    def test_a_stepped_parameter_can_be_swapped(self):
+        """torch.utils.swap_tensors, which FSDP2's model.to() and swap-on-conversion's use, refuses a
+        tensor something holds a weak reference to: the optimizer holds none to its parameters."""
+        model = torch.nn.Linear(96, 64)
+        opt = lowbit_optim.AdamW(model.parameters(), state_format="8bit", fused=True)
+        model(torch.randn(4, 96)).sum().backward()
+        opt.step()
+        torch.utils.swap_tensors(model.weight, torch.nn.Parameter(model.weight.detach().clone()))
+
     def test_bad_fused_arguments(self):
         with self.assertRaises(ValueError) as caught:
             lowbit_optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True, compile=False)
