@@ -729,20 +729,23 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # never the default dtype: bf16 stops counting at 256
         for name in self._state_names(param, group):
             if name not in state:
-                state[name] = self._new_state(param, group, name)
+                state[name] = self._new_state(param, group, name, _converted_buffer(param, state, name))
 
     def _signed(self, name: str) -> bool:
         return name == "compensation" or self._state(name).signed
 
-    def _new_state(self, param: Tensor, group: dict, name: str) -> Tensor:
+    def _new_state(self, param: Tensor, group: dict, name: str, values: Tensor | None = None) -> Tensor:
+        """``param``'s state ``name``, from its initial value or from ``values`` (of the local shard)."""
         # a DTensor (FSDP2) parameter gets a DTensor state holding the state of its local shard
         shard = local(param)
         if name == "param_correction":
-            return like_param(torch.zeros(shard.shape, dtype=torch.int8, device=shard.device), param)
+            return like_param(torch.zeros(shard.shape, dtype=torch.int8, device=shard.device) if values is None else values, param)
         fmt = self.state_format_of(param, group, name)  # decided by the global shape
         state = fmt.zeros(shard.shape, self._signed(name), self._block_size(fmt, group), device=shard.device, dtype=param.dtype)
         initial = 0.0 if name == "compensation" else self._state(name).initial
-        if initial:
+        if values is not None:
+            state.copy_(values)
+        elif initial:
             state.copy_(torch.full(shard.shape, initial, dtype=torch.float32, device=shard.device))
         return like_param(state, param)
 
@@ -848,7 +851,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 grad = grad.resolve_neg()
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
             if extra is None and mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
-                _fold_stale_buffer(param, state, group["param_update"])
+                fold_stale_buffers(param, state)
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
                     step.add_(1)
@@ -1247,14 +1250,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"{self._family} does not keep: it is a checkpoint of another optimizer"
             )
         names = self._state_names(param, group)
-        _convert_precision_buffer(param, group, state, index)
+        kept = _loaded_precision_buffers(param, group, state, index)
         for name in list(state):
-            if name != "step" and name not in names:
+            if name != "step" and name not in names and name not in kept:
                 del state[name]  # e.g. an amsgrad maximum this optimizer's options do not use
         for name in names:
             value = state.get(name)
             if value is None:  # a precision buffer the checkpoint did not have: start from zero error
-                state[name] = self._new_state(param, group, name)
+                if not kept:  # (where it has the other mode's, the first step converts that)
+                    state[name] = self._new_state(param, group, name)
                 continue
             _check_loaded_state(name, value, param, index, name == "param_correction" or self._signed(name))
             value = shard_like(value, param)  # a full (unsharded) checkpoint value for a DTensor parameter
@@ -1690,36 +1694,48 @@ def _check_grad_shape(param: Tensor, grad: Tensor) -> None:
         )
 
 
-def _convert_precision_buffer(param: Tensor, group: dict, state: dict, index: int) -> None:
-    """A loaded checkpoint's buffer of the other of kahan / int8-correction, checked, converted to
-    the one ``param``'s mode keeps (they hold the same fp32 weights: it was dropped, the new one
-    starting from zero error); where the mode keeps none, dropped with a warning."""
-    keeps = precision.extra_state_name(param_update_of(param, group))
-    for name in {precision.extra_state_name(mode) for mode in precision.PARAM_UPDATES} - {None, keeps}:
-        if name not in state:
-            continue
+def _loaded_precision_buffers(param: Tensor, group: dict, state: dict, index: int) -> set[str]:
+    """The names of a loaded checkpoint's Kahan / int8-correction buffers, checked, that stay for
+    ``param``'s first step where its group keeps either: it converts one of the other mode (they hold
+    the same fp32 weights: it was dropped, the new one starting from zero error), or folds it into a
+    parameter no longer bf16, as the run that saved it would have (it was dropped: the resumed run
+    differed), from the weights then loaded. Where the group keeps none, dropped with a warning."""
+    found = [name for name in precision.EXTRA_STATE_MODES if name in state]
+    for name in found:
         _check_loaded_state(name, state[name], param, index, True)
-        if keeps is None:
-            del state[name]
-            warnings.warn(
-                f"the checkpoint's {name} buffers (of bf16 weights, below their precision) are dropped: this optimizer's "
-                f"param_update ({group['param_update']!r}, parameter of dtype {param.dtype}) keeps none",
-                stacklevel=_outside_stacklevel(),
-            )
-            continue
-        held = local(shard_like(state.pop(name), param))
-        held = held.dequantize() if isinstance(held, StateTensor) else held.float()
-        state[keeps] = like_param(precision.converted_extra(local(param), held, group["param_update"]), param)
+        state[name] = shard_like(state[name], param).to(param.device)  # (a full checkpoint value of a DTensor's)
+    if found and precision.extra_state_name(group["param_update"]) is None:
+        warnings.warn(
+            f"the checkpoint's {' and '.join(found)} buffers (of bf16 weights, below their precision) are dropped: this "
+            f"optimizer's param_update ({group['param_update']!r}) keeps none",
+            stacklevel=_outside_stacklevel(),
+        )
+        return set()
+    return set(found)
 
 
-def _fold_stale_buffer(param: Tensor, state: dict, mode: str) -> None:
-    """The buffer ``mode`` keeps beside a bf16 weight, if ``state`` holds one though ``param`` (its
-    local tensor) is no longer bf16 (model.float()), folded into it and dropped: a later cast back
-    to bf16 read it as that weight's (a step of lr 0 moved weights), and makes a buffer afresh."""
-    buffer = state.pop(precision.extra_state_name(mode), None) if param.dtype == torch.float32 else None
-    if buffer is not None:
-        held = local(buffer)
-        precision.fold_extra(param, held.dequantize() if isinstance(held, StateTensor) else held.float(), mode)
+def _held(buffer: Tensor) -> Tensor:
+    """A precision buffer's values, of its local shard, as fp32."""
+    held = local(buffer)
+    return held.dequantize() if isinstance(held, StateTensor) else held.float()
+
+
+def _converted_buffer(param: Tensor, state: dict, name: str) -> Tensor | None:
+    """The values of ``state``'s precision buffer of the other mode (a checkpoint's, kept by
+    _loaded_precision_buffers) as buffer ``name``'s, taken out of ``state``; None where there is none."""
+    mode = precision.EXTRA_STATE_MODES.get(name)
+    other = next((n for n in precision.EXTRA_STATE_MODES if n != name and n in state), None) if mode else None
+    return None if other is None else precision.converted_extra(local(param), _held(state.pop(other)), mode)
+
+
+def fold_stale_buffers(param: Tensor, state: dict) -> None:
+    """A Kahan / int8-correction buffer that ``state`` holds though ``param`` (the local tensor it
+    updates) is fp32 now (model.float() after bf16 steps), folded into it and dropped: a later cast
+    back to bf16 read it as that weight's (a step of lr 0 moved weights), and makes one afresh."""
+    if param.dtype == torch.float32:
+        for name, mode in precision.EXTRA_STATE_MODES.items():
+            if name in state:
+                precision.fold_extra(param, _held(state.pop(name)), mode)
 
 
 def _check_state_shapes(param: Tensor, state: dict) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from . import fused_cpu, precision
-from .base import param_update_of
+from .base import fold_stale_buffers, param_update_of
 from .distributed import local
 from .muon_parts import MuonParts
 
@@ -40,9 +40,10 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
     rows_of, updates, in_kernel = [], [], []  # each matrix's rows and their update in bf16; what the fused CPU kernel computes
     for p, tensor, grad in items:
         state = optimizer.state[p]
-        if not state:
-            optimizer._init_state(p, group, state)
+        optimizer._init_state(p, group, state)  # the missing ones: a first step's, a buffer of a parameter cast to bf16 since
         rows, grad, buffer = local(tensor.detach()), local(grad), local(state["momentum_buffer"])
+        if precision.extra_state_name(param_update_of(p, group)) is None:
+            fold_stale_buffers(rows, state)
         rows_of.append(rows)
         if not rows.numel():  # an empty shard (more ranks than rows) only counts the step
             state["step"].add_(1)

@@ -35,6 +35,7 @@ def check_param_update(mode: str) -> str:
 
 
 _EXTRA_STATE_NAMES = {"kahan": "compensation", "int8-correction": "param_correction"}
+EXTRA_STATE_MODES = {name: mode for mode, name in _EXTRA_STATE_NAMES.items()}  # a buffer's name -> the mode that keeps it
 
 
 def extra_state_name(mode: str) -> str | None:

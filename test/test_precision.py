@@ -311,27 +311,58 @@ def test_any_precision_adamw_loads_a_torchdistx_checkpoint(built):
 @pytest.mark.parametrize("saved, loaded", [("kahan", "int8-correction"), ("int8-correction", "kahan"), ("kahan", "nearest")])
 def test_a_buffer_of_the_other_param_update_loads_converted(saved, loaded):
     """A Kahan checkpoint loaded by an int8-correction optimizer, or the other way round: the buffer
-    converts (both hold the fp32 weights, the int8 units to 1/254 of an ulp); it was dropped, the
-    new one starting from zero error. Where the optimizer keeps none, a warning says it is dropped."""
+    converts at the parameter's first step (both hold the fp32 weights, the int8 units to 1/254 of
+    an ulp), from the weights loaded by then, whatever the order of the two loads; it was dropped,
+    the new one starting from zero error. Where the optimizer keeps none, a warning says it is dropped."""
     model = _bf16_model()
     opt = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=saved, compensation_format="fp32" if saved == "kahan" else None)
     _train(model, opt, 3)
     weight = model[0].weight
     unit = precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP
 
-    def stood_for(optimizer, mode):
-        buffer = optimizer.state[weight][precision.extra_state_name(mode)]
-        return weight.float() + (buffer.float() if mode == "kahan" else buffer.float() * unit)
+    def stood_for(optimizer, mode, param):
+        buffer = optimizer.state[param][precision.extra_state_name(mode)]
+        return param.float() + (buffer.float() if mode == "kahan" else buffer.float() * unit)
 
-    expected = stood_for(opt, saved)
-    resumed = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=loaded, **({"compensation_format": "fp32"} if loaded == "kahan" else {}))
+    expected = stood_for(opt, saved, weight)
+    assert bool((expected != weight.float()).any()), "test setup: buffers that hold something"
+    fresh = copy.deepcopy(model)
+    for p in fresh.parameters():  # a model built afresh: its weights are loaded after the optimizer's state
+        p.data.zero_()
+    resumed = lowbit_optim.AdamW(fresh.parameters(), lr=0.0, param_update=loaded, **({"compensation_format": "fp32"} if loaded == "kahan" else {}))
     if loaded == "nearest":
-        with pytest.warns(UserWarning, match=r"the checkpoint's compensation buffers .* are dropped: this optimizer's param_update \('nearest'"):
+        with pytest.warns(UserWarning, match=r"the checkpoint's compensation buffers .* are dropped: this optimizer's param_update \('nearest'\)"):
             resumed.load_state_dict(opt.state_dict())
         return
     resumed.load_state_dict(opt.state_dict())
-    assert bool((expected != weight.float()).any()), "test setup: buffers that hold something"
-    assert bool(((stood_for(resumed, loaded) - expected).abs() <= unit / 2).all())
+    fresh.load_state_dict(model.state_dict())
+    for group in resumed.param_groups:  # a step that moves nothing
+        group["lr"] = 0.0
+    for p in fresh.parameters():
+        p.grad = torch.zeros_like(p)
+    resumed.step()  # (a weight just above a power of two may round to the finer bf16 value below it)
+    assert bool(((stood_for(resumed, loaded, fresh[0].weight) - expected).abs() <= unit / 2).all())
+
+
+@pytest.mark.parametrize("mode", ["kahan", "int8-correction"])
+def test_a_checkpoint_saved_after_model_float_resumes_exactly(mode):
+    """Saved after model.float() and before the step that folds the buffer in: the resumed run folds
+    it as the original does (the load had dropped it, as an fp32 parameter's)."""
+    model = _bf16_model()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=mode)
+    _train(model, opt, 3)
+    model.float()
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.AdamW(resumed_model.parameters(), lr=1e-3, param_update=mode)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        for i in range(2):
+            o.zero_grad()
+            m(torch.randn(8, 80, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            o.step()
+    assert "compensation" not in resumed.state[model[0].weight] and "param_correction" not in resumed.state[resumed_model[0].weight]
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_any_precision_adamw_loads_matching_torchdistx_options_without_a_warning():
