@@ -850,7 +850,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
-            if extra is None and mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
+            if mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
                 fold_stale_buffers(param, state)
             if param.numel() == 0:  # an empty shard (more ranks than rows) has nothing to update
                 if step is not None:
@@ -1125,7 +1125,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         cached = verdicts.get(id(p))
         if cached is not None and len(cached[0]) == len(inputs) and all(map(operator.is_, cached[0], inputs)) and cached[1] == facts:
             return cached[2]
-        if cached is None and len(verdicts) >= len(self._params()):  # a parameter dropped since: its entry (and states) go
+        if cached is None and len(verdicts) >= sum(len(g["params"]) for g in self.param_groups):  # one dropped since: its entry (and states) go
             live = {id(q) for q in self._params()}
             for key in [key for key in verdicts if key not in live]:
                 del verdicts[key]
@@ -1703,7 +1703,6 @@ def _loaded_precision_buffers(param: Tensor, group: dict, state: dict, index: in
     found = [name for name in precision.EXTRA_STATE_MODES if name in state]
     for name in found:
         _check_loaded_state(name, state[name], param, index, True)
-        state[name] = shard_like(state[name], param).to(param.device)  # (a full checkpoint value of a DTensor's)
     if found and precision.extra_state_name(group["param_update"]) is None:
         warnings.warn(
             f"the checkpoint's {' and '.join(found)} buffers (of bf16 weights, below their precision) are dropped: this "
@@ -1711,6 +1710,8 @@ def _loaded_precision_buffers(param: Tensor, group: dict, state: dict, index: in
             stacklevel=_outside_stacklevel(),
         )
         return set()
+    for name in found:
+        state[name] = shard_like(state[name], param).to(param.device)  # (a full checkpoint value of a DTensor's)
     return set(found)
 
 

@@ -42,7 +42,7 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
         state = optimizer.state[p]
         optimizer._init_state(p, group, state)  # the missing ones: a first step's, a buffer of a parameter cast to bf16 since
         rows, grad, buffer = local(tensor.detach()), local(grad), local(state["momentum_buffer"])
-        if precision.extra_state_name(param_update_of(p, group)) is None:
+        if param_update_of(p, group) != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
             fold_stale_buffers(rows, state)
         rows_of.append(rows)
         if not rows.numel():  # an empty shard (more ranks than rows) only counts the step

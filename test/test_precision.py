@@ -225,6 +225,12 @@ def _bf16_model():
     return torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 2)).to(torch.bfloat16)
 
 
+def _stood_for(optimizer, weight, mode):
+    """The fp32 weight bf16 ``weight`` and its buffer under ``mode`` (kahan, int8-correction) stand for."""
+    buffer = optimizer.state[weight][precision.extra_state_name(mode)].float()
+    return weight.float() + (buffer if mode == "kahan" else buffer * precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP)
+
+
 def _train(model, opt, steps):
     for i in range(steps):
         x = torch.randn(8, 80, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
@@ -319,12 +325,7 @@ def test_a_buffer_of_the_other_param_update_loads_converted(saved, loaded):
     _train(model, opt, 3)
     weight = model[0].weight
     unit = precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP
-
-    def stood_for(optimizer, mode, param):
-        buffer = optimizer.state[param][precision.extra_state_name(mode)]
-        return param.float() + (buffer.float() if mode == "kahan" else buffer.float() * unit)
-
-    expected = stood_for(opt, saved, weight)
+    expected = _stood_for(opt, weight, saved)
     assert bool((expected != weight.float()).any()), "test setup: buffers that hold something"
     fresh = copy.deepcopy(model)
     for p in fresh.parameters():  # a model built afresh: its weights are loaded after the optimizer's state
@@ -341,7 +342,7 @@ def test_a_buffer_of_the_other_param_update_loads_converted(saved, loaded):
     for p in fresh.parameters():
         p.grad = torch.zeros_like(p)
     resumed.step()  # (a weight just above a power of two may round to the finer bf16 value below it)
-    assert bool(((stood_for(resumed, loaded, fresh[0].weight) - expected).abs() <= unit / 2).all())
+    assert bool(((_stood_for(resumed, fresh[0].weight, loaded) - expected).abs() <= unit / 2).all())
 
 
 @pytest.mark.parametrize("mode", ["kahan", "int8-correction"])
@@ -496,8 +497,7 @@ def test_a_model_made_fp32_after_bf16_steps_takes_the_weights_its_buffer_stood_f
     opt = lowbit_optim.AdamW(model.parameters(), lr=1e-3, param_update=mode, fused=fused, **exact)
     _train(model, opt, 3)
     name, weight = precision.extra_state_name(mode), model[0].weight
-    buffer = opt.state[weight][name]
-    stood_for = weight.float() + (buffer if mode == "kahan" else buffer.float() * precision.bf16_ulp(weight.float()) / precision.CORRECTION_UNITS_PER_ULP)
+    stood_for = _stood_for(opt, weight, mode)
     assert bool((stood_for != weight.float()).any()), "test setup: a buffer that holds something"
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
