@@ -137,6 +137,7 @@ class Lion(LowBitOptimizer):
     step_function = staticmethod(functional.lion_step)
     elementwise_step = True
     states = (State("exp_avg", signed=True, decay=lambda group: group["betas"][1]),)  # m = beta2 * m + (1 - beta2) * g
+    _step_when_missing = 1.0  # lion-pytorch's checkpoints count no steps (Lion's update uses none)
 
     def __init__(
         self,
@@ -257,7 +258,8 @@ class Muon(LowBitOptimizer):
 
 
 class AdEMAMix(LowBitOptimizer):
-    """AdEMAMix (Pagliardini et al. 2024) with bitsandbytes' arguments and numbers: Adam's moments
+    """AdEMAMix (Pagliardini et al. 2024) with bitsandbytes' numbers and arguments (but optim_bits; t_alpha /
+    t_beta3 None, not 0, for no warm-up: AdEMAMix8bit takes bitsandbytes' as they are): Adam's moments
     plus a slow first moment ``exp_avg_slow`` (beta3), added to the update with weight ``alpha``;
     decoupled weight decay. ``t_alpha`` / ``t_beta3`` warm alpha and beta3 up over that many steps
     (None: no warm-up). ``state_format`` may be a dict over exp_avg, exp_avg_slow and exp_avg_sq."""

@@ -574,6 +574,24 @@ def test_torch_sgd_checkpoint_loads():
     assert {stored_as(s["momentum_buffer"]) for s in quantized.state.values()} == {"8bit", "fp32"}
 
 
+def test_lion_checkpoint_without_step_counters_loads():
+    """lion-pytorch (the usual reference Lion) saves exp_avg alone, no step counter: such a checkpoint
+    resumes exactly, as Lion's update reads no count."""
+    model = make_mlp()
+    opt = lowbit_optim.Lion(model.parameters(), lr=1e-3, weight_decay=0.1, compile=False)
+    train(model, opt, 2)
+    checkpoint = save_and_load(opt.state_dict())
+    for state in checkpoint["state"].values():
+        del state["step"]
+    resumed_model = copy.deepcopy(model)
+    resumed = lowbit_optim.Lion(resumed_model.parameters(), lr=1e-3, weight_decay=0.1, compile=False)
+    resumed.load_state_dict(checkpoint)
+    train(model, opt, 2)
+    train(resumed_model, resumed, 2)
+    for a, b in zip(resumed_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("opt_info", [o for o in BUILTIN_OPTIMIZERS if o.torch_cls], ids=str)
 def test_constructor_and_groups_like_torch(opt_info):
     """Where torch.optim has the optimizer, the constructor takes its arguments (positional ones in
