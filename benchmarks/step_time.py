@@ -246,7 +246,7 @@ class NewtonSchulzOnly(torch.optim.Optimizer):
     def __init__(self, params):
         super().__init__(params, dict(lr=0.0))
         iterate = lowbit_optim.base.compiled_step(lowbit_optim.functional.newton_schulz)
-        self.orthogonalize = lambda g: iterate(g, (3.4445, -4.775, 2.0315), 5, 1e-7)  # torch.optim.Muon's defaults
+        self.orthogonalize = lambda g: iterate(g, (3.4445, -4.775, 2.0315), 5, torch.tensor(1e-7))  # torch.optim.Muon's defaults
 
     @torch.no_grad()
     def step(self):

@@ -23,6 +23,7 @@ import numbers
 import operator
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def _compiled(function, step_function):
     It runs without duck sizing: sizes that happen to be equal in one call (a square matrix's two
     low-rank factors, two parameters of a foreach chunk) must not be assumed equal in the next, or
     a graph traced or cached so would be retraced per arrangement of shapes, or fail another's."""
-    compiled = torch.compile(function, fullgraph=True, dynamic=True, options=_inductor_options(step_function))
+    compiled = torch.compile(private_copy(function, "lowbit_optim"), fullgraph=True, dynamic=True, options=_inductor_options(step_function))
 
     def run(*args, **kwargs):
         # on meta: nothing to compute, and dynamo cannot fake a state subclass there; under a TorchDispatchMode
@@ -95,6 +96,18 @@ def _compiled(function, step_function):
         return function(*args, **kwargs)
 
     return run
+
+
+def private_copy(function, owner: str):
+    """``function`` under a code object of its own, named for ``owner``: dynamo keeps a function's
+    graphs on its code object and counts them against recompile_limit there, so the optimizers'
+    graphs of a public step function (lowbit_optim.adam_step) and those of a user who compiles it
+    too must not share one (the user's would fail their limit of 8 after the optimizers' 6)."""
+    name = f"{function.__name__}__{owner}"
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    duplicate = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+    duplicate.__kwdefaults__ = function.__kwdefaults__
+    return duplicate
 
 
 _WITHOUT_COMPILER: list = []  # the error that showed torch.compile has no C++ compiler here (then steps run eagerly)

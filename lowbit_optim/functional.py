@@ -3,6 +3,10 @@
 torch.compile traces them through the state subclasses' dispatch (reading dequantizes, ``copy_``
 quantizes), so the same function serves fp32, bf16 and every quantized format. Hyper-parameters
 arrive as 0-d tensors so that changing them never recompiles.
+
+They are public (``lowbit_optim.adam_step`` etc.), so each first checks what the optimizers check
+when they are built (_check_call): a wrong call is refused before any tensor is written. Compiled
+yourself, a Muon step matches torch.optim.Muon with ``options=muon_step.inductor_options``.
 """
 
 import math
@@ -11,6 +15,29 @@ import torch
 from torch import Tensor
 
 from . import precision
+from .state import StateTensor
+
+
+def _check_call(param: Tensor, param_extra: Tensor | None, param_update: str, step, signed: dict, numbers: dict, *, counts: bool = True) -> None:
+    """Raise where a step function is called as no optimizer calls it: ``step`` not a counter
+    tensor (where it ``counts``), a number (``numbers``, by name) not a tensor, a state that can be negative (``signed``,
+    by name) held unsigned (it would be clamped at 0, or be a factored state's garbage), or
+    ``param_update``'s buffer missing."""
+    if counts and not isinstance(step, Tensor):
+        raise TypeError(f"step must be the step counter, a 0-d float32 tensor counted in place (e.g. torch.zeros(())), not {type(step).__name__}")
+    for name, value in numbers.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be a 0-d tensor, e.g. torch.tensor({value!r}), not {type(value).__name__}: the step functions "
+                "take their numbers as tensors, so that a compiled step never recompiles when one changes"
+            )
+    for name, state in signed.items():
+        if isinstance(state, StateTensor) and not state.signed:
+            raise ValueError(
+                f"{name} can be negative, but it is an unsigned {type(state).__name__}: make it with signed=True, "
+                "in a format that holds signed values (not 'factored')"
+            )
+    precision.checked_mode(param, param_extra, param_update)
 
 
 def _unless_v_is_zero(update: Tensor, v: Tensor) -> Tensor:
@@ -48,6 +75,8 @@ def adam_step(
     ``param_update`` says how the fp32 result lands in a bf16 parameter (see precision.py);
     ``param_extra`` is that mode's buffer (Kahan compensation or int8 correction), if any.
     """
+    numbers = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, one_minus_beta1=one_minus_beta1, one_minus_beta2=one_minus_beta2)
+    _check_call(param, param_extra, param_update, step, dict(exp_avg=exp_avg), numbers)
     step.add_(1)
     start = precision.read_param(param, param_extra, param_update)
     p = start
@@ -97,6 +126,8 @@ def sgd_step(
     gradient itself in the buffer, as torch.optim does, and later ones ``momentum * buf + (1 -
     dampening) * g``.
     """
+    numbers = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, one_minus_dampening=one_minus_dampening)
+    _check_call(param, param_extra, param_update, step, dict(momentum_buffer=momentum_buffer), numbers, counts=momentum_buffer is not None)
     start = precision.read_param(param, param_extra, param_update)
     g = grad.float()
     if maximize:
@@ -126,6 +157,8 @@ def lion_step(
 ) -> None:
     """One Lion step (Chen et al. 2023): the sign of an interpolation between the momentum and the
     gradient (beta1), then the momentum moves towards the gradient (beta2); decoupled weight decay."""
+    numbers = dict(lr=lr, weight_decay=weight_decay, one_minus_beta1=one_minus_beta1, one_minus_beta2=one_minus_beta2)
+    _check_call(param, param_extra, param_update, step, dict(exp_avg=exp_avg), numbers)
     step.add_(1)
     start = precision.read_param(param, param_extra, param_update)
     g = grad.float()
@@ -174,7 +207,11 @@ def ademamix_step(
     rises linearly to its value over ``t_alpha`` steps; with ``schedule_beta3`` beta3 rises from
     beta1 over ``t_beta3`` steps along bitsandbytes' schedule (linear in 1 / log(beta)). Both are
     computed in float64 and rounded once, so that ``1 - beta3`` (about 1e-4) keeps its precision.
+    The warm-up of beta3 takes logarithms: it needs beta1 > 0 (AdEMAMix checks it; this does not).
     """
+    numbers = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, one_minus_beta1=one_minus_beta1,
+                   one_minus_beta2=one_minus_beta2, alpha=alpha, t_alpha=t_alpha, beta3=beta3, t_beta3=t_beta3)  # fmt: skip
+    _check_call(param, param_extra, param_update, step, dict(exp_avg=exp_avg, exp_avg_slow=exp_avg_slow), numbers)
     step.add_(1)
     start = precision.read_param(param, param_extra, param_update)
     g = grad.float()
@@ -215,11 +252,11 @@ def muon_step(
     decay: Tensor,
     momentum: Tensor,
     one_minus_momentum: Tensor,
+    eps: Tensor,
     *,
     nesterov: bool,
     ns_coefficients: tuple[float, float, float],
     ns_steps: int,
-    eps: float,
     adjust_lr_fn: str | None,
     param_update: str,
 ) -> None:
@@ -229,14 +266,17 @@ def muon_step(
     matrix's shape (``adjust_lr_fn``). Unlike the other step functions it sees the parameter's
     shape (``Muon.flat_step = False``): the iterations need the whole matrix. Its three parts run
     apart on FSDP2-sharded matrices (muon_fsdp.py): the elementwise ones on each rank's rows.
+    Compiled yourself, it takes ``options=muon_step.inductor_options`` to round as eager does.
     """
+    numbers = dict(lr=lr, decay=decay, momentum=momentum, one_minus_momentum=one_minus_momentum, eps=eps)
+    _check_call(param, param_extra, param_update, step, dict(momentum_buffer=momentum_buffer), numbers)
     update = muon_momentum(grad, step, momentum_buffer, momentum, one_minus_momentum, nesterov=nesterov)
-    muon_finish(param, param_extra, update, lr, decay, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
+    muon_finish(param, param_extra, update, lr, decay, eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
 
 
 def muon_finish(
-    param: Tensor, param_extra: Tensor | None, update: Tensor, lr: Tensor, decay: Tensor, *,
-    ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, adjust_lr_fn: str | None, param_update: str,
+    param: Tensor, param_extra: Tensor | None, update: Tensor, lr: Tensor, decay: Tensor, eps: Tensor, *,
+    ns_coefficients: tuple[float, float, float], ns_steps: int, adjust_lr_fn: str | None, param_update: str,
 ) -> None:  # fmt: skip
     """Muon's step after the momentum, for a whole matrix: the iterations, then the apply. The fused
     CPU kernel computes the momentum and leaves this to one graph per matrix (two graphs, one call
@@ -270,17 +310,18 @@ def muon_apply(
 muon_step.inductor_options = {"emulate_precision_casts": True}
 
 
-def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: Tensor) -> Tensor:
     """The quintic Newton-Schulz iteration of Muon (Jordan et al. 2024; torch.optim.Muon's
     coefficients and order of operations), in bf16: ``update`` with its singular values pushed
     towards 1 (those of a well-conditioned matrix into about [0.5, 1.2]; the smallest of an
-    ill-conditioned or low-rank one stay far below)."""
+    ill-conditioned or low-rank one stay far below). ``eps`` (a 0-d tensor: changing it never
+    recompiles) bounds the norm it divides by, in bf16 as torch.optim.Muon's."""
     a, b, c = coefficients
     x = update.bfloat16()
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)
+    x = x / x.norm().clamp(min=eps.to(x.dtype))
     for _ in range(steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)

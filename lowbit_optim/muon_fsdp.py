@@ -34,7 +34,7 @@ def check_sharding(param) -> None:
 
 def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
     """One Muon step of each (DTensor parameter, its tensor to update, gradient) of ``group``."""
-    (lr, decay, momentum, one_minus_momentum), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
+    (lr, decay, momentum, one_minus_momentum, eps), flags = optimizer._tensor_arguments(group, local(items[0][1]).device)
     parts = MuonParts(optimizer._compile)
     place = {id(p): i for i, p in enumerate(group["params"])}
     rows_of, updates, in_kernel = [], [], []  # each matrix's rows and their update in bf16; what the fused CPU kernel computes
@@ -60,7 +60,7 @@ def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> 
     for job in jobs:
         job.gather()
     for job in jobs:
-        job.orthogonalize(lambda full: parts.newton_schulz(full, flags["ns_coefficients"], flags["ns_steps"], flags["eps"]))
+        job.orthogonalize(lambda full: parts.newton_schulz(full, flags["ns_coefficients"], flags["ns_steps"], eps))
     for job in jobs:
         job.scatter()
     for job, (p, tensor, grad) in zip(jobs, items):

@@ -236,9 +236,8 @@ class Muon(LowBitOptimizer):
         lr, momentum = group["lr"], group["momentum"]
         lr64 = lr.detach().double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
         decay = 1 - lr64 * group["weight_decay"]  # float64, rounded once to fp32 as torch's Python float is
-        flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                     eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"])  # fmt: skip
-        return (lr64, decay.float(), momentum, 1 - momentum), flags
+        flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"])
+        return (lr64, decay.float(), momentum, 1 - momentum, group["eps"]), flags
 
     def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
         """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
@@ -246,15 +245,15 @@ class Muon(LowBitOptimizer):
         iterations and apply, in one compiled call (muon_parts.py). In runs of at most
         SCRATCH_ELEMENTS elements (a larger matrix alone): the bf16 momenta in flight were the whole
         group's, 2 bytes a parameter."""
-        (lr, decay, _, _), flags = self._tensor_arguments(group, torch.device("cpu"))
+        (lr, decay, _, _, eps), flags = self._tensor_arguments(group, torch.device("cpu"))
         parts = MuonParts(self._compile)
-        finish_flags = {k: flags[k] for k in ("ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}  # nesterov was the momentum's
+        finish_flags = {k: flags[k] for k in ("ns_coefficients", "ns_steps", "adjust_lr_fn")}  # nesterov was the momentum's
         for run in element_runs(list(zip(items, corrections)), [item[0].numel() for item in items], SCRATCH_ELEMENTS):
             starts = [torch.empty(item[0].shape, dtype=torch.bfloat16) for item, _ in run]
             fused_cpu.muon_momentum([(start, *item[1:]) for start, (item, _) in zip(starts, run)], group)
             for ((param, *_), correction), start in zip(run, starts):
                 mode = "int8-correction" if correction is not None else "nearest"  # the two the kernel's verdict lets through
-                parts.finish(param, correction, start, lr, decay, **finish_flags, param_update=mode)
+                parts.finish(param, correction, start, lr, decay, eps, **finish_flags, param_update=mode)
 
 
 class AdEMAMix(LowBitOptimizer):

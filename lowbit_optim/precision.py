@@ -57,7 +57,7 @@ def mode_for(param: Tensor, mode: str) -> str:
     return mode if param.dtype == torch.bfloat16 else "nearest"
 
 
-def _checked(param: Tensor, extra: Tensor | None, mode: str) -> str:
+def checked_mode(param: Tensor, extra: Tensor | None, mode: str) -> str:
     # the step functions are public: a mode they are given is checked as the optimizers check theirs
     mode = mode_for(param, mode)
     if extra is None and extra_state_name(mode) is not None:
@@ -67,7 +67,7 @@ def _checked(param: Tensor, extra: Tensor | None, mode: str) -> str:
 
 def read_param(param: Tensor, extra: Tensor | None, mode: str) -> Tensor:
     """The fp32 value the step starts from."""
-    mode = _checked(param, extra, mode)
+    mode = checked_mode(param, extra, mode)
     p = param.float()
     if mode == "int8-correction":
         p = p + converted_extra(p, extra.float(), "kahan")
@@ -96,7 +96,7 @@ def fold_extra(param: Tensor, held: Tensor, mode: str) -> None:
 
 def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor, mode: str) -> None:
     """Store fp32 ``new`` (computed from ``start`` = read_param(...)) into ``param`` (and ``extra``)."""
-    mode = _checked(param, extra, mode)
+    mode = checked_mode(param, extra, mode)
     if mode == "stochastic":
         param.copy_(quant.bf16_stochastic_round(new))
     elif mode == "kahan":

@@ -218,6 +218,7 @@ BUILTIN_OPTIMIZERS = [
             "lr as a tensor": dict(lr=torch.tensor(3e-2)),
             "momentum": dict(momentum=0.9),
             "weight_decay": dict(weight_decay=0.01),
+            "eps": dict(eps=1e-6),
         },
         matrices_only=True,
         parity_param_tol=MUON_PARAM_TOL,

@@ -719,10 +719,16 @@ def isolated_compile(fn, backend):
     """torch.compile of a renamed copy of ``fn``: dynamo keeps compiled graphs and the history that
     decides which dimensions are dynamic per code name and location, so the copy starts afresh
     whatever other tests in this process compiled."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_isolated", co_qualname=f"{fn.__name__}_isolated")
-    copy_fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy_fn.__kwdefaults__ = fn.__kwdefaults__
-    return torch.compile(copy_fn, backend=backend, fullgraph=True, dynamic=True)
+    return torch.compile(lowbit_optim.base.private_copy(fn, "isolated"), backend=backend, fullgraph=True, dynamic=True)
+
+
+def test_optimizers_compile_their_own_copy_of_a_public_step_function():
+    """The optimizers' graphs are not kept on lowbit_optim.adam_step's code, where a user's own
+    torch.compile of it would count them against its recompile_limit (8 by default: after the
+    optimizers' 6 formats a user's 8bit and 4bit calls had failed it)."""
+    model = make_mlp()
+    train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="fp32", fused=False), 1)
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(lowbit_optim.adam_step.__code__) == []
 
 
 def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):

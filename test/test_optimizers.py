@@ -537,6 +537,51 @@ def test_sgd_without_momentum_steps_without_gradients_quietly_once_it_has_steppe
         opt.step()
 
 
+FUNCTIONAL_OPTIMIZERS = [o for o in BUILTIN_OPTIMIZERS if o.cls.step_function.__module__ == "lowbit_optim.functional"]
+
+
+def _public_step_call(opt_info, dtype=torch.float32):
+    """A call of ``opt_info``'s public step function (lowbit_optim.adam_step, ...) as its optimizer
+    makes it on one (32, 48) parameter with 8bit states, after one step: (function, arguments, flags)."""
+    param = nn.Parameter(torch.randn(32, 48, dtype=dtype))
+    opt = opt_info.make([param], state_format="8bit", compile=False)
+    param.grad = torch.randn_like(param)
+    opt.step()
+    group, state = opt.param_groups[0], opt.state[param]
+    numbers, flags = opt._tensor_arguments(group, param.device)
+    states = [state.get(s.name) for s in opt.states]
+    return opt.step_function, [param.detach(), param.grad, state["step"], *states, None, *numbers], flags
+
+
+@pytest.mark.parametrize("opt_info", FUNCTIONAL_OPTIMIZERS, ids=str)
+def test_public_step_functions_refuse_a_call_no_optimizer_makes(opt_info):
+    """The step functions are public: a counter that is not a tensor, a number given as a Python
+    float, a signed state made unsigned (clamped at 0, silently) or a bf16 weight's missing Kahan
+    buffer are refused by name, before the step counter or any state is written."""
+    fn, args, flags = _public_step_call(opt_info)
+    fn(*args, **flags, param_update="nearest")  # the call as made steps
+
+    def call_with(index, value):
+        fn(*args[:index], value, *args[index + 1 :], **flags, param_update="nearest")
+
+    with pytest.raises(TypeError, match="step must be the step counter, a 0-d float32 tensor"):
+        call_with(2, 1)
+    lr_index = 3 + len(opt_info.cls.states) + 1  # after the states and param_extra
+    with pytest.raises(TypeError, match=r"lr must be a 0-d tensor, e.g. torch.tensor\(0.5\)"):
+        call_with(lr_index, 0.5)
+    signed = next(s for s in opt_info.cls.states if s.signed)
+    unsigned = lowbit_optim.get_format("8bit").zeros(args[0].shape, signed=False)
+    with pytest.raises(ValueError, match=f"{signed.name} can be negative, but it is an unsigned OptimState8bit"):
+        call_with(3 + opt_info.cls.states.index(signed), unsigned)
+
+    fn, args, flags = _public_step_call(opt_info, torch.bfloat16)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(ValueError, match=r"param_update='kahan' keeps a buffer beside the parameter \(compensation\): pass it as param_extra"):
+        fn(*args, **flags, param_update="kahan")
+    for a, b in zip(args, before):
+        assert not isinstance(a, torch.Tensor) or torch.equal(a.dequantize() if hasattr(a, "codes") else a, b.dequantize() if hasattr(b, "codes") else b)
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. SGD specifics, torch checkpoints, bitsandbytes aliases, bad input
 # ------------------------------------------------------------------------------------------------
