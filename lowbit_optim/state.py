@@ -950,6 +950,18 @@ def _clone(func, args, kwargs):
     return args[0]._map_inner(torch.clone)
 
 
+@implements(aten.new_empty.default)
+def _new_empty(func, args, kwargs):
+    # of its own shape: a state of the same kind, its inner tensors unset, as torch.empty_like. DCP's
+    # async_save stages a state so, then sets the staged copies of its inner tensors on it; the
+    # fallback's plain tensor had been written to the checkpoint in its place, uninitialized
+    state, size = args[0], torch.Size(args[1])
+    if size != state.shape:  # a new tensor of another shape: a plain one, as before
+        return _dequantize_and_run(func, args, kwargs)
+    device = kwargs.get("device")
+    return state._map_inner(lambda t: torch.empty_like(t, device=device), dtype=kwargs.get("dtype"))
+
+
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
     # the inner tensors do not depend on the logical shape, so any shape with the same numel is free;

@@ -23,7 +23,7 @@ Parameter cases (row-wise shards, as FSDP2 makes them):
 - ``one_row``: 1 x 4096: rank 1's shard is empty.
 
 The tests at the end run in this process: the copies DCP makes between saved and wanted chunks, for
-every registered format, and single-process checkpoints between formats.
+every registered format, single-process checkpoints between formats, and dcp.async_save.
 """
 
 import os
@@ -1013,6 +1013,44 @@ def test_dcp_checkpoint_of_first_release_4bit(tmp_path):
         else:
             expected = lowbit_optim.OptimState4bit.from_float(saved["exp_avg"].dequantize()).dequantize()
             assert type(loaded) is lowbit_optim.OptimState4bit and torch.equal(loaded.dequantize(), expected)
+
+
+def _quantized_format_names():
+    from conftest import QUANTIZED_FORMATS
+
+    return [info.name for info in QUANTIZED_FORMATS]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("state_format", _quantized_format_names())
+def test_dcp_async_save_writes_the_states(tmp_path, state_format):
+    """dcp.async_save stages each state through ``new_empty`` of its shape and sets the staged copies
+    of its inner tensors on what that returns: a state of the same kind, so that the checkpoint holds
+    the states, bit for bit (a plain, uninitialized tensor had been written in their place)."""
+    import torch.distributed.checkpoint as dcp
+
+    import lowbit_optim
+    from conftest import format_info
+
+    def stepped(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 72)
+        spec = state_format if format_info(state_format).fmt.holds_signed else {"exp_avg": "8bit", "exp_avg_sq": state_format}
+        opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format=spec, min_quantize_numel=0, compile=False)
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+        return opt
+
+    saved = stepped(0)
+    dcp.async_save(saved.state_dict(), checkpoint_id=tmp_path, no_dist=True).result()
+    loaded = stepped(1)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    loaded.load_state_dict(state)
+    for a, b in zip(saved.state.values(), loaded.state.values()):
+        for name in a:
+            assert type(a[name]) is type(b[name]) and torch.equal(a[name].dequantize(), b[name].dequantize()), name
 
 
 if __name__ == "__main__":  # one rank of the job: test_fsdp.py RANK WORLD WORKDIR
