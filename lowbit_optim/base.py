@@ -1034,12 +1034,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_remembered_groups", {})[id(group)] = (group, options)
         return options
 
-    def _check_edits(self, groups: list[dict]) -> None:
+    def _check_edits(self, groups: list[dict], first_index: int = 0) -> None:
         """Each of ``groups`` as edited since it was built, loaded or last stepped (before any is
         stepped): a state key changed is refused (its states keep the formats they were made in,
         which the group, and state_dict(), would then misname); other options replaced are checked
         as the constructor checks them (betas made 1.0, a misspelt option), lr alone by itself (a
-        scheduler's, every step). A list edited in place is seen; a tensor filled in place is not."""
+        scheduler's, every step). A list edited in place is seen; a tensor filled in place is not.
+        Errors name a group by its index in param_groups, plus ``first_index`` (a part's groups
+        come after others in the param_groups of the optimizer that holds it: MuonWithAdamW)."""
         remembered = self.__dict__.get("_remembered_groups", {})
         for group in groups:
             then = remembered.get(id(group), (None, None))
@@ -1049,7 +1051,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             changed = _changed_options(then[1], group)
             if not changed:
                 continue
-            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            index = first_index + next(i for i, g in enumerate(self.param_groups) if g is group)
             fixed = [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
             if fixed:
                 raise ValueError(

@@ -220,8 +220,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not torch.compiler.is_compiling():  # traced, it would guard on every lr; each part's op checks its own
+            first_index = 0  # each part's groups named by their index in this optimizer's param_groups
             for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
-                optimizer._check_edits(optimizer.param_groups)
+                optimizer._check_edits(optimizer.param_groups, first_index)
+                first_index += len(optimizer.param_groups)
             self._check_parts_disjoint()
             if self.adamw:  # nor what AdamW's step refuses (Muon's refuses before it steps anything)
                 self.adamw._check_step_would_run()

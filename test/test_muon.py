@@ -179,6 +179,19 @@ def test_a_parameter_in_both_parts_is_refused():
         opt.step()
 
 
+def test_muon_with_adamw_names_an_edited_group_by_its_index_in_param_groups():
+    """An edit of AdamW's part refused at the step names the group as opt.param_groups lists it
+    (Muon's groups first), not by its index within the part."""
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, compile=False)
+    index = len(opt.muon.param_groups)
+    assert opt.param_groups[index] is opt.adamw.param_groups[0]
+    opt.param_groups[index]["lr"] = -1.0
+    model(torch.randint(0, 50, (2, 5))).square().mean().backward()
+    with pytest.raises(ValueError, match=f"param group {index}, as edited since it was built: invalid learning rate -1.0"):
+        opt.step()
+
+
 @pytest.mark.parametrize(
     "refused",
     [
