@@ -196,6 +196,9 @@ def step_ns_per_element(make_optimizer, n: int, steps: int, dtype: torch.dtype =
     return (fastest_step(n) - fastest_step(1024)) / (n - 1024) * 1e9
 
 
+IN_CACHE = 2**18  # the elements of the in-cache measurements (--dram-elements is the other size)
+
+
 def fused_adamw_ns_per_element(n: int, steps: int) -> float:
     return step_ns_per_element(lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True), n, steps)
 
@@ -248,7 +251,7 @@ def measure(args, isa: str) -> dict:
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"-- {isa}: torch's kernels {capability}, fused kernel flags {' '.join(kernel_build.flags())}, {torch.get_num_threads()} threads")
     results = {"isa": isa, "torch_capability": capability, "adamw_ns": {}, "divider_s": None}
-    for n, steps in [(2**18, 300), (args.dram_elements, 7)]:
+    for n, steps in [(IN_CACHE, 300), (args.dram_elements, 7)]:
         ns = fused_adamw_ns_per_element(n, steps)
         results["adamw_ns"][n] = ns
         print(f"fused AdamW, {n:>11,} elements ({16 * n / 2**20:,.0f} MiB of p, g, m, v): {ns:.3f} ns/element")
@@ -265,7 +268,7 @@ def measure(args, isa: str) -> dict:
         print("fused kernel skipped: it cannot be built here")
         return results
     for state_format in args.formats.split(","):
-        sizes = {n: kernel_ns_per_element(state_format, n, steps, args.optimizer, args.param_update) for n, steps in [(2**18, 300), (args.dram_elements, 7)]}
+        sizes = {n: kernel_ns_per_element(state_format, n, steps, args.optimizer, args.param_update) for n, steps in [(IN_CACHE, 300), (args.dram_elements, 7)]}
         results["kernel_ns"][state_format] = sizes
         cache, dram = sizes.values()
         weights = "fp32 weights" if args.param_update is None else f"bf16 weights, {args.param_update}"
@@ -310,6 +313,8 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     isas = args.isa.split(",")
+    if args.dram_elements <= 1024 or args.dram_elements == IN_CACHE:  # a size less 1024 elements' step: times per element
+        p.error(f"--dram-elements must be more than 1024 and another size than the in-cache one ({IN_CACHE:,}), got {args.dram_elements:,}")
     if set(isas) - {"native", "avx2"}:
         p.error(f"--isa takes native and avx2, got {args.isa!r}")
     if args.child_json:  # the child: measure as an AVX2 CPU would, and hand the results back

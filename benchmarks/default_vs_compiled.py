@@ -68,6 +68,9 @@ def main(argv=None) -> list[dict]:
         "Muon": lambda params, **kw: lowbit_optim.Muon(params, lr=2e-2, **kw),
     }
     names = args.formats.split(",") if args.formats else list(registered_formats())
+    unknown = [name for name in names if name not in registered_formats()]
+    if unknown:  # (checked once lowbit_optim is imported: parse_args runs before torch is)
+        raise SystemExit(f"--formats: unknown {unknown}; use some of {', '.join(registered_formats())}")
     lines = [
         f"`python benchmarks/default_vs_compiled.py {' '.join(sys.argv[1:] if argv is None else argv)}`: torch {torch.__version__}, "
         f"{torch.backends.cpu.get_cpu_capability()} torch kernels{', fused kernel without AVX-512' if args.isa == 'avx2' else ''}, "

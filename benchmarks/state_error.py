@@ -6,7 +6,8 @@ Trains the char GPT of examples/train_char_gpt.py with fp32 AdamW (``torch.optim
 100, 300). Each snapshot is quantized with every quantized registered format, exactly as the optimizer
 stores it: ``fmt.from_float(x, signed, fmt.default_block_size).dequantize()``, signed for m, unsigned
 for v (bf16 is shown as an unquantized reference). Only parameters the optimizer would quantize
-(numel >= 4096, lowbit_optim's ``min_quantize_numel``) are included; their elements are pooled.
+(numel >= 4096, lowbit_optim's ``min_quantize_numel``; for torchao's formats also whole blocks, which
+4bit-torchao's row may then pool fewer of) are included; their elements are pooled.
 
 Columns (quantiles over the pooled elements):
   m rel err        |q(m) - m| / |m| over elements with m != 0
@@ -104,6 +105,13 @@ def _update(m: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
     return (m / bc1) / ((v / bc2).sqrt() + EPS)
 
 
+def stored_formats(name: str, shape) -> tuple:
+    """The formats lowbit_optim.AdamW(state_format=name) keeps a parameter of ``shape``'s m and v in."""
+    param = torch.nn.Parameter(torch.empty(shape, device="meta"))
+    opt = lowbit_optim.AdamW([param], state_format=paired_state_format(name), min_quantize_numel=MIN_QUANTIZE_NUMEL)
+    return tuple(opt.state_format_of(param, opt.param_groups[0], key) for key in ("exp_avg", "exp_avg_sq"))
+
+
 def measure(snapshot: dict, name: str, fmt) -> dict:
     step = snapshot["step"]
     m_err, v_err, u_err = [], [], []
@@ -111,6 +119,8 @@ def measure(snapshot: dict, name: str, fmt) -> dict:
     spec = paired_state_format(name)  # a second-moment-only format (factored) beside a 4bit m
     m_fmt = fmt if isinstance(spec, str) else get_format(spec["exp_avg"])
     for _, m, v in snapshot["moments"]:
+        if stored_formats(name, m.shape) != (m_fmt, fmt):  # kept in fp32 (torchao's rule: not whole blocks)
+            continue
         m, v = m.float(), v.float()
         qm = m_fmt.from_float(m, True, m_fmt.default_block_size)
         qv = fmt.from_float(v, False, fmt.default_block_size)
@@ -159,6 +169,9 @@ def markdown_table(rows: list[dict], args, params: int) -> str:
             f"| {r['step']} | {r['format']} | {_fmt(r['m'])} | {_fmt(r['v'])} | {_fmt(r['update'])} | "
             f"{100 * r['kept']:.1f}% | {100 * r['v_zero']:.3f}% |"
         )
+    fewer = {r["format"]: r["elements"] for r in rows if r["elements"] != params}
+    if fewer:
+        lines += ["", "Pooled over fewer elements (the optimizer keeps the others' states in fp32): " + ", ".join(f"{k} {v:,}" for k, v in fewer.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
