@@ -16,6 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import lowbit_optim
+from lowbit_optim.formats import paired_state_format
 from lowbit_optim.hf import optimizer_cls_and_kwargs
 
 
@@ -73,14 +74,17 @@ def build_trainer(args, optimizer=None) -> Trainer:
         dataloader_num_workers=0,
         disable_tqdm=args.quiet,
     )
-    optimizer = optimizer or optimizer_cls_and_kwargs(model, training_args, state_format=args.state_format)
+    optimizer = optimizer or optimizer_cls_and_kwargs(model, training_args, state_format=paired_state_format(args.state_format))
     callbacks = [StopAfter(args.stop_after)] if args.stop_after else []
     return Trainer(model, training_args, train_dataset=ByteWindows(args.block_size), optimizer_cls_and_kwargs=optimizer, callbacks=callbacks)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--state-format", default="8bit", help="lowbit_optim state format: 8bit, 4bit, fp8, bf16, fp32, ...")
+    p.add_argument(
+        "--state-format", default="8bit", choices=list(lowbit_optim.registered_formats()),
+        help="optimizer state format (factored, for second moments only, pairs with a 4bit first moment)",
+    )  # fmt: skip
     # under out/, which git ignores: a run from the repository root leaves no untracked files
     p.add_argument("--output-dir", default="out/hf_trainer", help="where checkpoint-<step> folders go")
     p.add_argument("--steps", type=int, default=200, help="training steps (max_steps)")

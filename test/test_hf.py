@@ -81,6 +81,18 @@ def test_trainer_resume_is_exact(tmp_path, fmt):
     _check_states(resumed.optimizer.optimizer, fmt)  # Trainer's optimizer is accelerate's wrapper
 
 
+def test_example_takes_every_format_name_and_pairs_factored(tmp_path, capsys):
+    """--state-format takes the registered names (a typo is a usage error, not a traceback) and
+    factored, which holds second moments only, beside a 4bit first moment, as the other examples."""
+    with pytest.raises(SystemExit):
+        example.parse_args(["--state-format", "8bitt"])
+    assert "invalid choice: '8bitt'" in capsys.readouterr().err
+    trainer = _trainer(tmp_path, "--state-format", "factored")
+    trainer.create_optimizer()
+    formats = [group["state_format"] for group in trainer.optimizer.param_groups]
+    assert {"exp_avg": "4bit", "exp_avg_sq": "factored"} in formats
+
+
 def test_helper_takes_training_arguments(tmp_path):
     trainer = _trainer(tmp_path)
     model, args = trainer.model, trainer.args
