@@ -138,7 +138,8 @@ def main(argv=None):
     log(f"val loss {val_loss:.4f}   optimizer state {state_mib:.3f} MiB over {world} rank(s) "
         f"({state_mib * 2**20 / n_params:.2f} bytes/param; fp32 Adam: 8)")  # fmt: skip
     # every rank past its last collective first: gloo tearing down while a peer still sends aborted
-    # 1-6 runs in 10 with "terminate called without an active exception" (torch's own FSDP2 + DCP too)
+    # 1-6 runs in 10 with "terminate called without an active exception" (plain torch FSDP2 too); 2 in
+    # 16 still do (README)
     dist.barrier()
     dist.destroy_process_group()
 
