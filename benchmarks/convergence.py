@@ -12,9 +12,9 @@ weight decay 0.1, linear warmup then cosine decay, grad-norm clipping at 1) with
   beside a 4bit first moment, as ``lowbit 4bit+factored``;
 - ``torchao 8bit`` / ``torchao 4bit`` / ``torchao fp8``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
   ``AdamWFp8`` as torchao ships them (they quantize a parameter only if its numel is >= 4096 and a
-  multiple of the block size; at d_model 128 every weight matrix but the embedding qualifies, whose
-  vocabulary × 128 elements are an odd multiple of 128 where the vocabulary is odd: 103 characters of
-  Python 3.11.7's help text).
+  multiple of the block size; at d_model 128 every weight matrix qualifies, but for 8bit and fp8, whose
+  256-element blocks do not divide the embedding's vocabulary × 128 elements where the vocabulary is
+  odd: 103 characters of Python 3.11.7's help text).
 
 Each optimizer trains once per seed (``--seeds 0,1,2``). A seed fixes the model initialisation and the
 order of the training batches, identically for every optimizer, so gaps are paired: for each seed the

@@ -103,6 +103,13 @@ def private_copy(function, owner: str):
     graphs on its code object and counts them against recompile_limit there, so the optimizers'
     graphs of a public step function (lowbit_optim.adam_step) and those of a user who compiles it
     too must not share one (the user's would fail their limit of 8 after the optimizers' 6)."""
+    if not isinstance(function, types.FunctionType):  # a functools.partial, a callable object: a function that calls it
+        called = function
+
+        def function(*args, **kwargs):
+            return called(*args, **kwargs)
+
+        function.__name__ = getattr(getattr(called, "func", called), "__name__", type(called).__name__)
     name = f"{function.__name__}__{owner}"
     code = function.__code__.replace(co_name=name, co_qualname=name)
     duplicate = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
@@ -1028,31 +1035,33 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _remember_group(self, group: dict) -> dict:
         """The group's options as built, loaded or last checked, for _check_edits. Not pickled: a
-        copy remembers at its first step."""
+        copy checks its groups' numbers at its first step, then remembers them."""
         # the state keys deep: a format dict edited in place must show; a list (betas=[...]) edited in place too
         options = {k: _remembered_value(k, v) for k, v in group.items() if k != "params"}
         self.__dict__.setdefault("_remembered_groups", {})[id(group)] = (group, options)
         return options
 
-    def _check_edits(self, groups: list[dict], first_index: int = 0) -> None:
+    def _check_edits(self, groups: list[dict]) -> None:
         """Each of ``groups`` as edited since it was built, loaded or last stepped (before any is
         stepped): a state key changed is refused (its states keep the formats they were made in,
         which the group, and state_dict(), would then misname); other options replaced are checked
         as the constructor checks them (betas made 1.0, a misspelt option), lr alone by itself (a
         scheduler's, every step). A list edited in place is seen; a tensor filled in place is not.
-        Errors name a group by its index in param_groups, plus ``first_index`` (a part's groups
-        come after others in the param_groups of the optimizer that holds it: MuonWithAdamW)."""
+        Errors name a group by its index in param_groups; a part's (MuonWithAdamW's AdamW) by its
+        index in the holder's, after the groups of ``_groups_before`` (Muon), and in the part's."""
         remembered = self.__dict__.get("_remembered_groups", {})
         for group in groups:
             then = remembered.get(id(group), (None, None))
-            if then[0] is not group:
-                self._remember_group(group)
-                continue
-            changed = _changed_options(then[1], group)
+            # a copy's group (deepcopy, pickle), seen first at its first step: its numbers checked whole
+            copied = then[0] is not group
+            changed = set(group) - {"params"} if copied else _changed_options(then[1], group)
             if not changed:
                 continue
-            index = first_index + next(i for i, g in enumerate(self.param_groups) if g is group)
-            fixed = [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
+            before = self.__dict__.get("_groups_before")
+            if before is not None:  # the holder's index, and the part's
+                index = f"{len(before.param_groups) + index} (opt.adamw.param_groups[{index}])"
+            fixed = [] if copied else [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
             if fixed:
                 raise ValueError(
                     f"param group {index}'s {'; '.join(fixed)}: a group's state settings are fixed when it is built. To "
@@ -1061,7 +1070,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 )
             for key in changed & group.keys():  # (as the constructor takes them: a config's sequence)
                 group[key] = self._normalized(key, group[key])
-            with _naming_the_group(f"param group {index}, as edited since it was built: "):
+            with _naming_the_group(f"param group {index}, as {'set in a copy' if copied else 'edited since it was built'}: "):
                 if changed == {"lr"}:
                     _check_lr(group["lr"])
                     then[1]["lr"] = group["lr"]

@@ -152,6 +152,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
+        self._name_groups_as_listed()
+
+    def _name_groups_as_listed(self) -> None:
+        # AdamW's part names an edited group it refuses (in whichever step checks it) by its index in
+        # param_groups, after Muon's groups
+        if self.adamw is not None:
+            self.adamw._groups_before = self.muon
 
     # torch.optim's constructor and __setstate__ set these; once built, they are the two optimizers'
     # own, read anew each time (their load_state_dict replaces both with new objects)
@@ -196,6 +203,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__({**state, "state": {}, "param_groups": []})  # torch.optim's hooks and attributes
         self._built = True
+        self._name_groups_as_listed()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -220,10 +228,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not torch.compiler.is_compiling():  # traced, it would guard on every lr; each part's op checks its own
-            first_index = 0  # each part's groups named by their index in this optimizer's param_groups
             for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
-                optimizer._check_edits(optimizer.param_groups, first_index)
-                first_index += len(optimizer.param_groups)
+                optimizer._check_edits(optimizer.param_groups)
             self._check_parts_disjoint()
             if self.adamw:  # nor what AdamW's step refuses (Muon's refuses before it steps anything)
                 self.adamw._check_step_would_run()

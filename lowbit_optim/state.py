@@ -952,14 +952,14 @@ def _clone(func, args, kwargs):
 
 @implements(aten.new_empty.default)
 def _new_empty(func, args, kwargs):
-    # of its own shape: a state of the same kind, its inner tensors unset, as torch.empty_like. DCP's
+    # of its own shape and dtype: a state of the same kind, its inner tensors unset. DCP's
     # async_save stages a state so, then sets the staged copies of its inner tensors on it; the
     # fallback's plain tensor had been written to the checkpoint in its place, uninitialized
-    state, size = args[0], torch.Size(args[1])
-    if size != state.shape:  # a new tensor of another shape: a plain one, as before
+    state, size, dtype = args[0], torch.Size(args[1]), kwargs.get("dtype")
+    if size != state.shape or dtype not in (None, state.dtype):  # another shape or dtype: a plain tensor, as before
         return _dequantize_and_run(func, args, kwargs)
     device = kwargs.get("device")
-    return state._map_inner(lambda t: torch.empty_like(t, device=device), dtype=kwargs.get("dtype"))
+    return state._map_inner(lambda t: torch.empty_like(t, device=device))
 
 
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)

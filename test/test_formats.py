@@ -778,6 +778,21 @@ def test_detach(info):
 
 
 @quantized_formats
+def test_new_empty_of_its_shape_is_a_state_of_its_kind(info):
+    """new_empty of the state's own shape and dtype (how DCP's async_save stages it) gives a state of
+    the same kind, in storage of its own, which a copy_ of the state's inner tensors makes equal;
+    another shape or dtype gives a plain tensor (an int32 state had rounded what was written)."""
+    state = info.fmt.from_float(any_sample(info, (3, 100)))
+    out = state.new_empty(state.shape)
+    assert type(out) is type(state) and out._meta() == state._meta() and not shares_any_storage(out, state)
+    for name, t in out._inner().items():
+        t.copy_(getattr(state, name))
+    assert_same_state(out, state)
+    assert type(state.new_empty((5,))) is torch.Tensor
+    assert type(state.new_empty(state.shape, dtype=torch.int32)) is torch.Tensor
+
+
+@quantized_formats
 @pytest.mark.parametrize("duplicate", [torch.Tensor.clone, copy.deepcopy], ids=["clone", "deepcopy"])
 def test_clone_and_deepcopy_are_independent(info, duplicate):
     """Copies (a cloned or deep-copied state dict) hold equal values in storage of their own."""

@@ -179,17 +179,43 @@ def test_a_parameter_in_both_parts_is_refused():
         opt.step()
 
 
-def test_muon_with_adamw_names_an_edited_group_by_its_index_in_param_groups():
+@pytest.mark.parametrize("path", ["step", "deepcopy", "step_in_backward", "inside torch.compile"])
+def test_muon_with_adamw_names_an_edited_group_by_its_index_in_param_groups(path):
     """An edit of AdamW's part refused at the step names the group as opt.param_groups lists it
-    (Muon's groups first), not by its index within the part."""
+    (Muon's groups first) and as the part does, on every path that checks it, a copy's first step
+    included (which had taken the copy's groups as they were, unchecked)."""
     model = TinyLM()
-    opt = lowbit_optim.MuonWithAdamW(model, compile=False)
+    opt = lowbit_optim.MuonWithAdamW(model, compile=False, step_in_backward=path == "step_in_backward")
+    if path == "deepcopy":
+        model, opt = copy.deepcopy((model, opt))
     index = len(opt.muon.param_groups)
     assert opt.param_groups[index] is opt.adamw.param_groups[0]
     opt.param_groups[index]["lr"] = -1.0
-    model(torch.randint(0, 50, (2, 5))).square().mean().backward()
-    with pytest.raises(ValueError, match=f"param group {index}, as edited since it was built: invalid learning rate -1.0"):
-        opt.step()
+    said = "set in a copy" if path == "deepcopy" else "edited since it was built"
+    with pytest.raises(ValueError, match=rf"param group {index} \(opt.adamw.param_groups\[0\]\), as {said}: invalid learning rate -1.0"):
+        model(torch.randint(0, 50, (2, 5))).square().mean().backward()
+        if path == "inside torch.compile":
+            torch.compile(opt.step, fullgraph=True)()
+        else:
+            opt.step()
+
+
+def test_muon_step_refuses_what_muon_refuses_before_writing():
+    """The public muon_step refuses a vector and an unknown adjust_lr_fn as Muon does, before the
+    step counter or the momentum is written (a misspelt adjust_lr_fn had stepped at "original")."""
+    def call(param, **flags):
+        step, buffer = torch.zeros(()), torch.zeros_like(param)
+        numbers = [torch.tensor(x) for x in (0.02, 0.998, 0.95, 0.05, 1e-7)]
+        flags = dict(nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, adjust_lr_fn=None, param_update="nearest") | flags
+        try:
+            lowbit_optim.muon_step(param, torch.ones_like(param), step, buffer, None, *numbers, **flags)
+        finally:
+            assert float(step) == 0 and not buffer.any()
+
+    with pytest.raises(ValueError, match=r"muon_step steps matrices, got a parameter of shape \(8,\)"):
+        call(torch.zeros(8))
+    with pytest.raises(ValueError, match="invalid adjust_lr_fn 'match_rms_adamw ': use None, 'original' or 'match_rms_adamw'"):
+        call(torch.zeros(8, 4), adjust_lr_fn="match_rms_adamw ")
 
 
 @pytest.mark.parametrize(

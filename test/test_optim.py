@@ -14,10 +14,10 @@ the same for plain and quantized formats.
 """
 
 import copy
+import functools
 import inspect
 import io
 import sys
-import types
 
 import expecttest
 import pytest
@@ -729,6 +729,20 @@ def test_optimizers_compile_their_own_copy_of_a_public_step_function():
     model = make_mlp()
     train(model, lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="fp32", fused=False), 1)
     assert torch._dynamo.eval_frame._debug_get_cache_entry_list(lowbit_optim.adam_step.__code__) == []
+
+
+def test_a_step_function_that_is_no_function_gets_a_copy_of_its_own():
+    """A step function may be any callable torch.compile takes (a functools.partial, an object with
+    __call__): its private copy is a function that calls it, under a code object of its own."""
+
+    class Doubled:
+        def __call__(self, x):
+            return 2 * x
+
+    for step_function, name in [(functools.partial(torch.mul, 2.0), "mul"), (Doubled(), "Doubled")]:
+        copy_fn = lowbit_optim.base.private_copy(step_function, "lowbit_optim")
+        assert copy_fn.__code__.co_name == f"{name}__lowbit_optim"
+        assert torch.equal(torch.compile(copy_fn, backend="eager", fullgraph=True)(torch.tensor(3.0)), torch.tensor(6.0))
 
 
 def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):
