@@ -528,13 +528,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         # torch.optim pickles only defaults, state and param groups; deepcopy and pickle need the rest
         keys = ("_compile", "_step_in_backward", "_max_grad_norm", "last_grad_norm")
-        return {**super().__getstate__(), **{key: self.__dict__[key] for key in keys}}
+        # each group's options as last checked, in param_groups' order: a copy refuses the edits the original would
+        remembered = self.__dict__.get("_remembered_groups", {})
+        checked = [remembered[id(g)][1] if remembered.get(id(g), (None,))[0] is g else None for g in self.param_groups]
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in keys}, "_checked_options": checked}
 
     def __setstate__(self, state):
         defaults = dict(_compile=True, _step_in_backward=False, _max_grad_norm=None, last_grad_norm=None)
         for key, value in defaults.items():
             state.setdefault(key, self.__dict__.get(key, value))
+        checked = state.pop("_checked_options", None)  # (a copy's: load_state_dict's call has none)
         super().__setstate__(state)
+        if checked is not None:
+            self.__dict__["_remembered_groups"] = {id(g): (g, options) for g, options in zip(self.param_groups, checked) if options is not None}
         if "_step_op_key" not in self.__dict__:  # a copy (not load_state_dict) is an optimizer of its own
             self._step_op_key, self._option_places = step_op.register(self)
             if self._step_in_backward:  # its parameters are copies too: they need hooks of their own
@@ -826,6 +832,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
             grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
         self._check_edits(self.param_groups)
+        for part in self.__dict__.get("_parts_stepped_after", ()):  # MuonWithAdamW's AdamW: refused before Muon's part steps
+            part._check_edits(part.param_groups)  # (here, so that a compiled step, one op per part, refuses so too)
+            part._check_step_would_run()
         items = self._checked_items(owners, positions, params, grads)
         self._check_kernel_takes(self.param_groups, items)
         # (after _check_edits: the op's tensors for the options are not the groups' own, and would count as edits)
@@ -1034,8 +1043,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         _check_fp16_update(group, [p])
 
     def _remember_group(self, group: dict) -> dict:
-        """The group's options as built, loaded or last checked, for _check_edits. Not pickled: a
-        copy checks its groups' numbers at its first step, then remembers them."""
+        """The group's options as built, loaded or last checked, for _check_edits; a copy takes its
+        original's (__getstate__). A group dict that replaced one is checked whole, then remembered."""
         # the state keys deep: a format dict edited in place must show; a list (betas=[...]) edited in place too
         options = {k: _remembered_value(k, v) for k, v in group.items() if k != "params"}
         self.__dict__.setdefault("_remembered_groups", {})[id(group)] = (group, options)
@@ -1052,16 +1061,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
         remembered = self.__dict__.get("_remembered_groups", {})
         for group in groups:
             then = remembered.get(id(group), (None, None))
-            # a copy's group (deepcopy, pickle), seen first at its first step: its numbers checked whole
-            copied = then[0] is not group
-            changed = set(group) - {"params"} if copied else _changed_options(then[1], group)
+            # a group dict put in param_groups in place of one (or a copy's from before its options were pickled):
+            # its numbers checked whole
+            replaced = then[0] is not group
+            changed = set(group) - {"params"} if replaced else _changed_options(then[1], group)
             if not changed:
                 continue
             index = next(i for i, g in enumerate(self.param_groups) if g is group)
             before = self.__dict__.get("_groups_before")
             if before is not None:  # the holder's index, and the part's
                 index = f"{len(before.param_groups) + index} (opt.adamw.param_groups[{index}])"
-            fixed = [] if copied else [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
+            fixed = [] if replaced else [f"{key} from {then[1].get(key)!r} to {group.get(key)!r}" for key in _STATE_KEYS if key in changed]
             if fixed:
                 raise ValueError(
                     f"param group {index}'s {'; '.join(fixed)}: a group's state settings are fixed when it is built. To "
@@ -1070,7 +1080,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 )
             for key in changed & group.keys():  # (as the constructor takes them: a config's sequence)
                 group[key] = self._normalized(key, group[key])
-            with _naming_the_group(f"param group {index}, as {'set in a copy' if copied else 'edited since it was built'}: "):
+            with _naming_the_group(f"param group {index}, as {'replaced' if replaced else 'edited'} since it was built: "):
                 if changed == {"lr"}:
                     _check_lr(group["lr"])
                     then[1]["lr"] = group["lr"]

@@ -152,13 +152,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         super().__init__([{"params": matrices}], {})  # torch.optim's hooks and attributes; its groups are not read
         self._built = True
-        self._name_groups_as_listed()
+        self._link_parts()
 
-    def _name_groups_as_listed(self) -> None:
+    def _link_parts(self) -> None:
         # AdamW's part names an edited group it refuses (in whichever step checks it) by its index in
-        # param_groups, after Muon's groups
+        # param_groups, after Muon's groups; Muon's part checks AdamW's before it steps
         if self.adamw is not None:
             self.adamw._groups_before = self.muon
+            self.muon._parts_stepped_after = (self.adamw,)
 
     # torch.optim's constructor and __setstate__ set these; once built, they are the two optimizers'
     # own, read anew each time (their load_state_dict replaces both with new objects)
@@ -203,7 +204,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__({**state, "state": {}, "param_groups": []})  # torch.optim's hooks and attributes
         self._built = True
-        self._name_groups_as_listed()
+        self._link_parts()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -227,12 +228,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not torch.compiler.is_compiling():  # traced, it would guard on every lr; each part's op checks its own
-            for optimizer in self.optimizers:  # an edit one refuses must not leave the other stepped
-                optimizer._check_edits(optimizer.param_groups)
+        if not torch.compiler.is_compiling():  # traced, it would guard on every parameter
             self._check_parts_disjoint()
-            if self.adamw:  # nor what AdamW's step refuses (Muon's refuses before it steps anything)
-                self.adamw._check_step_would_run()
+        # Muon's part checks AdamW's edits and what its step would refuse before it steps anything
+        # (_parts_stepped_after), also as an op of a compiled step: a refusal must not leave one part stepped
         for optimizer in self.optimizers:
             optimizer.step()
         return loss

@@ -182,8 +182,8 @@ def test_a_parameter_in_both_parts_is_refused():
 @pytest.mark.parametrize("path", ["step", "deepcopy", "step_in_backward", "inside torch.compile"])
 def test_muon_with_adamw_names_an_edited_group_by_its_index_in_param_groups(path):
     """An edit of AdamW's part refused at the step names the group as opt.param_groups lists it
-    (Muon's groups first) and as the part does, on every path that checks it, a copy's first step
-    included (which had taken the copy's groups as they were, unchecked)."""
+    (Muon's groups first) and as the part does, on every path that checks it (a copy's first step
+    had taken its groups unchecked), before either part steps (compiled, Muon's had stepped)."""
     model = TinyLM()
     opt = lowbit_optim.MuonWithAdamW(model, compile=False, step_in_backward=path == "step_in_backward")
     if path == "deepcopy":
@@ -191,13 +191,16 @@ def test_muon_with_adamw_names_an_edited_group_by_its_index_in_param_groups(path
     index = len(opt.muon.param_groups)
     assert opt.param_groups[index] is opt.adamw.param_groups[0]
     opt.param_groups[index]["lr"] = -1.0
-    said = "set in a copy" if path == "deepcopy" else "edited since it was built"
-    with pytest.raises(ValueError, match=rf"param group {index} \(opt.adamw.param_groups\[0\]\), as {said}: invalid learning rate -1.0"):
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=rf"param group {index} \(opt.adamw.param_groups\[0\]\), as edited since it was built: invalid learning rate -1.0"):
         model(torch.randint(0, 50, (2, 5))).square().mean().backward()
         if path == "inside torch.compile":
             torch.compile(opt.step, fullgraph=True)()
         else:
             opt.step()
+    # refused before either part stepped (compiled, each part is an op: Muon's checks AdamW's first)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(int(state["step"]) == 0 for state in opt.state.values())  # (a check may make states, stepping none)
 
 
 def test_muon_step_refuses_what_muon_refuses_before_writing():

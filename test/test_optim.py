@@ -1036,14 +1036,17 @@ def sparse_gradient_step(cls=lowbit_optim.AdamW):
     opt.step()
 
 
-def edited_between_steps(key, value, cls=lowbit_optim.AdamW, **kwargs):
-    """A group's setting changed after a step: a state setting (its states would keep their old
-    format) or a number the constructor would refuse."""
+def edited_between_steps(key, value, cls=lowbit_optim.AdamW, copied=False, **kwargs):
+    """A group's setting changed after a step (``copied``: in a deep copy of the optimizer, which
+    had stepped as its groups said): a state setting (its states would keep their old format) or
+    a number the constructor would refuse."""
     def run():
         p = nn.Parameter(torch.randn(64, 64))
         opt = cls([p], compile=False, **kwargs)
         p.grad = torch.randn(64, 64)
         opt.step()
+        if copied:
+            opt = copy.deepcopy(opt)
         group = opt.param_groups[0]
         if isinstance(group[key], dict):
             group[key].update(value)  # in place
@@ -1130,6 +1133,7 @@ BAD_INPUT = {
     "state_format edited between steps": edited_between_steps("state_format", "4bit", state_format="8bit"),
     "a state's format edited in place": edited_between_steps("state_format", {"exp_avg": "fp8"}, state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"}),
     "min_quantize_numel edited between steps": edited_between_steps("min_quantize_numel", 10**6),
+    "state_format edited in a copy": edited_between_steps("state_format", "4bit", state_format="8bit", copied=True),
     "betas edited between steps": edited_between_steps("betas", (0.9, 0.99999999)),
     "lr edited between steps": edited_between_steps("lr", -1e-3),
     "Muon's ns_steps edited between steps": edited_between_steps("ns_steps", 150, cls=lowbit_optim.Muon),
@@ -1196,6 +1200,7 @@ state_format=None: ValueError: unknown state format None; use one of [<registere
 state_format edited between steps: ValueError: param group 0's state_format from '8bit' to '4bit': a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
 a state's format edited in place: ValueError: param group 0's state_format from {'exp_avg': '8bit', 'exp_avg_sq': '4bit'} to {'exp_avg': 'fp8', 'exp_avg_sq': '4bit'}: a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
 min_quantize_numel edited between steps: ValueError: param group 0's min_quantize_numel from 4096 to 1000000: a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
+state_format edited in a copy: ValueError: param group 0's state_format from '8bit' to '4bit': a group's state settings are fixed when it is built. To convert its states, build a new optimizer with the new setting and load this one's state_dict() into it (a load converts every state)
 betas edited between steps: ValueError: param group 0, as edited since it was built: invalid betas (0.9, 0.99999999): 0.99999999 is 1.0 in float32, in which the step computes its bias correction 1 - beta**step (0); it must be below 0.9999999701976776 (1 - 2**-25)
 lr edited between steps: ValueError: param group 0, as edited since it was built: invalid learning rate -0.001: lr must be a number >= 0
 Muon's ns_steps edited between steps: ValueError: param group 0, as edited since it was built: invalid ns_steps 150: an int in [0, 100), e.g. 5
