@@ -161,7 +161,8 @@ def _raised_recompile_limit():
 def _inductor_options(step_function) -> dict | None:
     # a step function that computes in bf16 on purpose (Muon's Newton-Schulz) asks inductor to round
     # each bf16 result as eager does, rather than keep fused intermediates in fp32
-    return getattr(step_function, "inductor_options", None)
+    options = getattr(step_function, "inductor_options", None)
+    return options if options is not None else getattr(getattr(step_function, "func", None), "inductor_options", None)  # a partial's function's
 
 
 # parameters per foreach graph: its compile time grows with it (~1 s per parameter on 2 CPU cores),

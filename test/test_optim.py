@@ -743,6 +743,8 @@ def test_a_step_function_that_is_no_function_gets_a_copy_of_its_own():
         copy_fn = lowbit_optim.base.private_copy(step_function, "lowbit_optim")
         assert copy_fn.__code__.co_name == f"{name}__lowbit_optim"
         assert torch.equal(torch.compile(copy_fn, backend="eager", fullgraph=True)(torch.tensor(3.0)), torch.tensor(6.0))
+    # and a partial of a step function compiles with that function's inductor options
+    assert lowbit_optim.base._inductor_options(functools.partial(lowbit_optim.muon_step, nesterov=False)) == lowbit_optim.muon_step.inductor_options
 
 
 def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):
