@@ -20,9 +20,9 @@ from .state import StateTensor
 
 def _check_call(param: Tensor, param_extra: Tensor | None, param_update: str, step, signed: dict, numbers: dict, *, counts: bool = True) -> None:
     """Raise where a step function is called as no optimizer calls it: ``step`` not a counter
-    tensor (where it ``counts``), a number (``numbers``, by name) not a tensor, a state that can be negative (``signed``,
-    by name) held unsigned (it would be clamped at 0, or be a factored state's garbage), or
-    ``param_update``'s buffer missing."""
+    tensor (where it ``counts``), a number (``numbers``, by name) not a tensor, a state that can
+    be negative (``signed``, by name) held unsigned (it would be clamped at 0, or be a factored
+    state's garbage), or ``param_update``'s buffer missing."""
     if counts and not isinstance(step, Tensor):
         raise TypeError(f"step must be the step counter, a 0-d float32 tensor counted in place (e.g. torch.zeros(())), not {type(step).__name__}")
     for name, value in numbers.items():
