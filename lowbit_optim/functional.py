@@ -272,7 +272,7 @@ def muon_step(
     _check_call(param, param_extra, param_update, step, dict(momentum_buffer=momentum_buffer), numbers)
     if param.dim() != 2:
         raise ValueError(f"muon_step steps matrices, got a parameter of shape {tuple(param.shape)}: step it with adam_step, as Muon's users give it to AdamW")
-    muon_lr_ratio(param.shape, adjust_lr_fn)  # an unknown adjust_lr_fn refused before anything is written
+    check_adjust_lr_fn(adjust_lr_fn)
     update = muon_momentum(grad, step, momentum_buffer, momentum, one_minus_momentum, nesterov=nesterov)
     muon_finish(param, param_extra, update, lr, decay, eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, param_update=param_update)
 
@@ -335,15 +335,18 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
 newton_schulz.inductor_options = muon_momentum.inductor_options = muon_apply.inductor_options = muon_finish.inductor_options = muon_step.inductor_options
 
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+def check_adjust_lr_fn(adjust_lr_fn) -> None:
+    """Raise a ValueError unless ``adjust_lr_fn`` is one muon_lr_ratio knows (Muon's constructor, and
+    muon_step before it writes anything: an unknown one had been taken as "original")."""
+    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"invalid adjust_lr_fn {adjust_lr_fn!r}: use None, 'original' or 'match_rms_adamw'")
 
 
 def muon_lr_ratio(shape, adjust_lr_fn: str | None) -> float:
     """torch.optim.Muon's lr scale for a (rows, cols) matrix: sqrt(max(1, rows / cols)) ("original",
     the default), 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", an update of AdamW's RMS)."""
     rows, cols = shape[0], shape[1]
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"invalid adjust_lr_fn {adjust_lr_fn!r}: use None, 'original' or 'match_rms_adamw'")
+    check_adjust_lr_fn(adjust_lr_fn)
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1, rows / cols))

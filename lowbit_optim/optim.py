@@ -214,7 +214,7 @@ class Muon(LowBitOptimizer):
         group["ns_coefficients"] = tuple(float(c) for c in coefficients)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
             raise ValueError(f"invalid ns_steps {steps!r}: an int in [0, 100), e.g. 5")
-        functional.muon_lr_ratio((1, 1), group["adjust_lr_fn"])  # refuses an unknown one
+        functional.check_adjust_lr_fn(group["adjust_lr_fn"])
         for p in group["params"]:
             if is_dtensor(p):
                 muon_fsdp.check_sharding(p)

@@ -81,7 +81,12 @@ def converted_extra(param: Tensor, held: Tensor, mode: str) -> Tensor:
     unit = bf16_ulp(param.float()) / CORRECTION_UNITS_PER_ULP
     if mode == "kahan":
         return held * unit
-    units = (held / unit).round().clamp(-127, 127)
+    return _correction_codes((held / unit).round().clamp(-127, 127), unit)
+
+
+def _correction_codes(units: Tensor, unit: Tensor) -> Tensor:
+    """Whole ``units`` (of size ``unit``) as int8-correction stores them: none beside a zero,
+    subnormal or non-finite weight (no unit; NaN units: an int8 of NaN is undefined), as the kernel's store."""
     return torch.where((unit > 0) & (units == units), units, torch.zeros_like(units)).to(torch.int8)
 
 
@@ -107,10 +112,8 @@ def write_param(param: Tensor, extra: Tensor | None, start: Tensor, new: Tensor,
         param.copy_(rounded)
     elif mode == "int8-correction":
         rounded = quant.bf16_round_nearest(new)
-        units = ((new - rounded) / bf16_ulp(rounded) * CORRECTION_UNITS_PER_ULP).round()
-        # none beside a zero, subnormal or non-finite weight (NaN units: an int8 of NaN is undefined), as the kernel's store
-        units = torch.where((bf16_ulp(rounded) > 0) & (units == units), units, torch.zeros_like(units))
-        extra.copy_(units.to(torch.int8))
+        ulp = bf16_ulp(rounded)
+        extra.copy_(_correction_codes(((new - rounded) / ulp * CORRECTION_UNITS_PER_ULP).round(), ulp))
         param.copy_(rounded)
     else:
         param.copy_(new)
