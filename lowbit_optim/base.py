@@ -1753,7 +1753,7 @@ def _loaded_precision_buffers(param: Tensor, group: dict, state: dict, index: in
 def _held(buffer: Tensor) -> Tensor:
     """A precision buffer's values, of its local shard, as fp32."""
     held = local(buffer)
-    return held.dequantize() if isinstance(held, StateTensor) else held.float()
+    return held.dequantize(torch.float32) if isinstance(held, StateTensor) else held.float()
 
 
 def _converted_buffer(param: Tensor, state: dict, name: str) -> Tensor | None:
@@ -1828,7 +1828,7 @@ def _check_loaded_state(name: str, value, param: Tensor, index: int, signed: boo
             raise ValueError(f"{where} is corrupt: its scale holds a negative value ({float(values.min())}), where it holds block maxima")
         if not signed:  # as it decodes (its table may hold negative values, its fp8 codes sign bits)
             decoded = foreign.from_foreign(local(value), signed)
-            values, held = decoded.dequantize() if isinstance(decoded, StateTensor) else decoded, "values"
+            values, held = decoded.dequantize(torch.float32) if isinstance(decoded, StateTensor) else decoded.float(), "values"
     else:
         problem = not_plain(local(value))  # (one on the meta device: refused before torch.optim's load copies it)
         if problem is None and _overlaps(local(value)):

@@ -89,8 +89,10 @@ def convert(fmt, state: Tensor, signed: bool, block_size: int | None) -> Tensor:
         return state
     if is_blockwise(fmt) and fmt.decodes_as(type(state), signed) and (state.block_size, state.signed) == (block_size, signed):
         return fmt(state.codes, state.scale, state.shape, block_size, signed, dtype=state.dtype)  # its numbers, as they are
-    values = state.dequantize() if isinstance(state, StateTensor) else state
-    return fmt.from_float(values.float(), signed, block_size)
+    # in fp32 whatever the state's appearance dtype: on an fp16 parameter, fp16 would zero a small
+    # second moment and overflow a large one
+    values = state.dequantize(torch.float32) if isinstance(state, StateTensor) else state.float()
+    return fmt.from_float(values, signed, block_size)
 
 
 class OptimState8bit(CodebookState):

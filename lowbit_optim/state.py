@@ -364,7 +364,7 @@ class StateTensor(Tensor):
         follows from what the load checks anyway (a nonnegative codebook, ``nonnegative`` inner
         tensors) may skip that pass."""
         if not self.signed:
-            values = self.dequantize()
+            values = self.dequantize(torch.float32)  # (fp16 would read a tiny negative value as -0)
             if bool((values < 0).any()):
                 raise ValueError(f"a negative value ({float(values.min())}) in its values, where it holds a nonnegative state")
 
@@ -1024,15 +1024,17 @@ def _copy_(func, args, kwargs):
             src.check_loaded()
         except ValueError as error:
             raise ValueError(f"copy_ from a checkpoint's state, which is corrupt: {error}") from None
+    # values pass in fp32 whatever the appearance dtype (an fp16 parameter's state holds moments
+    # outside fp16's range); the destination rounds them once, to its own dtype
     if not isinstance(dst, StateTensor):
-        return dst.copy_(src.dequantize())
+        return dst.copy_(src.dequantize(torch.float32))
     if dst.shape != src.shape:
         raise RuntimeError(f"copy_ into {_format_name(dst)} of shape {tuple(dst.shape)} from shape {tuple(src.shape)}: shapes must match")
     if dst._same_layout(src):
         for name, t in dst._inner().items():  # same layout: bit-exact, no requantization
             t.copy_(getattr(src, name))
     else:
-        dst.quantize_(src.dequantize() if isinstance(src, StateTensor) else src)
+        dst.quantize_(src.dequantize(torch.float32) if isinstance(src, StateTensor) else src)
     return dst
 
 

@@ -39,7 +39,7 @@ from conftest import (
 import lowbit_optim
 from lowbit_optim import quant
 from lowbit_optim.factored import factor_shape
-from lowbit_optim.formats import get_format, is_blockwise, is_quantized, registered_formats
+from lowbit_optim.formats import FP32, convert, get_format, is_blockwise, is_quantized, registered_formats
 from lowbit_optim.lowrank import LowRankState
 from lowbit_optim.stochastic_bf16 import StochasticBF16State
 from lowbit_optim.state import CodebookState, OptimState, StateTensor
@@ -673,6 +673,25 @@ def test_copy_between_layouts_converts(src_info, dst_info):
     dst = dst_info.fmt.zeros(src.shape, signed, block_size)
     dst.copy_(src)
     assert_same_state(dst, dst_info.fmt.from_float(src.dequantize(), signed, block_size))
+
+
+@quantized_formats
+def test_a_half_precision_parameters_state_converts_in_fp32(info):
+    """A state on an fp16 parameter appears fp16 but holds moments outside fp16's range (1e-9, 1e6):
+    copy_ out of it, copy_ into another layout, and a checkpoint's conversion to another format
+    carry its fp32 values, not fp16's zeros and infs."""
+    signed = info.signedness[0]
+    x = sample((3, 100), signed) * 1e-3
+    x[0, :4] = 1e6
+    state = info.fmt.from_float(x, signed).to(torch.float16)
+    values = state.dequantize(torch.float32)
+    assert torch.equal(torch.empty(3, 100).copy_(state), values)
+    assert torch.equal(convert(FP32, state, signed, None), values)
+    other = get_format("8bit" if info.name == "fp8" else "fp8")
+    assert_same_state(convert(other, state, signed, other.default_block_size), other.from_float(values, signed))
+    into = other.zeros(state.shape, signed).to(torch.float16)
+    into.copy_(state)
+    assert_same_state(into, other.from_float(values, signed).to(torch.float16))
 
 
 @quantized_formats

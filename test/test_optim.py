@@ -515,14 +515,21 @@ def test_torch_adamw_checkpoint_is_quantized_on_load(info):
     assert losses[-1] < losses[0]
 
 
-def test_8bit_checkpoint_converts_to_4bit():
-    """A checkpoint of one quantized format loads into an optimizer of another, converted."""
-    model = make_mlp()
+@pytest.mark.parametrize("to", ["4bit", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_8bit_checkpoint_converts(to, dtype):
+    """A checkpoint of one quantized format loads into an optimizer of another, converted, from
+    its fp32 values: an fp16 parameter's second moments lie below fp16's range."""
+    model = make_mlp(dtype=dtype)
     opt8 = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="8bit", compile=False)
     train(model, opt8, 3)
-    opt4 = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format="4bit", compile=False)
-    opt4.load_state_dict(save_and_load(opt8.state_dict()))
-    assert_quantized_from(format_info("4bit"), opt4, model, moments(opt8, model))
+    opt = lowbit_optim.AdamW(model.parameters(), lr=LR, state_format=to, compile=False)
+    opt.load_state_dict(save_and_load(opt8.state_dict()))
+    reference = moments(opt8, model)
+    if to == "fp32":
+        assert all(torch.equal(dense(state), dense(reference[key])) for key, state in moments(opt, model).items())
+    else:
+        assert_quantized_from(format_info(to), opt, model, reference)
 
 
 def as_first_4bit_release(checkpoint: dict) -> dict:

@@ -28,7 +28,7 @@ import torch
 import lowbit_optim
 from conftest import QUANTIZED_FORMATS, ROOT, FormatInfo, quantized_formats
 from lowbit_optim import FactoredState, OptimState, OptimState8bit, StateTensor, fused_cpu
-from lowbit_optim.formats import registered_formats
+from lowbit_optim.formats import get_format, registered_formats
 from test_optim import assert_same_bits
 
 # a quantized weight whose last block is padded, and a bias small enough to keep fp32 state
@@ -391,6 +391,17 @@ def test_a_nonnegative_state_that_decodes_negative_is_refused(info):
         set_grads(params)
         opt.step()
         assert all(bool(p.isfinite().all()) for p in params)
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16-sr"])
+def test_a_tiny_negative_second_moment_of_an_fp16_parameter_is_refused(name):
+    """A state on an fp16 parameter appears fp16, where -1e-9 reads as -0: the load's check of a
+    nonnegative state reads its values in fp32."""
+    fmt = get_format(name)
+    state = fmt.from_float(torch.full((3, 100), -1e-9), fmt.holds_signed)
+    state.signed = False
+    with pytest.raises(ValueError, match=r"a negative value \(-[0-9.e-]+\) in its values, where it holds a nonnegative state"):
+        state.to(torch.float16).check_values()
 
 
 @pytest.mark.parametrize("attribute", ["inner_names", "inner_dtypes", "nonnegative", "bits", "decode"])
