@@ -1038,7 +1038,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         _check_grad_shape(p, grad)
         state = self.state.get(p)
         if state:
-            _check_state_shapes(p, state)
+            _check_states_fit(p, state)
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
         _check_fp16_update(group, [p])
@@ -1696,10 +1696,16 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
     alternative = f", or use torch.optim.{torch_name}" if torch_name else ""
     if p.is_complex():
         raise TypeError(
-            f"lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead{alternative}"
+            "lowbit_optim does not support complex parameters; hold the weight as a real one, "
+            f"nn.Parameter(torch.view_as_real(w).clone()), and use torch.view_as_complex(p) in the forward{alternative}"
         )
     if not p.is_floating_point():
         raise TypeError(f"parameters must be floating point, got {p.dtype}")
+    if p.dtype not in _STEPPED_DTYPES and p.dtype != torch.float64:  # (float8: most updates would round away)
+        raise TypeError(
+            f"{p.dtype} parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the "
+            "weights in one of those and cast them in the forward (as float8 training does)"
+        )
     if p.is_neg():  # the step writes its memory, which holds the values negated
         raise TypeError("a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())")
     if p.dtype == torch.float64:
@@ -1774,19 +1780,30 @@ def fold_stale_buffers(param: Tensor, state: dict) -> None:
                 precision.fold_extra(param, _held(state.pop(name)), mode)
 
 
-def _check_state_shapes(param: Tensor, state: dict) -> None:
+def _check_states_fit(param: Tensor, state: dict) -> None:
     # a parameter reshaped through .data (a weight transposed, of as many elements) would be stepped
-    # with states that belong to other elements, or its kernel step refused after other groups stepped.
-    # Its states are made together, from its shape: the first tells (each step pays this per parameter)
+    # with states that belong to other elements, or its kernel step refused after other groups stepped;
+    # one materialized in place (to_empty with swapped tensors, as FSDP2's are) kept states on the meta
+    # device, which each path refused in words of its own after other groups stepped. Its states are
+    # made together, from its shape and on its device: the first tells (each step pays this per parameter)
     for name, value in state.items():
-        if name == "step":
+        if name == "step" or not isinstance(value, Tensor):
             continue
-        if isinstance(value, Tensor) and value.shape != param.shape:
+        if value.shape != param.shape:
             raise ValueError(
                 f"a parameter of shape {tuple(param.shape)} has a {name!r} state of shape {tuple(value.shape)}: the "
                 "parameter's shape (through .data) or the state was changed after its states were made. Delete "
                 "its states (del opt.state[p]) to start them afresh, or give the parameter back its shape"
             )
+        if value.device != param.device:
+            fix = (
+                "a step or a load_state_dict while the model was on the meta device, before to_empty: meta states hold no "
+                "values. Delete its states (del opt.state[p]) to start them afresh, or load the checkpoint after the model "
+                "is materialized" if value.is_meta else
+                "the model moved after its states were made or loaded. Load the optimizer's state_dict() back into it "
+                "(a load puts each state on its parameter's device), or move the model before building the optimizer"
+            )
+            raise ValueError(f"a parameter on {param.device} has its {name!r} state on {value.device}: {fix}")
         return
 
 

@@ -1080,23 +1080,31 @@ def step_without_step_arguments():
     opt.step()
 
 
-def made_float64_after_construction():
+def made_after_construction(dtype):
     p = nn.Parameter(torch.randn(8))
     opt = lowbit_optim.AdamW([p])
-    p.data = p.data.double()
-    p.grad = torch.randn_like(p)
+    p.data = p.data.to(dtype)
+    p.grad = torch.randn(8).to(dtype)
     opt.step()
 
 
-def transposed_after_a_step(kwargs: dict | None = None, groups: int = 1) -> list[nn.Parameter]:
-    """Parameters of shape (20, 15), stepped once, the last made (15, 20) through .data and stepped
-    again (what the step refuses); returns them."""
-    params = [nn.Parameter(torch.randn(20, 15)) for _ in range(groups)]
+def made_float64_after_construction():
+    made_after_construction(torch.float64)
+
+
+def made_float8_after_construction():
+    made_after_construction(torch.float8_e4m3fn)
+
+
+def changed_after_a_step(change, kwargs: dict | None = None, groups: int = 1, device: str = "cpu") -> list[nn.Parameter]:
+    """Parameters of shape (20, 15) in groups of their own (the last on ``device``), stepped once, the
+    last changed by ``change`` and stepped again (what the step refuses); returns them."""
+    params = [nn.Parameter(torch.randn(20, 15, device="cpu" if i < groups - 1 else device)) for i in range(groups)]
     opt = lowbit_optim.AdamW([{"params": [p]} for p in params], **(kwargs or {}))
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    params[-1].data = params[-1].data.t().contiguous()
+    change(params[-1])
     params[-1].grad = torch.randn_like(params[-1])
     before = [p.detach().clone() for p in params]
     try:
@@ -1106,13 +1114,34 @@ def transposed_after_a_step(kwargs: dict | None = None, groups: int = 1) -> list
     return params
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(fused=False), dict(compile=False), dict(state_format="8bit", min_quantize_numel=0), dict(state_format="8bit", min_quantize_numel=0, fused=False)], ids=str)
+def transposed_after_a_step(kwargs: dict | None = None, groups: int = 1) -> list[nn.Parameter]:
+    return changed_after_a_step(lambda p: setattr(p, "data", p.data.t().contiguous()), kwargs, groups)
+
+
+def materialized_after_a_meta_step(kwargs: dict | None = None, groups: int = 1) -> list[nn.Parameter]:
+    """As to_empty materializes a model in place (with swapped tensors, as FSDP2's are): its states
+    stay on the meta device."""
+    return changed_after_a_step(lambda p: torch.utils.swap_tensors(p, nn.Parameter(torch.randn(20, 15))), kwargs, groups, "meta")
+
+
+STEP_PATHS = [dict(), dict(fused=False), dict(compile=False), dict(state_format="8bit", min_quantize_numel=0), dict(state_format="8bit", min_quantize_numel=0, fused=False)]
+
+
+@pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
 def test_a_parameter_reshaped_after_its_states_were_made_is_refused_before_any_step(kwargs):
     """p.data given another shape of as many elements (a weight transposed between layouts): its
     states belong to other elements. Every path refuses it, before any group steps (it was stepped
     with misplaced moments, or refused after the groups before it had stepped)."""
     with pytest.raises(ValueError, match=r"a parameter of shape \(15, 20\) has a 'exp_avg' state of shape \(20, 15\)"):
         transposed_after_a_step(kwargs, groups=2)  # (which checks that no group stepped)
+
+
+@pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
+def test_a_parameter_materialized_after_a_meta_step_is_refused_before_any_step(kwargs):
+    """Each path refused meta states in words of its own (the kernel's "nothing was stepped", dynamo's
+    fake tensors, eager's device mismatch), after the groups before it had stepped."""
+    with pytest.raises(ValueError, match=r"a parameter on cpu has its 'exp_avg' state on meta: a step or a load_state_dict while the model was on the meta device"):
+        materialized_after_a_meta_step(kwargs, groups=2)
 
 
 def fp16_parameter_fused():
@@ -1152,6 +1181,9 @@ BAD_INPUT = {
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
+    "float8 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4).to(torch.float8_e4m3fn))]),
+    "a parameter made float8 through .data": made_float8_after_construction,
+    "a parameter materialized after a meta step": materialized_after_a_meta_step,
     "a parameter made float64 through .data": made_float64_after_construction,
     "a parameter transposed through .data after a step": transposed_after_a_step,
     "fused=True, an fp16 parameter": fp16_parameter_fused,
@@ -1196,7 +1228,7 @@ class TestBadInput(expecttest.TestCase):
 sparse gradient: RuntimeError: AdamW does not support sparse gradients (its states are dense): use torch.optim.SparseAdam for those parameters, or make the gradients dense (e.g. nn.Embedding(..., sparse=False))
 sparse gradient, SGD: RuntimeError: SGD does not support sparse gradients (its states are dense): use torch.optim.SGD for those parameters, or make the gradients dense (e.g. nn.Embedding(..., sparse=False))
 sparse gradient, Lion: RuntimeError: Lion does not support sparse gradients (its states are dense): make the gradients dense (e.g. nn.Embedding(..., sparse=False))
-complex parameter: TypeError: lowbit_optim does not support complex parameters; optimize torch.view_as_real(p) as a real parameter instead, or use torch.optim.AdamW
+complex parameter: TypeError: lowbit_optim does not support complex parameters; hold the weight as a real one, nn.Parameter(torch.view_as_real(w).clone()), and use torch.view_as_complex(p) in the forward, or use torch.optim.AdamW
 integer parameter: TypeError: parameters must be floating point, got torch.int64
 lr=-1: ValueError: invalid learning rate -1: lr must be a number >= 0
 betas=(1.0, 0.9): ValueError: invalid betas (1.0, 0.9): each beta must be in [0, 1)
@@ -1219,6 +1251,9 @@ block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 o
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999); 1 given
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
+float8 parameter: TypeError: torch.float8_e4m3fn parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the weights in one of those and cast them in the forward (as float8 training does)
+a parameter made float8 through .data: TypeError: torch.float8_e4m3fn parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the weights in one of those and cast them in the forward (as float8 training does)
+a parameter materialized after a meta step: ValueError: a parameter on cpu has its 'exp_avg' state on meta: a step or a load_state_dict while the model was on the meta device, before to_empty: meta states hold no values. Delete its states (del opt.state[p]) to start them afresh, or load the checkpoint after the model is materialized
 a parameter made float64 through .data: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 a parameter transposed through .data after a step: ValueError: a parameter of shape (15, 20) has a 'exp_avg' state of shape (20, 15): the parameter's shape (through .data) or the state was changed after its states were made. Delete its states (del opt.state[p]) to start them afresh, or give the parameter back its shape
 fused=True, an fp16 parameter: RuntimeError: fused=True, but the fused CPU kernel cannot step a parameter of shape (8,): parameter dtype torch.float16 (it takes float32 and bfloat16). Pass fused=None to step such parameters with the compiled step.
