@@ -1285,11 +1285,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"{self._family} does not keep: it is a checkpoint of another optimizer"
             )
         names = self._state_names(param, group)
+        # a declared state that its option has switched off for now (SGD's momentum 0 for a phase, amsgrad
+        # off) stays, checked and converted, as a run keeps it and torch.optim's load does: switched on
+        # again, it goes on from its values, as the uninterrupted run does
+        dormant = [s.name for s in self.states if s.name in state and s.name not in names]
         kept = _loaded_precision_buffers(param, group, state, index)
         for name in list(state):
-            if name != "step" and name not in names and name not in kept:
-                del state[name]  # e.g. an amsgrad maximum this optimizer's options do not use
-        for name in names:
+            if name not in ("step", *names, *dormant, *kept):
+                del state[name]  # a precision buffer this parameter's param_update does not keep
+        for name in names + dormant:
             value = state.get(name)
             if value is None:  # a precision buffer the checkpoint did not have: start from zero error
                 if not kept:  # (where it has the other mode's, the first step converts that)
@@ -1309,7 +1313,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             # steps write it flat, in place, and the kernel reads it element by element beside the parameter
             value = map_local(lambda v: v if isinstance(v, StateTensor) else v.contiguous(), value)
             state[name] = value.to(param.device)
-        if not declared:
+        if not declared and not dormant:
             state.pop("step", None)
             return
         step = state.setdefault("step", self._step_when_missing)

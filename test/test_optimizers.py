@@ -194,6 +194,38 @@ def test_checkpoint_and_deepcopy_step_like_the_original(opt_info, info):
     assert_same_training(model, opt, model_copy, opt_copy)
 
 
+def _switchable_states() -> list:
+    """(optimizer, option, a value of it under which the state exists) for each state an option
+    switches on (SGD's momentum buffer, AdamW's amsgrad maximum)."""
+    cases = []
+    for opt_info in OPTIMIZERS:
+        for state in opt_info.cls.states:
+            if state.when is not None:
+                on = next(o[state.when] for o in (opt_info.kwargs, *opt_info.options.values()) if o.get(state.when))
+                cases.append(pytest.param(opt_info, state.when, on, id=f"{opt_info.name}-{state.when}"))
+    return cases
+
+
+@pytest.mark.parametrize("opt_info, option, on", _switchable_states())
+def test_a_state_switched_off_at_a_checkpoint_goes_on_when_switched_on(opt_info, option, on):
+    """A checkpoint taken while a group's momentum (amsgrad) is off for a phase holds the momentum
+    buffer (the running maximum) that the run keeps for when it is on again: the load dropped it, so
+    the resumed run restarted it where the uninterrupted one, and torch.optim's, went on."""
+    model = opt_info.mlp()
+    opt = opt_info.make(model.parameters(), state_format=opt_info.spec(format_info("8bit")), compile=False, **{option: on})
+    train(model, opt, 2)
+    opt.param_groups[0][option] = type(on)()
+    train(model, opt, 1)
+    resumed_model = copy.deepcopy(model)
+    resumed = opt_info.make(resumed_model.parameters(), state_format=opt_info.spec(format_info("8bit")), compile=False, **{option: type(on)()})
+    resumed.load_state_dict(save_and_load(opt.state_dict()))
+    for o in (opt, resumed):
+        o.param_groups[0][option] = on
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        train(m, o, 2)
+    assert_same_training(model, opt, resumed_model, resumed)
+
+
 def assert_agree_but_for_flipped_codes(runs, opt_info, info, param_tol: dict | None = None) -> None:
     """Two runs of the same steps, each (params, optimizer) (compiled and eager, or on two devices),
     agree within fp32 round-off (or ``param_tol``), but for codes flipped at a rounding boundary and
