@@ -902,6 +902,16 @@ def _dequantize_arg(x):
     return x.dequantize() if isinstance(x, StateTensor) else x
 
 
+def _in_fp32(x, written: set[int]):
+    """An argument of an op that writes a state: a state's values in fp32; a plain tensor of lower
+    precision that the op only reads, widened to fp32 (one it writes stays itself)."""
+    if isinstance(x, StateTensor):
+        return x.dequantize(torch.float32)
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16) and id(x) not in written:
+        return x.float()
+    return x
+
+
 def _dequantize_and_run(func, args, kwargs):
     """Generic fallback: run ``func`` on dequantized arguments; write mutated states back."""
     # below autograd (inside a custom op's kernel, e.g. step_op.py) composite ops such as .to() arrive
@@ -916,12 +926,18 @@ def _dequantize_and_run(func, args, kwargs):
             f"{_format_name(state)} does not support aten.{func.__name__}: it returns a view, which a quantized "
             f"state cannot provide: {DEQUANTIZE_FIRST}."
         )
-    plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
-    out = func(*plain_args, **plain_kwargs)
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if not mutated:
-        return out
-    bound, plain_bound = _bind(schema, args, kwargs), _bind(schema, plain_args, plain_kwargs)
+        plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+    # an op that writes a state computes in fp32, whatever the state's appearance dtype: an fp16
+    # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
+    # Tensors it only reads in a lower precision are widened alike (exactly) to meet it
+    bound = _bind(schema, args, kwargs)
+    written = {id(t) for name in mutated for t in tree_leaves(bound.get(name)) if isinstance(t, Tensor)}
+    plain_args, plain_kwargs = tree_map(lambda x: _in_fp32(x, written), (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    plain_bound = _bind(schema, plain_args, plain_kwargs)
     for name in mutated:  # also lists of states, as in the _foreach_*_ ops
         for original, new_value in zip(tree_leaves(bound.get(name)), tree_leaves(plain_bound.get(name))):
             if isinstance(original, StateTensor):

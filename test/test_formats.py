@@ -695,6 +695,22 @@ def test_a_half_precision_parameters_state_converts_in_fp32(info):
 
 
 @quantized_formats
+def test_an_op_that_writes_a_half_precision_parameters_state_computes_in_fp32(info):
+    """An in-place op that no handler answers (mul_, _foreach_mul_) ran on the values in the state's
+    appearance dtype: on an fp16 parameter, state.mul_(1.0) zeroed a small second moment and made
+    NaN of a large one. It computes as on an fp32 parameter, an fp16 operand widened."""
+    signed = info.signedness[0]
+    x = sample((3, 100), signed) * 1e-3
+    x[0, :4] = 1e6
+    states = [info.fmt.from_float(x, signed), info.fmt.from_float(x, signed).to(torch.float16)]
+    for state in states:
+        state.mul_(torch.tensor(0.5, dtype=state.dtype))
+        torch._foreach_mul_([state], 2.0)
+    assert states[1].dtype == torch.float16
+    assert torch.equal(states[1].dequantize(torch.float32), states[0].dequantize(torch.float32))
+
+
+@quantized_formats
 def test_copy_rejects_other_shapes(info):
     state = info.fmt.zeros((3, 100))
     with pytest.raises(RuntimeError, match="shapes must match"):
