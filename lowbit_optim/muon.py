@@ -162,10 +162,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self.muon._parts_stepped_after = (self.adamw,)
 
     # torch.optim's constructor and __setstate__ set these; once built, they are the two optimizers'
-    # own, read anew each time (their load_state_dict replaces both with new objects)
+    # own, read anew each time (their load_state_dict replaces both with new objects). Built is read as
+    # an attribute: a wrapper that takes this class and forwards what it lacks to the optimizer
+    # (Lightning's LightningOptimizer, Fabric's) reads the optimizer's
+    def _is_built(self) -> bool:
+        return getattr(self, "_built", False)
+
     @property
     def param_groups(self) -> list[dict]:
-        if not self.__dict__.get("_built"):
+        if not self._is_built():
             return self.__dict__["param_groups"]
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
@@ -176,7 +181,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @property
     def state(self) -> Mapping:
-        if not self.__dict__.get("_built"):
+        if not self._is_built():
             return self.__dict__["state"]
         return _States(self.optimizers)
 
@@ -186,7 +191,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.__dict__["state"] = state
 
     def _refuse_once_built(self, name: str) -> None:
-        if self.__dict__.get("_built"):  # it would be lost: the two optimizers' are read
+        if self._is_built():  # it would be lost: the two optimizers' are read
             raise AttributeError(f"MuonWithAdamW's {name} is its two optimizers': set opt.muon.{name} and opt.adamw.{name} instead")
 
     @contextlib.contextmanager

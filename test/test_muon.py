@@ -327,6 +327,37 @@ def test_muon_with_adamw_is_the_two_optimizers():
     assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
 
 
+class ForwardingWrapper:
+    """What Lightning's LightningOptimizer and Fabric's _FabricOptimizer make of an optimizer: an object
+    of their class and the optimizer's, without its attributes, that forwards what it lacks to it."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type("Wrapped" + type(optimizer).__name__, (ForwardingWrapper, type(optimizer)), {})
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def test_muon_with_adamw_behind_a_wrapper_that_forwards_attributes():
+    """MuonWithAdamW's param_groups and state (properties of its class) read a flag on the object
+    itself: behind Lightning's wrapper they raised KeyError ('param_groups'), in manual optimization,
+    a warm-up that edits param_groups and every Fabric loop's zero_grad."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)
+    wrapped = ForwardingWrapper(opt)
+    assert isinstance(wrapped, lowbit_optim.MuonWithAdamW)
+    assert [id(g) for g in wrapped.param_groups] == [id(g) for g in opt.param_groups]
+    _lm_steps([opt], model, 1)
+    assert wrapped.state[model.blocks[0].weight] is opt.state[model.blocks[0].weight]
+    for group in wrapped.param_groups:
+        group["lr"] = 0.5 * group["lr"]
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-3]
+    wrapped.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_muon_with_adamw_state_reads_like_torch_optims():
     """``opt.state[p]`` of a parameter not yet stepped is its part's ``{}`` (torch.optim's
     defaultdict gives one; logging code reads it before the first step), ``in`` and ``get`` add
