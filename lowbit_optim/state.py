@@ -402,6 +402,12 @@ class StateTensor(Tensor):
             and all(a.shape == b.shape for a, b in zip(other._inner().values(), self._inner().values()))
         )
 
+    def __reduce_ex__(self, protocol):
+        # saved as its attributes (inner tensors, metadata), rebuilt on its inner tensors' device, where
+        # map_location put them: torch's rebuild of a wrapper subclass asks map_location for the wrapper's
+        # device itself, and refuses a callable one (Lightning's default: lambda storage, loc: storage)
+        return _rebuild_state, (type(self), self.dtype, tuple(self.shape), self.requires_grad, torch._utils._get_obj_state(self))
+
     def __setstate__(self, state):
         # torch.load rebuilds a saved state here (with or without weights_only)
         attributes = state[0] if isinstance(state, tuple) else state
@@ -838,6 +844,23 @@ def _table(cls, signed: bool, name: str, device: torch.device) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 # Shared handlers
 # ------------------------------------------------------------------------------------------------
+
+
+def _rebuild_state(cls, dtype, shape, requires_grad, state) -> "StateTensor":
+    """A saved state (StateTensor.__reduce_ex__), as torch.load rebuilds it: a state of ``cls`` on its
+    inner tensors' device, given its attributes, which __setstate__ checks. A checkpoint saved before
+    it (through torch's rebuild of wrapper subclasses) loads as it did."""
+    if not (isinstance(cls, type) and issubclass(cls, StateTensor)):
+        raise ValueError(f"this checkpoint rebuilds a state of {cls!r}, which is no lowbit_optim state class: it is corrupt")
+    attributes = state[0] if isinstance(state, tuple) else state
+    inner = [t for t in attributes.values() if isinstance(t, Tensor)] if isinstance(attributes, dict) else []
+    device = inner[0].device if inner else torch.device("cpu")
+    rebuilt = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    rebuilt.__setstate__(state)
+    return rebuilt
+
+
+torch.serialization.add_safe_globals([_rebuild_state])
 
 
 @functools.cache

@@ -881,17 +881,40 @@ def test_slice_other_dims_or_steps_raises(info, index):
         state[index]
 
 
+def keep_storage(storage, location):
+    """Lightning's default map_location (its checkpoint loads and load_from_checkpoint)."""
+    return storage
+
+
 @quantized_formats_by_signedness
+@pytest.mark.parametrize("map_location", [None, keep_storage], ids=["no map_location", "a callable map_location"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_save_load_weights_only(info, signed, dtype):
-    """torch.save + torch.load(weights_only=True), the safe default for checkpoints, is bit-exact."""
+def test_save_load_weights_only(info, signed, dtype, map_location):
+    """torch.save + torch.load(weights_only=True), the safe default for checkpoints, is bit-exact;
+    also with a callable map_location, which torch's rebuild of a wrapper subclass refused (every
+    Lightning resume failed so)."""
     block_size = valid_block_sizes(info)[-1] if info.blockwise else None
     state = info.fmt.from_float(sample((3, 100), signed, dtype=dtype), signed, block_size)
     buffer = io.BytesIO()
     torch.save({"exp_avg": state}, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)["exp_avg"]
+    loaded = torch.load(buffer, weights_only=True, map_location=map_location)["exp_avg"]
     assert_same_state(loaded, state)
+
+
+class NamesAnotherClass:
+    """What an edited checkpoint could hold: a state's rebuild naming a class that is no state's."""
+
+    def __reduce__(self):
+        return lowbit_optim.state._rebuild_state, (torch.nn.Parameter, torch.float32, (3,), False, {})
+
+
+def test_a_checkpoint_that_rebuilds_another_class_as_a_state_is_refused():
+    buffer = io.BytesIO()
+    torch.save({"exp_avg": NamesAnotherClass()}, buffer)
+    buffer.seek(0)
+    with pytest.raises(ValueError, match="rebuilds a state of <class 'torch.nn.parameter.Parameter'>, which is no lowbit_optim state class"):
+        torch.load(buffer, weights_only=True)
 
 
 OUT_OF_PLACE_OPS = {
