@@ -21,6 +21,7 @@ import math
 import pathlib
 import sys
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -950,16 +951,19 @@ def _dequantize_and_run(func, args, kwargs):
             f"state cannot provide: {DEQUANTIZE_FIRST}."
         )
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not mutated:
+    if not mutated or func.namespace != "aten":  # (a collective exchanges the dtype every rank allocated)
         plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
-        return func(*plain_args, **plain_kwargs)
-    # an op that writes a state computes in fp32, whatever the state's appearance dtype: an fp16
-    # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
-    # Tensors it only reads in a lower precision are widened alike (exactly) to meet it
+        out = func(*plain_args, **plain_kwargs)
+        if not mutated:
+            return out
+    else:
+        # an op that writes a state computes in fp32, whatever the state's appearance dtype: an fp16
+        # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
+        # Tensors it only reads in a lower precision are widened alike (exactly) to meet it
+        written = {id(t) for name in mutated for t in tree_leaves(_bind(schema, args, kwargs).get(name)) if isinstance(t, Tensor)}
+        plain_args, plain_kwargs = tree_map(lambda x: _in_fp32(x, written), (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
     bound = _bind(schema, args, kwargs)
-    written = {id(t) for name in mutated for t in tree_leaves(bound.get(name)) if isinstance(t, Tensor)}
-    plain_args, plain_kwargs = tree_map(lambda x: _in_fp32(x, written), (args, kwargs))
-    out = func(*plain_args, **plain_kwargs)
     plain_bound = _bind(schema, plain_args, plain_kwargs)
     for name in mutated:  # also lists of states, as in the _foreach_*_ ops
         for original, new_value in zip(tree_leaves(bound.get(name)), tree_leaves(plain_bound.get(name))):
@@ -1083,17 +1087,33 @@ def _is_pinned(func, args, kwargs):
     return all(t.is_pinned() for t in args[0]._inner().values())
 
 
-def _collective_ops(*names):
-    """The c10d functional ops of these names that this torch build has registered (old and new
-    namespace); one registered later reaches the fallback, which does the same: dequantize and run."""
+def _collective_ops(*names, namespaces=("_c10d_functional", "c10d_functional")):
+    """The c10d ops of these names (by default the functional ones, old and new namespace) that this
+    torch build has registered; one registered later reaches the fallback, which does the same:
+    dequantize and run."""
     ops = []
-    for namespace in ("_c10d_functional", "c10d_functional"):
+    for namespace in namespaces:
         for name in names:
             try:
                 ops.append(getattr(getattr(torch.ops, namespace), name).default)
             except (AttributeError, RuntimeError):
                 pass
     return ops
+
+
+@implements(*_collective_ops("broadcast_", namespaces=("c10d",)))
+def _broadcast(func, args, kwargs):
+    # a state reaches a broadcast where it is sent (set_optimizer_state_dict(broadcast_from_rank0=True)):
+    # it goes as its values in its dtype, into plain tensors the other ranks allocated so, whose loads
+    # requantize them: they may hold other states than this rank's, and the replicas drift apart
+    warnings.warn(
+        "a quantized optimizer state is broadcast as its values, which the other ranks requantize: they may then hold "
+        "other states than this rank (broadcast_from_rank0=True). Pass the state dict through "
+        "lowbit_optim.dequantize_state_dict first, so that every rank quantizes the same fp32 values, or load the "
+        "checkpoint on every rank, which restores its states exactly",
+        stacklevel=2,
+    )
+    return _dequantize_and_run(func, args, kwargs)
 
 
 @implements(*_collective_ops("all_gather_into_tensor"))

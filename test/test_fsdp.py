@@ -492,6 +492,28 @@ def _optimizer_before_fully_shard_scenario(rank: int, world: int) -> dict:
     return out
 
 
+def _broadcast_from_rank0_scenario(rank: int, world: int) -> dict:
+    """set_optimizer_state_dict(full_state_dict=True, broadcast_from_rank0=True) of a model without
+    FSDP: rank 0's states go as their values, which the other ranks requantize. Rank 0 warns (and
+    names the fix), where the replicas silently drifted apart; every rank then steps on."""
+    import warnings
+
+    import lowbit_optim
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _Net()
+    opt = lowbit_optim.AdamW(model.parameters(), lr=1e-2, state_format="8bit", compile=False)
+    model(_batch(0, 0, 1)).backward()
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, opt, saved if rank == 0 else {}, options=options)
+    opt.step()
+    return {"warnings": [str(w.message) for w in caught]}
+
+
 def _same_tree(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -525,6 +547,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "ademamix_all_8bit": lambda rank, world: _other_optimizer_scenario("AdEMAMix", rank, world, workdir, ADEMAMIX_ALL_8BIT, fused=True),
         "muon_float64": _muon_float64_scenario,
         "optimizer_before_fully_shard": _optimizer_before_fully_shard_scenario,
+        "broadcast_from_rank0": _broadcast_from_rank0_scenario,
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -840,6 +863,18 @@ def test_an_optimizer_built_before_fully_shard_warns_at_its_step(job):
         for in_backward in (False, True):
             assert result[in_backward]["stepped"] == 0
             assert any("no gradient" in w and "build it after fully_shard" in w for w in result[in_backward]["warnings"]), (rank, in_backward, result)
+
+
+@needs_gloo
+def test_broadcast_from_rank0_warns_where_the_states_are_sent(job):
+    """broadcast_from_rank0 sends a state's values; the ranks that receive them requantize them, and may
+    hold other states (replicas drifting apart, as a review measured): the sending rank warns and names
+    the fix (dequantize_state_dict first, or a load on every rank). The broadcast still completes."""
+    for rank, found in enumerate(job):
+        result = found.get("broadcast_from_rank0")
+        assert result is not None and "error" not in result, f"rank {rank}: {result}"
+        warned = any("broadcast as its values" in w and "dequantize_state_dict" in w for w in result["warnings"])
+        assert warned == (rank == 0), (rank, result)
 
 
 @needs_gloo
