@@ -853,8 +853,10 @@ def _rebuild_state(cls, dtype, shape, requires_grad, state) -> "StateTensor":
     it (through torch's rebuild of wrapper subclasses) loads as it did."""
     if not (isinstance(cls, type) and issubclass(cls, StateTensor)):
         raise ValueError(f"this checkpoint rebuilds a state of {cls!r}, which is no lowbit_optim state class: it is corrupt")
-    attributes = state[0] if isinstance(state, tuple) else state
-    inner = [t for t in attributes.values() if isinstance(t, Tensor)] if isinstance(attributes, dict) else []
+    attributes = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+    if not isinstance(attributes, dict):
+        raise ValueError(f"this checkpoint's {cls.__name__} holds {type(state).__name__} attributes, not a dict: it is edited or corrupt")
+    inner = [t for t in attributes.values() if isinstance(t, Tensor)]
     device = inner[0].device if inner else torch.device("cpu")
     rebuilt = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
     rebuilt.__setstate__(state)
@@ -926,13 +928,15 @@ def _dequantize_arg(x):
     return x.dequantize() if isinstance(x, StateTensor) else x
 
 
-def _in_fp32(x, written: set[int]):
-    """An argument of an op that writes a state: a state's values in fp32; a plain tensor of lower
-    precision that the op only reads, widened to fp32 (one it writes stays itself)."""
+def _in_fp32(x):
+    """An argument of an op that writes states only: a state's values in fp32, a plain tensor (which
+    it only reads) or a dtype of lower precision widened to fp32."""
     if isinstance(x, StateTensor):
         return x.dequantize(torch.float32)
-    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16) and id(x) not in written:
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
         return x.float()
+    if isinstance(x, torch.dtype) and x in (torch.float16, torch.bfloat16):
+        return torch.float32
     return x
 
 
@@ -951,19 +955,18 @@ def _dequantize_and_run(func, args, kwargs):
             f"state cannot provide: {DEQUANTIZE_FIRST}."
         )
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not mutated or func.namespace != "aten":  # (a collective exchanges the dtype every rank allocated)
-        plain_args, plain_kwargs = tree_map(_dequantize_arg, (args, kwargs))
-        out = func(*plain_args, **plain_kwargs)
-        if not mutated:
-            return out
-    else:
-        # an op that writes a state computes in fp32, whatever the state's appearance dtype: an fp16
-        # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
-        # Tensors it only reads in a lower precision are widened alike (exactly) to meet it
-        written = {id(t) for name in mutated for t in tree_leaves(_bind(schema, args, kwargs).get(name)) if isinstance(t, Tensor)}
-        plain_args, plain_kwargs = tree_map(lambda x: _in_fp32(x, written), (args, kwargs))
-        out = func(*plain_args, **plain_kwargs)
     bound = _bind(schema, args, kwargs)
+    written = [t for name in mutated for t in tree_leaves(bound.get(name)) if isinstance(t, Tensor)]
+    # an aten op that writes states only computes in fp32, whatever their appearance dtype: an fp16
+    # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
+    # What it reads in a lower precision is widened alike (exactly), a dtype= too. One that writes a
+    # plain tensor reads states in their appearance dtype, as that tensor's peers; a collective
+    # exchanges the dtype every rank allocated
+    in_fp32 = func.namespace == "aten" and written and all(isinstance(t, StateTensor) for t in written)
+    plain_args, plain_kwargs = tree_map(_in_fp32 if in_fp32 else _dequantize_arg, (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    if not mutated:
+        return out
     plain_bound = _bind(schema, plain_args, plain_kwargs)
     for name in mutated:  # also lists of states, as in the _foreach_*_ ops
         for original, new_value in zip(tree_leaves(bound.get(name)), tree_leaves(plain_bound.get(name))):

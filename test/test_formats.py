@@ -711,6 +711,25 @@ def test_an_op_that_writes_a_half_precision_parameters_state_computes_in_fp32(in
 
 
 @quantized_formats
+def test_ops_that_write_plain_tensors_read_a_half_precision_state_in_its_dtype(info):
+    """An op that writes a plain fp16 tensor reads a state as fp16, its appearance (an EMA's lerp_
+    toward a moment, out= of a plain tensor), and one that writes a state with dtype=fp16 computes
+    it in fp32: the first fix of the fallback made them all dtype errors."""
+    signed = info.signedness[0]
+    x = sample((3, 100), signed) * 1e-2
+    state = info.fmt.from_float(x, signed).to(torch.float16)
+    buffer = torch.zeros(3, 100, dtype=torch.float16)
+    buffer.lerp_(state, 0.5)
+    assert torch.equal(buffer, torch.zeros(3, 100, dtype=torch.float16).lerp_(state.dequantize(), 0.5))
+    torch.abs(state, out=buffer)
+    assert torch.equal(buffer, state.dequantize().abs())
+    written, twin = info.fmt.from_float(x, signed).to(torch.float16), info.fmt.from_float(x, signed)
+    torch.cumsum(x.abs().half(), 0, dtype=torch.float16, out=written)
+    torch.cumsum(x.abs().half().float(), 0, out=twin)  # (as on an fp32 parameter)
+    assert torch.equal(written.dequantize(torch.float32), twin.dequantize(torch.float32))
+
+
+@quantized_formats
 def test_copy_rejects_other_shapes(info):
     state = info.fmt.zeros((3, 100))
     with pytest.raises(RuntimeError, match="shapes must match"):
@@ -902,18 +921,30 @@ def test_save_load_weights_only(info, signed, dtype, map_location):
     assert_same_state(loaded, state)
 
 
-class NamesAnotherClass:
-    """What an edited checkpoint could hold: a state's rebuild naming a class that is no state's."""
+class EditedRebuild:
+    """What an edited checkpoint could hold: a state's rebuild with other arguments."""
+
+    def __init__(self, cls, attributes):
+        self.cls, self.attributes = cls, attributes
 
     def __reduce__(self):
-        return lowbit_optim.state._rebuild_state, (torch.nn.Parameter, torch.float32, (3,), False, {})
+        return lowbit_optim.state._rebuild_state, (self.cls, torch.float32, (3,), False, self.attributes)
 
 
-def test_a_checkpoint_that_rebuilds_another_class_as_a_state_is_refused():
+@pytest.mark.parametrize(
+    "cls, attributes, message",
+    [
+        (torch.nn.Parameter, {}, "rebuilds a state of <class 'torch.nn.parameter.Parameter'>, which is no lowbit_optim state class"),
+        (lowbit_optim.OptimState8bit, [1, 2], "OptimState8bit holds list attributes, not a dict: it is edited or corrupt"),
+        (lowbit_optim.OptimState8bit, None, "OptimState8bit holds NoneType attributes, not a dict"),
+    ],
+    ids=["another class", "a list", "None"],
+)
+def test_an_edited_rebuild_of_a_state_is_refused(cls, attributes, message):
     buffer = io.BytesIO()
-    torch.save({"exp_avg": NamesAnotherClass()}, buffer)
+    torch.save({"exp_avg": EditedRebuild(cls, attributes)}, buffer)
     buffer.seek(0)
-    with pytest.raises(ValueError, match="rebuilds a state of <class 'torch.nn.parameter.Parameter'>, which is no lowbit_optim state class"):
+    with pytest.raises(ValueError, match=message):
         torch.load(buffer, weights_only=True)
 
 
