@@ -1109,6 +1109,8 @@ def _broadcast(func, args, kwargs):
     # a state reaches a broadcast where it is sent (set_optimizer_state_dict(broadcast_from_rank0=True)):
     # it goes as its values in its dtype, into plain tensors the other ranks allocated so, whose loads
     # requantize them: they may hold other states than this rank's, and the replicas drift apart
+    if args[1].size() == 1:  # (the process group: alone, no rank receives)
+        return _dequantize_and_run(func, args, kwargs)
     warnings.warn(
         "a quantized optimizer state is broadcast as its values, which the other ranks requantize: they may then hold "
         "other states than this rank (broadcast_from_rank0=True). Pass the state dict through "
