@@ -1109,7 +1109,7 @@ def _broadcast(func, args, kwargs):
     # a state reaches a broadcast where it is sent (set_optimizer_state_dict(broadcast_from_rank0=True)):
     # it goes as its values in its dtype, into plain tensors the other ranks allocated so, whose loads
     # requantize them: they may hold other states than this rank's, and the replicas drift apart
-    if args[1].size() == 1:  # (the process group: alone, no rank receives)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:  # alone: no rank receives
         return _dequantize_and_run(func, args, kwargs)
     warnings.warn(
         "a quantized optimizer state is broadcast as its values, which the other ranks requantize: they may then hold "
