@@ -1705,17 +1705,17 @@ def _check_param(p: Tensor, torch_name: str | None) -> None:
         )
     if not p.is_floating_point():
         raise TypeError(f"parameters must be floating point, got {p.dtype}")
-    if p.dtype not in _STEPPED_DTYPES and p.dtype != torch.float64:  # (float8: most updates would round away)
-        raise TypeError(
-            f"{p.dtype} parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the "
-            "weights in one of those and cast them in the forward (as float8 training does)"
-        )
     if p.is_neg():  # the step writes its memory, which holds the values negated
         raise TypeError("a parameter that is a lazily negated view (torch's neg bit) cannot be stepped in place: make it nn.Parameter(t.resolve_neg())")
     if p.dtype == torch.float64:
         raise TypeError(
             "float64 parameters are not supported: lowbit_optim computes the step in float32 and would "
             f"round them. Convert the model to float32 (model.float()){alternative.replace(', or', ' or')}{' for float64' if torch_name else ''}"
+        )
+    if p.dtype not in _STEPPED_DTYPES:  # float8: most updates would round away
+        raise TypeError(
+            f"{p.dtype} parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the "
+            "weights in one of those and cast them in the forward (as float8 training does)"
         )
 
 

@@ -346,7 +346,6 @@ def muon_lr_ratio(shape, adjust_lr_fn: str | None) -> float:
     """torch.optim.Muon's lr scale for a (rows, cols) matrix: sqrt(max(1, rows / cols)) ("original",
     the default), 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", an update of AdamW's RMS)."""
     rows, cols = shape[0], shape[1]
-    check_adjust_lr_fn(adjust_lr_fn)
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1, rows / cols))

@@ -411,7 +411,7 @@ class StateTensor(Tensor):
 
     def __setstate__(self, state):
         # torch.load rebuilds a saved state here (with or without weights_only)
-        attributes = state[0] if isinstance(state, tuple) else state
+        attributes = _saved_attributes(type(self), state)
         saved = attributes.get("format_version", 1)
         if saved != type(self).format_version:
             legacy = type(self).legacy_format(saved)
@@ -853,10 +853,7 @@ def _rebuild_state(cls, dtype, shape, requires_grad, state) -> "StateTensor":
     it (through torch's rebuild of wrapper subclasses) loads as it did."""
     if not (isinstance(cls, type) and issubclass(cls, StateTensor)):
         raise ValueError(f"this checkpoint rebuilds a state of {cls!r}, which is no lowbit_optim state class: it is corrupt")
-    attributes = state[0] if isinstance(state, tuple) and len(state) == 2 else state
-    if not isinstance(attributes, dict):
-        raise ValueError(f"this checkpoint's {cls.__name__} holds {type(state).__name__} attributes, not a dict: it is edited or corrupt")
-    inner = [t for t in attributes.values() if isinstance(t, Tensor)]
+    inner = [t for t in _saved_attributes(cls, state).values() if isinstance(t, Tensor)]
     device = inner[0].device if inner else torch.device("cpu")
     rebuilt = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
     rebuilt.__setstate__(state)
@@ -864,6 +861,14 @@ def _rebuild_state(cls, dtype, shape, requires_grad, state) -> "StateTensor":
 
 
 torch.serialization.add_safe_globals([_rebuild_state])
+
+
+def _saved_attributes(cls, state) -> dict:
+    """A saved state's attributes: torch pickles its __dict__, alone or paired with its slots."""
+    attributes = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+    if not isinstance(attributes, dict):
+        raise ValueError(f"this checkpoint's {cls.__name__} holds {type(state).__name__} attributes, not a dict: it is edited or corrupt")
+    return attributes
 
 
 @functools.cache
@@ -955,7 +960,7 @@ def _dequantize_and_run(func, args, kwargs):
             f"state cannot provide: {DEQUANTIZE_FIRST}."
         )
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    bound = _bind(schema, args, kwargs)
+    bound = _bind(schema, args, kwargs) if mutated else {}
     written = [t for name in mutated for t in tree_leaves(bound.get(name)) if isinstance(t, Tensor)]
     # an aten op that writes states only computes in fp32, whatever their appearance dtype: an fp16
     # parameter's state holds moments outside fp16's range (state.mul_(1.0) zeroed or NaN'd them).
@@ -1109,15 +1114,14 @@ def _broadcast(func, args, kwargs):
     # a state reaches a broadcast where it is sent (set_optimizer_state_dict(broadcast_from_rank0=True)):
     # it goes as its values in its dtype, into plain tensors the other ranks allocated so, whose loads
     # requantize them: they may hold other states than this rank's, and the replicas drift apart
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:  # alone: no rank receives
-        return _dequantize_and_run(func, args, kwargs)
-    warnings.warn(
-        "a quantized optimizer state is broadcast as its values, which the other ranks requantize: they may then hold "
-        "other states than this rank (broadcast_from_rank0=True). Pass the state dict through "
-        "lowbit_optim.dequantize_state_dict first, so that every rank quantizes the same fp32 values, or load the "
-        "checkpoint on every rank, which restores its states exactly",
-        stacklevel=2,
-    )
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1):  # (alone, no rank receives)
+        warnings.warn(
+            "a quantized optimizer state is broadcast as its values, which the other ranks requantize: they may then hold "
+            "other states than this rank (broadcast_from_rank0=True). Pass the state dict through "
+            "lowbit_optim.dequantize_state_dict first, so that every rank quantizes the same fp32 values, or load the "
+            "checkpoint on every rank, which restores its states exactly",
+            stacklevel=2,
+        )
     return _dequantize_and_run(func, args, kwargs)
 
 

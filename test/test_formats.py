@@ -675,14 +675,21 @@ def test_copy_between_layouts_converts(src_info, dst_info):
     assert_same_state(dst, dst_info.fmt.from_float(src.dequantize(), signed, block_size))
 
 
+def beyond_fp16(info: FormatInfo) -> tuple[torch.Tensor, bool]:
+    """Values a state holds on an fp16 parameter outside fp16's range (1e-9 and below, 1e6), and the
+    signedness they are held with."""
+    signed = info.signedness[0]
+    x = sample((3, 100), signed) * 1e-3
+    x[0, :4] = 1e6
+    return x, signed
+
+
 @quantized_formats
 def test_a_half_precision_parameters_state_converts_in_fp32(info):
     """A state on an fp16 parameter appears fp16 but holds moments outside fp16's range (1e-9, 1e6):
     copy_ out of it, copy_ into another layout, and a checkpoint's conversion to another format
     carry its fp32 values, not fp16's zeros and infs."""
-    signed = info.signedness[0]
-    x = sample((3, 100), signed) * 1e-3
-    x[0, :4] = 1e6
+    x, signed = beyond_fp16(info)
     state = info.fmt.from_float(x, signed).to(torch.float16)
     values = state.dequantize(torch.float32)
     assert torch.equal(torch.empty(3, 100).copy_(state), values)
@@ -699,9 +706,7 @@ def test_an_op_that_writes_a_half_precision_parameters_state_computes_in_fp32(in
     """An in-place op that no handler answers (mul_, _foreach_mul_) ran on the values in the state's
     appearance dtype: on an fp16 parameter, state.mul_(1.0) zeroed a small second moment and made
     NaN of a large one. It computes as on an fp32 parameter, an fp16 operand widened."""
-    signed = info.signedness[0]
-    x = sample((3, 100), signed) * 1e-3
-    x[0, :4] = 1e6
+    x, signed = beyond_fp16(info)
     states = [info.fmt.from_float(x, signed), info.fmt.from_float(x, signed).to(torch.float16)]
     for state in states:
         state.mul_(torch.tensor(0.5, dtype=state.dtype))
