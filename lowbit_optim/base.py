@@ -1129,7 +1129,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _tensor_arguments(self, group: dict, device) -> tuple[list[Tensor], dict]:
         numbers, flags = self._step_arguments(group)
-        tensors = [v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 else torch.as_tensor(v, dtype=torch.float32).to(device) for v in numbers]
+        # fp32, as a Python float's value is, unless the optimizer's arguments computed it in float64:
+        # a tensor lr the user made float64 steps as that float does (the kernel takes it so)
+        given = {id(v) for v in group.values() if isinstance(v, Tensor)}
+        tensors = [
+            v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 and id(v) not in given else torch.as_tensor(v, dtype=torch.float32).to(device)
+            for v in numbers
+        ]
         # 0-d, as a number: a one-element tensor of another shape (lr=torch.tensor([[1e-3]])) would broadcast the flat states
         return [t.reshape(()) if t.dim() and t.numel() == 1 else t for t in tensors], flags
 

@@ -137,6 +137,15 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
+def test_a_float64_tensor_lr_steps_as_its_value_does_on_every_path():
+    """An lr given as a float64 tensor (torch.as_tensor of a NumPy float) steps as the same lr given
+    as a Python float, on each path: the kernel, the compiled and the eager step (the compiled step
+    had kept it in float64, where the kernel rounds lr to fp32 as it does a float's: 1.2e-7 apart)."""
+    lr, kwargs = 1e-3, dict(state_format="fp32", weight_decay=0.01)  # (an ulp apart in a few elements: some lr and data only)
+    for options in (dict(fused=True), dict(fused=False), dict(fused=False, compile=False)):
+        assert_identical(run(**options, **kwargs, lr=torch.tensor(lr, dtype=torch.float64)), run(**options, **kwargs, lr=lr))
+
+
 def test_a_factored_state_of_subnormal_values_reads_them_on_every_path():
     """A 1-D factored second moment of subnormal values (gradients of 1e-20, squares 1e-40) reads
     them back exactly in the kernel, the compiled and the eager step, so its rows (the values) are
