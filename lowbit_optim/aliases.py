@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from . import formats
+from .base import check_flag
 from .optim import Adam, AdamW, AdEMAMix, Lion, SGD
 
 # ------------------------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ def _same_settings(given: dict, ours: dict) -> bool:
 
 def _torchdistx_options(use_kahan_summation, momentum_dtype, variance_dtype, compensation_buffer_dtype) -> dict:
     """torchdistx's options as lowbit_optim's."""
+    check_flag("use_kahan_summation", use_kahan_summation)
     return dict(
         state_format={"exp_avg": _dtype_format(momentum_dtype), "exp_avg_sq": _dtype_format(variance_dtype)},
         param_update="kahan" if use_kahan_summation else "nearest",
@@ -187,6 +189,8 @@ def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, p
         "block_wise": (not block_wise, "lowbit_optim's 8-bit states are always blockwise"),
         "max_unorm": (max_unorm != 0.0, "bitsandbytes' update-norm clipping"),
     }
+    check_flag("is_paged", is_paged)
+    check_flag("block_wise", block_wise)
     values = dict(args=args, is_paged=is_paged, percentile_clipping=percentile_clipping, block_wise=block_wise, max_unorm=max_unorm)
     for key, (bad, why) in refused.items():
         if bad:

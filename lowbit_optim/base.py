@@ -435,6 +435,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} got an unexpected keyword argument {next(iter(unknown))!r}; it takes "
                 f"{', '.join(_keywords(type(self)))}"
             )
+        for key, value in (("bf16_stochastic_round", bf16_stochastic_round), ("compile", compile), ("step_in_backward", step_in_backward)):
+            check_flag(key, value)
         if bf16_stochastic_round:
             if param_update not in ("nearest", "stochastic"):
                 raise ValueError(f"bf16_stochastic_round=True contradicts param_update={param_update!r}; pass one of them")
@@ -458,16 +460,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
             differentiable=differentiable,
             fused=fused if compile else False,
         )
-        if step_in_backward not in (True, False):
-            raise ValueError(f"step_in_backward must be True or False, got {step_in_backward!r}")
         if step_in_backward and foreach:
             raise ValueError(
                 "foreach=True steps parameters in groups after backward, and step_in_backward=True steps each one as "
                 "its gradient arrives: pass one of them"
             )
         in_backward.check_max_grad_norm(max_grad_norm, step_in_backward)
-        self._compile = compile
-        self._step_in_backward = step_in_backward
+        self._compile = bool(compile)
+        self._step_in_backward = bool(step_in_backward)
         self._max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None  # with max_grad_norm: the last backward's global gradient norm
         self._step_op_key, self._option_places = step_op.register(self)
@@ -555,6 +555,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # ---- param groups ---------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict):  # (torch.optim's own check, which comes after ours reads it)
+            raise TypeError(f"param_group must be a dict such as {{'params': [...], 'lr': 1e-3}}, got {type(param_group).__name__}")
         # a group that names its own formats inherits the constructor's block_size without using it
         block_size_given = "block_size" in param_group or "state_format" not in param_group
         compensation_given = _names_a_compensation(param_group.get("compensation_format")) and self._refuses_unused_compensation
@@ -586,8 +588,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         no_kernel = _no_kernel_reason(type(self))
         if group["fused"] and no_kernel is not None:
             raise ValueError(f"fused=True, but {no_kernel}. Pass fused=None (the default) or False")
-        if group.pop("bf16_stochastic_round", False):  # torchao's per-group spelling
-            group["param_update"] = "stochastic"
+        if "bf16_stochastic_round" in group:  # torchao's per-group spelling
+            check_flag("bf16_stochastic_round", group["bf16_stochastic_round"])
+            if group.pop("bf16_stochastic_round"):
+                group["param_update"] = "stochastic"
         precision.check_param_update(group["param_update"])
         # names keep state_dict() loadable with torch.load(weights_only=True)
         group["state_format"] = self._format_names(group["state_format"])
@@ -624,6 +628,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 reason = None if p.device.type == "meta" else fused_cpu.param_unsupported_reason(local(p), None, {}, param_update_of(p, group))
                 if reason is not None:  # (a RuntimeError, as torch.optim's fused=True refuses a parameter)
                     raise RuntimeError(_kernel_refuses(p, reason))
+            blockwise = group["block_size"] is not None and any(formats.is_blockwise(formats.get_format(n)) for n in used.values())
+            reason = fused_cpu.block_size_unsupported_reason(group["block_size"]) if blockwise else None
+            if reason is not None:
+                raise RuntimeError(f"fused=True, but the fused CPU kernel cannot step {reason}. Pass a smaller block_size, or fused=None to step such states with the compiled step")
         self._remember_group(group)
 
     def _check_hyper_parameters(self, group: dict) -> None:
@@ -633,9 +641,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 _check_float_range(key, value)
         _check_lr(group["lr"])
         flags = {*_flag_keys(type(self)), *(k for k, v in self.defaults.items() if isinstance(v, bool))}
-        for key in sorted(flags):  # a flag as a string ("False") would be true
-            if key in group and not _is_flag(group[key]):
-                raise ValueError(f"{key} must be True or False (or 1 or 0), got {group[key]!r}")
+        for key in sorted(flags):
+            if key in group:
+                check_flag(key, group[key])
         self._check_group(group)
         for key, value in group.items():  # after the optimizer's own checks, whose messages say more
             if key in self.defaults:  # (a key of the user's, kept as torch.optim keeps it, is not ours to check)
@@ -1185,6 +1193,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         bit-exactly."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            if found == ["adamw", "muon"]:
+                raise ValueError(
+                    "this is a MuonWithAdamW checkpoint ({'muon': ..., 'adamw': ...}), of two optimizers: load it into a "
+                    "MuonWithAdamW, or load one part, e.g. state_dict['adamw'], into the optimizer that holds its parameters"
+                )
             raise ValueError(
                 f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
                 "Pass what optimizer.state_dict() returned (not model.state_dict())"
@@ -1488,11 +1501,12 @@ def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool
         )
 
 
-def _is_flag(value) -> bool:
-    """A flag's value: a bool (NumPy's too), or a number equal to 1 or 0, as torch.optim takes
-    amsgrad=1; not a str, which is true whatever it says."""
+def check_flag(key: str, value) -> None:
+    """Refuses a flag that is not a bool (NumPy's too) or a number equal to 1 or 0 (torch.optim takes
+    amsgrad=1): a str ("False") would be true whatever it says, and None would pass for False."""
     value = _plain_number(value)
-    return isinstance(value, numbers.Real) and value in (0, 1)
+    if not (isinstance(value, numbers.Real) and value in (0, 1)):
+        raise ValueError(f"{key} must be True or False (or 1 or 0), got {value!r}")
 
 
 def _plain_number(value):

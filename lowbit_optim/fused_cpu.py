@@ -79,6 +79,12 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
     return kernel_op.chunks_unsupported(list(states.values()))
 
 
+def block_size_unsupported_reason(block_size: int) -> str | None:
+    """Why the kernel cannot step blockwise states of ``block_size`` (None if it can)."""
+    kernel, why = kernel_abi.load()
+    return why if kernel is None else kernel_op.block_size_unsupported(block_size)
+
+
 def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] | None = None) -> None:
     """Step every (param, grad, step, *states) of ``items`` with the kernel's ``optimizer`` update:
     ``states`` in the order the C names them (None where absent), ``hyper`` by the C struct's field

@@ -69,6 +69,9 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the nn.Module to train, got {type(model).__name__}")
+    if args is not None and not hasattr(args, "learning_rate"):  # (an optimizer passed where args goes fails only in Trainer)
+        fix = "pass the optimizer as optimizer_cls=" if isinstance(args, type) else "pass Trainer's TrainingArguments, whose learning_rate it reads"
+        raise TypeError(f"args must be the TrainingArguments (or None), got {args!r}: {fix}")
     chosen = {**bound, **kwargs}
     if chosen.get("max_grad_norm") is not None and not chosen.get("step_in_backward"):
         raise ValueError(

@@ -134,6 +134,12 @@ def _stored_kind(state: StateTensor) -> str | None:
 # ---- checking what the C will read ------------------------------------------------------------------
 
 
+def block_size_unsupported(block_size: int, whose: str = "") -> str | None:
+    """Why the kernel cannot hold blocks of ``block_size`` elements (longer than its chunks), or None."""
+    limit = kernel().limits["max_chunk"]
+    return f"block_size {block_size}{whose} (at most {limit})" if block_size > limit else None
+
+
 def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str | None:
     """Why the kernel cannot hold ``state`` in its chunks (no codec for its format, blocks longer than
     a chunk), or None. ``contiguous``: its inner tensors are known to be (check_layout)."""
@@ -143,8 +149,8 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
         if not isinstance(state, StateTensor):  # a plain state the user swapped in (the kernel's are fp32 or bf16)
             return f"the {name} state is {describe_tensor(state)} (the kernel's plain states are contiguous float32 or bfloat16)"
         return f"the {name} state {type(state).__name__} (a format with its own encoding or block scales)"
-    if isinstance(state, OptimState) and state.block_size > kernel().limits["max_chunk"]:
-        return f"block_size {state.block_size} of the {name} state (at most {kernel().limits['max_chunk']})"
+    if isinstance(state, OptimState) and block_size_unsupported(state.block_size):
+        return block_size_unsupported(state.block_size, f" of the {name} state")
     if isinstance(state, StateTensor) and state.has_addend and _stored_kind(state) != "codebook":  # chunk_io.h adds it to codebook codes only
         return f"the {name} state keeps a part outside its {_stored_kind(state)} codes (the kernel takes one beside codebook codes only)"
     return None

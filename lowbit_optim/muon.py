@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from . import in_backward
-from .base import StateFormatError
+from .base import StateFormatError, _keywords
 from .optim import AdamW, Muon
 
 
@@ -140,10 +140,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._built = False
         with warnings.catch_warnings(record=True) as warned:  # (said once both parts are built: a take-over)
             warnings.simplefilter("always")
-            with _suggesting_inside("muon", given=muon_options.keys()):
+            with _suggesting_inside("muon", shared=options.keys(), own=(muon or {}).keys()):
                 self.muon = Muon(matrices, **muon_options)
             try:
-                with _suggesting_inside("adamw", given=adamw_options.keys()):
+                with _suggesting_inside("adamw", shared=options.keys(), own=(adamw or {}).keys()):
                     self.adamw = AdamW(rest, **adamw_options) if rest else None
             except BaseException:
                 in_backward.disown(self.muon)  # built, but no optimizer of the user's: the optimizers before it keep its parameters
@@ -341,24 +341,28 @@ def _one_layout(parts: list[dict]) -> dict:
 
 
 @contextlib.contextmanager
-def _suggesting_inside(keyword: str, given=()):
+def _suggesting_inside(keyword: str, shared=(), own=()):
     """A format one of MuonWithAdamW's optimizers refuses is named as that one's (its checkpoint's
     group numbers count its own groups) and suggested inside ``keyword``, where the wrapper takes a
     per-state ``state_format`` (a flat one goes to both, whose states differ). A keyword it does not
-    take is named with the part that refused it, and where the other's belongs."""
+    take (``own``: given inside ``keyword=dict(...)``; ``shared``: the wrapper's own, given to both) is
+    named with the part that refused it, and with the other part if that one takes it."""
     try:
         yield
     except StateFormatError as refused:
         raise refused.restated(context=f"{keyword}: ", spelled=f"{keyword}=dict(state_format={refused.state_format})") from None
     except TypeError as refused:
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(refused))
-        if unexpected is None or unexpected.group(1) not in given:  # raised deeper down, not about a keyword given
+        if unexpected is None or unexpected.group(1) not in (*shared, *own):  # raised deeper down, not about a keyword given
             raise
-        name, other = unexpected.group(1), "adamw" if keyword == "muon" else "muon"
-        raise TypeError(
-            f"MuonWithAdamW's {keyword} ({'Muon' if keyword == 'muon' else 'AdamW'}) takes no keyword {name!r}: MuonWithAdamW's own "
-            f"keywords go to both optimizers, so pass it inside {other}=dict({name}=...) if it is the other's, or drop it"
-        ) from None
+        name = unexpected.group(1)
+        part, other, other_name = (Muon, AdamW, "adamw") if keyword == "muon" else (AdamW, Muon, "muon")
+        where = f"inside {keyword}=dict(...)" if name in own else "to MuonWithAdamW, which passes its keywords to both optimizers"
+        if name in _keywords(other):
+            fix = f"it is {other.__name__}'s: pass it inside {other_name}=dict({name}=...)"
+        else:
+            fix = f"neither optimizer takes it ({part.__name__} takes {', '.join(_keywords(part))})"
+        raise TypeError(f"MuonWithAdamW's {keyword} ({part.__name__}) takes no keyword {name!r}, given {where}: {fix}") from None
 
 
 class _States(Mapping):

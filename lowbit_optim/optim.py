@@ -5,6 +5,7 @@ Also the helpers for param groups by module, dequantized checkpoints and state m
 """
 
 import fnmatch
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -329,6 +330,10 @@ def param_groups_by_module(model: nn.Module, overrides: dict, **group_defaults) 
     modules (tied weights) goes to the group of the first module that holds it. Parameters matched by
     no key form the first group, with ``group_defaults``. Values may also be a bare format name.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module whose modules decide the groups, got {type(model).__name__}: pass the model, not model.parameters()")
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must map module types or name patterns to group options (e.g. {{nn.Embedding: 'fp32'}}), got {type(overrides).__name__}")
     overrides = {k: ({"state_format": v} if isinstance(v, str) or isinstance(v, type) else dict(v)) for k, v in overrides.items()}
     for key in overrides:
         if not isinstance(key, (str, type)):
@@ -355,6 +360,8 @@ def dequantize_state_dict(state_dict: dict) -> dict:
     e.g. to load a lowbit_optim checkpoint into torch.optim.AdamW (lowbit_optim optimizers convert
     checkpoints themselves and need no such step). A MuonWithAdamW state dict gives each part's
     (``{"muon": ..., "adamw": ...}``), for torch.optim.Muon and torch.optim.AdamW."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"dequantize_state_dict takes what optimizer.state_dict() returned, got {type(state_dict).__name__}")
     if set(state_dict) == {"muon", "adamw"}:
         return {part: None if saved is None else dequantize_state_dict(saved) for part, saved in state_dict.items()}
     if "state" not in state_dict:
@@ -370,6 +377,8 @@ def _dequantized(value):
 def bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     """Bytes of optimizer state (moments, scales, step counters) per parameter element (with FSDP2:
     this rank's states per element of its shards)."""
+    if not (hasattr(optimizer, "state") and hasattr(optimizer, "param_groups")):
+        raise TypeError(f"bytes_per_param measures an optimizer's states: pass the optimizer, got {type(optimizer).__name__}")
     storages = {}
     for state in optimizer.state.values():
         for value in state.values():

@@ -33,6 +33,8 @@ def _same_format(existing, fmt) -> bool:
 
 def register_format(fmt) -> None:
     """Make ``fmt`` (a StateTensor subclass or PlainFormat) available as ``state_format=fmt.name``."""
+    if not isinstance(getattr(fmt, "name", None), str):
+        raise TypeError(f"register_format takes a format (a StateTensor subclass that sets a `name`, or a PlainFormat), got {fmt!r}")
     existing = _REGISTRY.get(fmt.name)
     if existing is not None and not _same_format(existing, fmt):
         raise ValueError(

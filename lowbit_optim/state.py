@@ -164,9 +164,19 @@ def computes_as(cls, base, *methods: str) -> bool:
     return all(getattr(getattr(cls, m), "__func__", getattr(cls, m)) is getattr(getattr(base, m), "__func__", getattr(base, m)) for m in methods)
 
 
+# a block holds one scale, so blocks larger than a few thousand elements save nothing, while every
+# state is padded to whole blocks: a larger block_size is a typo (2**40 bytes at the first step)
+MAX_BLOCK_SIZE = 2**16
+
+
 def check_block_size(block_size, bits: int = 8) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two (e.g. 128 or 256), got {block_size!r}")
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size {block_size} is beyond the largest, {MAX_BLOCK_SIZE}: a block holds one scale, so larger blocks "
+            "save no memory, and each state is padded to whole blocks. Use e.g. 256"
+        )
     if block_size * bits % 8:
         least = 8 // math.gcd(bits, 8)
         raise ValueError(f"block_size {block_size} does not hold whole bytes of {bits}-bit codes; use at least {least}")

@@ -246,6 +246,8 @@ def test_helper_takes_a_partial_and_refuses_what_it_cannot_build():
         optimizer_cls_and_kwargs(model, optimizer_cls=lowbit_optim.MuonWithAdamW)
     with pytest.raises(TypeError, match="optimizer_cls must be an optimizer class or a functools.partial of one"):
         optimizer_cls_and_kwargs(model, optimizer_cls=lambda params, **kw: lowbit_optim.AdamW(params, **kw))
+    with pytest.raises(TypeError, match=r"args must be the TrainingArguments \(or None\), got <class .*AdamW8bit'>: pass the optimizer as optimizer_cls="):
+        optimizer_cls_and_kwargs(model, lowbit_optim.AdamW8bit)  # (accepted, it failed inside Trainer)
 
 
 def test_helper_refuses_another_libraries_optimizer_and_warns_without_args():

@@ -522,8 +522,15 @@ def test_muon_with_adamw_names_the_part_a_keyword_belongs_to_and_dequantizes_per
     load and step with."""
     with pytest.raises(TypeError, match=r"muon \(Muon\) takes no keyword 'betas'.*inside adamw=dict\(betas=...\)"):
         lowbit_optim.MuonWithAdamW(TinyLM(), betas=(0.9, 0.95))
-    with pytest.raises(TypeError, match=r"adamw \(AdamW\) takes no keyword 'nesterov'.*inside muon=dict\(nesterov=...\)"):
+    with pytest.raises(TypeError, match=r"adamw \(AdamW\) takes no keyword 'nesterov', given inside adamw=dict\(...\): it is Muon's: pass it inside muon=dict\(nesterov=...\)"):
         lowbit_optim.MuonWithAdamW(TinyLM(), adamw=dict(nesterov=True))
+    # a typo is no keyword of the other part: it was sent there, which refused it too
+    with pytest.raises(TypeError, match=r"muon \(Muon\) takes no keyword 'weight_decy', given to MuonWithAdamW, .*: neither optimizer takes it \(Muon takes lr, weight_decay, "):
+        lowbit_optim.MuonWithAdamW(TinyLM(), weight_decy=0.1)
+    with pytest.raises(TypeError, match=r"adamw \(AdamW\) takes no keyword 'weight_decy', given inside adamw=dict\(...\): neither optimizer takes it \(AdamW takes lr, betas, "):
+        lowbit_optim.MuonWithAdamW(TinyLM(), adamw=dict(weight_decy=0.1))
+    with pytest.raises(ValueError, match=r"this is a MuonWithAdamW checkpoint .* load it into a MuonWithAdamW, or load one part"):
+        lowbit_optim.AdamW(TinyLM().parameters()).load_state_dict(lowbit_optim.MuonWithAdamW(TinyLM()).state_dict())
     torch.manual_seed(0)
     model = TinyLM()
     opt = lowbit_optim.MuonWithAdamW(model, **RECIPE)

@@ -1179,6 +1179,8 @@ BAD_INPUT = {
     "block_size=100": with_one_param(state_format="8bit", block_size=100),
     "block_size=0": with_one_param(state_format="8bit", block_size=0),
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
+    "block_size=2**40": with_one_param(state_format="8bit", block_size=2**40),  # (a typo: 4 TB at the first step)
+    "fused=True, block_size=2**14": with_one_param(state_format="8bit", block_size=2**14, fused=True),
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "float8 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4).to(torch.float8_e4m3fn))]),
@@ -1196,8 +1198,21 @@ BAD_INPUT = {
     "foreach='yes'": with_one_param(foreach="yes"),
     "fused=True, foreach=True": with_one_param(fused=True, foreach=True),
     "betas=('0.9', 0.999)": with_one_param(betas=("0.9", 0.999)),
+    "compile='False'": with_one_param(compile="False"),  # (a str is true: it compiled, and None did not)
+    "compile=None": with_one_param(compile=None),
+    "bf16_stochastic_round='False'": with_one_param(bf16_stochastic_round="False"),
+    "a group's bf16_stochastic_round='False'": lambda: lowbit_optim.AdamW([{"params": [nn.Parameter(torch.randn(8))], "bf16_stochastic_round": "False"}]),
+    "AnyPrecisionAdamW(use_kahan_summation='False')": lambda: lowbit_optim.AnyPrecisionAdamW([nn.Parameter(torch.randn(8))], use_kahan_summation="False"),
+    "AdamW8bit(block_wise='False')": lambda: lowbit_optim.AdamW8bit([nn.Parameter(torch.randn(8))], block_wise="False"),
+    "add_param_group given a list": lambda: with_one_param()().add_param_group([nn.Parameter(torch.randn(8))]),
+    "AnyPrecisionAdamW.add_param_group given a list": lambda: lowbit_optim.AnyPrecisionAdamW([nn.Parameter(torch.randn(8))]).add_param_group([nn.Parameter(torch.randn(8))]),
     "AdamW(decoupled_weight_decay=False)": with_one_param(decoupled_weight_decay=False),
     "a model's state dict": lambda: with_one_param()().load_state_dict(nn.Linear(2, 2).state_dict()),
+    "param_groups_by_module given parameters": lambda: lowbit_optim.param_groups_by_module(nn.Linear(2, 2).parameters(), {nn.Linear: "fp32"}),
+    "param_groups_by_module given a list": lambda: lowbit_optim.param_groups_by_module(nn.Linear(2, 2), [nn.Linear]),
+    "bytes_per_param given a name": lambda: lowbit_optim.bytes_per_param("8bit"),
+    "dequantize_state_dict(None)": lambda: lowbit_optim.dequantize_state_dict(None),
+    "register_format given a name": lambda: lowbit_optim.register_format("8bit"),
 }
 
 
@@ -1249,6 +1264,8 @@ betas edited past a format's slowest average: StateFormatError: param group 0, a
 block_size=100: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 100
 block_size=0: ValueError: block_size must be a positive power of two (e.g. 128 or 256), got 0
 block_size with fp32 states: ValueError: block_size=64 applies to blockwise state formats (8bit, 4bit, fp8, ...), but state_format 'fp32' has no blocks: drop block_size or pick a blockwise format
+block_size=2**40: ValueError: block_size 1099511627776 is beyond the largest, 65536: a block holds one scale, so larger blocks save no memory, and each state is padded to whole blocks. Use e.g. 256
+fused=True, block_size=2**14: RuntimeError: fused=True, but the fused CPU kernel cannot step block_size 16384 (at most 8192). Pass a smaller block_size, or fused=None to step such states with the compiled step
 betas=(0.9,): ValueError: invalid betas (0.9,): Adam takes two, (beta1, beta2), e.g. (0.9, 0.999); 1 given
 float64 parameter: TypeError: float64 parameters are not supported: lowbit_optim computes the step in float32 and would round them. Convert the model to float32 (model.float()) or use torch.optim.AdamW for float64
 float8 parameter: TypeError: torch.float8_e4m3fn parameters are not supported: lowbit_optim steps fp32, bf16 and fp16 parameters. Keep the weights in one of those and cast them in the forward (as float8 training does)
@@ -1266,8 +1283,21 @@ differentiable=True: ValueError: differentiable=True is not supported: quantized
 foreach='yes': ValueError: foreach must be None, True or False, got 'yes'
 fused=True, foreach=True: ValueError: fused=True and foreach=True cannot be given together: fused=True picks the fused CPU kernel, foreach=True the compiled step over chunks
 betas=('0.9', 0.999): ValueError: invalid betas ('0.9', 0.999): each beta must be a number (or a one-element tensor)
+compile='False': ValueError: compile must be True or False (or 1 or 0), got 'False'
+compile=None: ValueError: compile must be True or False (or 1 or 0), got None
+bf16_stochastic_round='False': ValueError: bf16_stochastic_round must be True or False (or 1 or 0), got 'False'
+a group's bf16_stochastic_round='False': ValueError: bf16_stochastic_round must be True or False (or 1 or 0), got 'False'
+AnyPrecisionAdamW(use_kahan_summation='False'): ValueError: use_kahan_summation must be True or False (or 1 or 0), got 'False'
+AdamW8bit(block_wise='False'): ValueError: block_wise must be True or False (or 1 or 0), got 'False'
+add_param_group given a list: TypeError: param_group must be a dict such as {'params': [...], 'lr': 1e-3}, got list
+AnyPrecisionAdamW.add_param_group given a list: TypeError: param_group must be a dict such as {'params': [...], 'lr': 1e-3}, got list
 AdamW(decoupled_weight_decay=False): ValueError: AdamW always decouples weight decay; use lowbit_optim.Adam for L2 regularization
-a model's state dict: ValueError: not an optimizer state dict: it needs the keys 'state' and 'param_groups', got ['bias', 'weight']. Pass what optimizer.state_dict() returned (not model.state_dict())""",
+a model's state dict: ValueError: not an optimizer state dict: it needs the keys 'state' and 'param_groups', got ['bias', 'weight']. Pass what optimizer.state_dict() returned (not model.state_dict())
+param_groups_by_module given parameters: TypeError: model must be the nn.Module whose modules decide the groups, got generator: pass the model, not model.parameters()
+param_groups_by_module given a list: TypeError: overrides must map module types or name patterns to group options (e.g. {nn.Embedding: 'fp32'}), got list
+bytes_per_param given a name: TypeError: bytes_per_param measures an optimizer's states: pass the optimizer, got str
+dequantize_state_dict(None): TypeError: dequantize_state_dict takes what optimizer.state_dict() returned, got NoneType
+register_format given a name: TypeError: register_format takes a format (a StateTensor subclass that sets a `name`, or a PlainFormat), got '8bit'""",
         )
 
 
