@@ -1689,6 +1689,23 @@ def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> Non
             f"invalid betas {betas!r}: {rounded!r} is 1.0 in float32, in which the step computes its bias "
             f"correction 1 - beta**step (0); it must be below {1 - 2**-25!r} (1 - 2**-25)"
         )
+    for i, b in enumerate(values[:bias_corrected]):
+        off = (1 - _float32(b)) / (1 - b) - 1 if b else 0.0
+        if abs(off) > 0.01:  # the bias correction sets the step's size until beta**step is small
+            warnings.warn(
+                f"beta{i + 1}={b!r} is {_float32(b)!r} in float32, in which the step computes its bias correction "
+                f"1 - beta**step (as torchao's and bitsandbytes' Adam do; torch.optim uses float64): 1 - beta is {off:+.1%} off "
+                f"there, so for the first ~{1 / (1 - b):.0e} steps a step is up to {abs(_step_size_off(i, off)):.1%} "
+                f"{'larger' if _step_size_off(i, off) > 0 else 'smaller'} than torch.optim's. Use a beta that float32 holds more "
+                "closely (0.99999 is 0.14 % off)",
+                stacklevel=2,
+            )
+
+
+def _step_size_off(i: int, off: float) -> float:
+    """How far a step's size is off where ``1 - beta{i+1}`` is ``off`` off: the step divides by
+    beta1's correction and multiplies by the square root of beta2's."""
+    return 1 / (1 + off) - 1 if i == 0 else math.sqrt(1 + off) - 1
 
 
 def check_nonnegative(group: dict, *keys: str) -> None:
