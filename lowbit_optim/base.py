@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import foreign, formats, fused_cpu, in_backward, precision, step_op
-from .distributed import is_dtensor, like_param, local, map_local, shard_like
+from .distributed import is_dtensor, laid_out_like, like_param, local, map_local, shard_like
 from .state import StateTensor, check_block_size, describe_tensor, not_plain, signedness_mismatch
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
@@ -838,6 +838,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "the parameters of this optimizer changed after a torch.compile'd function that calls its step() "
                 "was compiled; add parameters with add_param_group(), not by editing param_groups"
             )
+        grads = [laid_out_like(g, owners[i][1]) for i, g in zip(positions, grads)]
         if self._step_in_backward:  # what backward left: clipped as the step's other gradients were
             grads = in_backward.clip_left_over(self, [owners[i][1] for i in positions], grads)
         self._check_edits(self.param_groups)
@@ -860,7 +861,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Step one parameter of ``group`` (the step in backward's hook)."""
         self._check_edits([group])
         self._check_stepped(param, grad, group)
-        self._step_group(group, [(param, param, grad)])
+        self._step_group(group, [(param, param, laid_out_like(grad, param))])
         self._has_stepped = True
 
     @contextlib.contextmanager

@@ -60,6 +60,20 @@ def is_dtensor(t) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def laid_out_like(grad, param):
+    """``grad`` with ``param``'s placements: a gradient that sequence parallelism leaves Partial (a
+    Replicate parameter's, summed over the ranks' shards of the sequence) reduced, as torch.optim's
+    DTensor arithmetic reduces it; its local tensor alone was each rank's part of the sum."""
+    if is_dtensor(grad) and is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor that each rank holds a part of (not replicated on every rank)."""
+    return is_dtensor(t) and any(placement.is_shard() for placement in t.placements)
+
+
 def local(t):
     """The local shard of a DTensor; anything else unchanged."""
     return t.to_local() if is_dtensor(t) else t

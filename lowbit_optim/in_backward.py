@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .distributed import is_dtensor, local
+from .distributed import is_dtensor, is_sharded, laid_out_like, local
 
 # torch.nn.utils.clip_grads_with_norm_'s guard against a zero norm
 _CLIP_EPS = 1e-6
@@ -182,7 +182,7 @@ def _step_in_backward(owner: weakref.ref, param: Tensor) -> None:
     group = _group_of(optimizer, param)
     if group is None:  # taken out of the optimizer's groups: not stepped, as by torch.optim
         return
-    grad = param.grad
+    grad = param.grad = laid_out_like(param.grad, param)  # (reduced once, for the norm and the step)
     if optimizer._max_grad_norm is not None:
         grad.mul_(_clip_coefficient(optimizer, param, grad))  # as clip_grads_with_norm_ does, also by 1
     optimizer._step_one(group, param, grad)
@@ -264,15 +264,15 @@ def _global_norm(optimizer, norms: dict) -> Tensor | None:
     ordered = [(p, norms[p]) for group in optimizer.param_groups for p in group["params"] if p in norms]
     if not ordered:
         return None
-    sharded = [n for p, n in ordered if is_dtensor(p)]
+    sharded = [n for p, n in ordered if is_sharded(p)]  # (a Replicate parameter's norm counts once, not once a rank)
     if not sharded:
         return torch.linalg.vector_norm(torch.stack([n.cpu() for _, n in ordered]), 2)
     # float64 sums (fp32 squares are exact in it): the norm's bits do not depend on the order in which
     # a reduction kernel or the ranks add them (an fp32 sum of the same six squares differed by an ulp
     # between a backward callback and the main thread, on an AMD EPYC family 26)
     square_sum = torch.stack(sharded).double().square().sum()  # this rank's shards: summed over the ranks
-    dist.all_reduce(square_sum, group=next(p for p, _ in ordered if is_dtensor(p)).device_mesh.get_group())
-    whole = [n.to(square_sum.device) for p, n in ordered if not is_dtensor(p)]  # the same on every rank: once
+    dist.all_reduce(square_sum, group=next(p for p, _ in ordered if is_sharded(p)).device_mesh.get_group())
+    whole = [n.to(square_sum.device) for p, n in ordered if not is_sharded(p)]  # the same on every rank: once
     return (square_sum + torch.stack(whole).double().square().sum() if whole else square_sum).sqrt()
 
 

@@ -27,8 +27,9 @@ def check_sharding(param) -> None:
     """Raise a ValueError unless ``param`` is sharded as FSDP2 shards it: rows over a 1-D mesh."""
     if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
         raise ValueError(
-            f"Muon steps DTensor parameters sharded by rows over a 1-D mesh (FSDP2's fully_shard); got placements "
-            f"{tuple(param.placements)} over a {param.device_mesh.ndim}-D mesh"
+            f"Muon steps DTensor parameters sharded by rows over a 1-D mesh (FSDP2's fully_shard); a parameter of shape "
+            f"{tuple(param.shape)} has placements {tuple(param.placements)} over a {param.device_mesh.ndim}-D mesh (tensor "
+            "parallelism's): step it with AdamW (build Muon and AdamW from muon_split(model)'s two lists, moving it to the second), or shard it by rows alone"
         )
 
 

@@ -514,6 +514,51 @@ def _broadcast_from_rank0_scenario(rank: int, world: int) -> dict:
     return {"warnings": [str(w.message) for w in caught]}
 
 
+def _sequence_parallel_scenario(rank: int, world: int) -> dict:
+    """Tensor parallelism with sequence parallelism: a LayerNorm's Replicate weight and bias get
+    Partial(sum) gradients (each rank's part of the sum over its shard of the sequence). The step
+    reduces them, as torch.optim's DTensor arithmetic does (it had stepped each rank's part: half the
+    update, the replicas apart), and max_grad_norm's norm counts a Replicate gradient once (it had
+    counted it once a rank): both as torch.optim and get_total_norm give them. Muon refuses a matrix
+    that tensor parallelism shards by columns, naming it and the fix."""
+    import lowbit_optim
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def built():
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+        plan = {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
+        return parallelize_module(block, mesh, plan)
+
+    sequence = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(rank))  # this rank's shard of the sequence
+    out = {}
+    for name, make in (("torch", lambda ps: torch.optim.SGD(ps, lr=1.0)), ("lowbit", lambda ps: lowbit_optim.SGD(ps, lr=1.0))):
+        block = built()
+        opt = make(block.parameters())
+        block(sequence).square().mean().backward()
+        out["grad placements"] = [str(p.grad.placements) for p in block[0].parameters()]
+        opt.step()
+        out[name] = [p.detach().full_tensor() for p in block.parameters()]
+        out[f"{name} norm replica"] = [p.detach().to_local().clone() for p in block[0].parameters()]
+    block = built()
+    block(sequence).square().mean().backward()
+    out["total norm"] = torch.nn.utils.get_total_norm([p.grad for p in block.parameters()]).full_tensor()
+    block = built()
+    opt = lowbit_optim.AdamW(block.parameters(), lr=1e-3, step_in_backward=True, max_grad_norm=1e9)
+    block(sequence).square().mean().backward()
+    opt.step()
+    out["last_grad_norm"] = opt.last_grad_norm
+    try:
+        lowbit_optim.Muon([block[2].weight])  # RowwiseParallel's: Shard(1)
+    except ValueError as refused:
+        out["Muon's refusal"] = str(refused)
+    return out
+
+
 def _same_tree(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -548,6 +593,7 @@ def _job(rank: int, world: int, workdir: pathlib.Path) -> None:
         "muon_float64": _muon_float64_scenario,
         "optimizer_before_fully_shard": _optimizer_before_fully_shard_scenario,
         "broadcast_from_rank0": _broadcast_from_rank0_scenario,
+        "sequence_parallel": _sequence_parallel_scenario,
     }
     for name in [*OTHER_OPTIMIZERS, *special]:
         start = time.perf_counter()
@@ -875,6 +921,20 @@ def test_broadcast_from_rank0_warns_where_the_states_are_sent(job):
         assert result is not None and "error" not in result, f"rank {rank}: {result}"
         warned = any("broadcast as its values" in w and "dequantize_state_dict" in w for w in result["warnings"])
         assert warned == (rank == 0), (rank, result)
+
+
+@needs_gloo
+def test_partial_gradients_of_sequence_parallelism_are_reduced(job):
+    for rank, found in enumerate(job):
+        result = found.get("sequence_parallel")
+        assert result is not None and "error" not in result, f"rank {rank}: {result}"
+        assert result["grad placements"] == ["(Partial(sum),)"] * 2  # (what makes this case: else it tests nothing)
+        for ours, theirs in zip(result["lowbit"], result["torch"]):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(result["last_grad_norm"], result["total norm"], rtol=1e-6, atol=0)
+        assert "a parameter of shape (16, 32) has placements (Shard(dim=1),) over a 1-D mesh (tensor parallelism's): step it with AdamW" in result.get("Muon's refusal", "")
+    for ours, theirs in zip(job[0]["sequence_parallel"]["lowbit norm replica"], job[1]["sequence_parallel"]["lowbit norm replica"]):
+        assert torch.equal(ours, theirs)  # the Replicate parameters stay replicas
 
 
 @needs_gloo
