@@ -39,7 +39,10 @@ aten = torch.ops.aten
 
 # how each refusal to cut or view a quantized state ends: the way out, also for a whole state dict
 # (torch's set_optimizer_state_dict(full_state_dict=True) cuts each state for its rank)
-DEQUANTIZE_FIRST = "call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd))"
+DEQUANTIZE_FIRST = (
+    "call .dequantize() first, and to write, copy_ the edited values back (v = state.dequantize(); v[...] = x; "
+    "state.copy_(v)); a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)"
+)
 
 _HANDLERS: dict = {}
 
@@ -411,6 +414,39 @@ class StateTensor(Tensor):
             type(other) is type(self)
             and other._meta() == self._meta()
             and all(a.shape == b.shape for a, b in zip(other._inner().values(), self._inner().values()))
+        )
+
+    # what reads a tensor's storage directly (torch's wrapper subclass has none of its own: share_memory_()
+    # crashed the process, tolist() and numpy() refused) reads the values, or shares the inner tensors
+    def tolist(self):
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.dequantize().numpy(force=force)
+
+    def __array__(self, *args, **kwargs):
+        return self.dequantize().__array__(*args, **kwargs)
+
+    def __format__(self, spec: str) -> str:
+        return self.dequantize().__format__(spec) if self.dim() == 0 else super().__format__(spec)
+
+    def share_memory_(self) -> "StateTensor":
+        for t in self._inner().values():
+            t.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return all(t.is_shared() for t in self._inner().values())
+
+    @property
+    def data(self) -> Tensor:
+        return Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value) -> None:  # torch's set_data would relabel the wrapper, leaving the codes as they were
+        raise TypeError(
+            f"{_format_name(self)}.data = ... would change its shape or dtype without its codes: write values with "
+            "state.copy_(values), or replace the state (opt.state[p][name] = state.to(device))"
         )
 
     def __reduce_ex__(self, protocol):
@@ -1053,8 +1089,10 @@ def _slice(func, args, kwargs):
 def _to_copy(func, args, kwargs):
     # .to(device) moves the inner tensors; .to(dtype) only changes the appearance dtype (what
     # dequantize() returns). Needed by torch.optim.Optimizer.load_state_dict and .cuda()/.cpu().
-    state, device = args[0], kwargs.get("device")
-    return state._map_inner(lambda t: t.to(device, copy=True), dtype=kwargs.get("dtype"))
+    state, device, dtype = args[0], kwargs.get("device"), kwargs.get("dtype")
+    if dtype is not None and not dtype.is_floating_point:  # .bool(), .long(): the values cast, as a plain tensor
+        return state.dequantize(torch.float32).to(device=device, dtype=dtype)
+    return state._map_inner(lambda t: t.to(device, copy=True), dtype=dtype)
 
 
 # states rebuilt from a file (__setstate__) and not checked since (check_loaded), by id (a weak set
@@ -1095,7 +1133,15 @@ def _copy_(func, args, kwargs):
         for name, t in dst._inner().items():  # same layout: bit-exact, no requantization
             t.copy_(getattr(src, name))
     else:
-        dst.quantize_(src.dequantize(torch.float32) if isinstance(src, StateTensor) else src)
+        values = src.dequantize(torch.float32) if isinstance(src, StateTensor) else src
+        # a negative value in a nonnegative state: each format read it otherwise (0, its magnitude, or as
+        # it was, and the next step NaN'd). Checked on real tensors: not where the step is traced, nor on meta
+        if not dst.signed and type(values) in PLAIN_TENSOR_TYPES and not values.is_meta and bool((values < 0).any()):
+            raise ValueError(
+                f"copy_ of a negative value ({float(values.min()):.3g}) into {_format_name(dst)}, a nonnegative state "
+                "(a second moment): write values >= 0 (e.g. values.clamp(min=0))"
+            )
+        dst.quantize_(values)
     return dst
 
 

@@ -248,7 +248,7 @@ class TestMessages(expecttest.TestCase):
     def test_slicing_other_rows_is_refused(self):
         with self.assertRaises(NotImplementedError) as caught:
             FactoredState.zeros((4, 8)).view(-1)[0:2]
-        self.assertExpectedInline(str(caught.exception), """FactoredState ('factored' state format) of shape (32,) factors 4 rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd))""")
+        self.assertExpectedInline(str(caught.exception), """FactoredState ('factored' state format) of shape (32,) factors 4 rows: only a view whose first dimension is those rows can be sliced; call .dequantize() first, and to write, copy_ the edited values back (v = state.dequantize(); v[...] = x; state.copy_(v)); a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)""")
 
     def test_repr(self):
         self.assertExpectedInline(repr(FactoredState.zeros((3, 4, 5), dtype=torch.bfloat16)), """FactoredState(shape=(3, 4, 5), signed=False, factors=(3, 20), dtype=torch.bfloat16, device=cpu)""")

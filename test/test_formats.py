@@ -647,6 +647,46 @@ def test_copy_plain_tensors_in_and_out(info, signed):
     assert torch.equal(plain, state.dequantize())
 
 
+@quantized_formats
+def test_what_reads_a_tensors_storage_reads_the_values(info):
+    """A wrapper subclass has no storage of its own: tolist(), numpy(), NumPy's asarray and a format
+    spec read the values (they refused); share_memory_() shares the inner tensors (it crashed the
+    process); casts to bool or an integer dtype give the cast values as a plain tensor (they only
+    relabelled the state: .bool().float() read the values back); .data = ... is refused (it relabelled
+    the shape and dtype, the codes left as they were)."""
+    import numpy as np
+
+    signed = info.signedness[0]
+    state = info.fmt.from_float(sample((3, 100), signed), signed)
+    values = state.dequantize()
+    assert state.tolist() == values.tolist()
+    assert np.array_equal(state.numpy(), values.numpy()) and np.array_equal(np.asarray(state), values.numpy())
+    scalar = info.fmt.from_float(torch.tensor(0.05), signed)
+    assert f"{scalar:.4f}" == f"{scalar.dequantize():.4f}"
+    for cast in (torch.bool, torch.int64, torch.uint8):
+        assert type(state.to(cast)) is torch.Tensor and torch.equal(state.to(cast), values.to(cast))
+    shared = state.clone()
+    assert shared.share_memory_() is shared and shared.is_shared() and torch.equal(shared.dequantize(), values)
+    with pytest.raises(TypeError, match=r"\.data = \.\.\. would change its shape or dtype without its codes: write values with state\.copy_\(values\)"):
+        state.data = torch.zeros(3, 100)
+    assert torch.equal(state.dequantize(), values) and torch.equal(state.data.dequantize(), values)
+
+
+@quantized_formats
+def test_a_negative_value_written_into_a_nonnegative_state_is_refused(info):
+    """Each format read a negative value in a second moment its own way (0, its magnitude, a block's
+    scale grown 2x, or as it was, and the next step NaN'd): copy_ and in-place ops refuse it."""
+    x = sample((3, 100), signed=False)
+    state = info.fmt.from_float(x, False)
+    before = state.dequantize()
+    x[1, 7] = -0.5
+    with pytest.raises(ValueError, match=r"copy_ of a negative value \(-0\.5\) into .* a nonnegative state \(a second moment\): write values >= 0"):
+        state.copy_(x)
+    with pytest.raises(ValueError, match=r"copy_ of a negative value"):
+        state.sub_(1e6)
+    assert torch.equal(state.dequantize(), before)
+
+
 @quantized_formats_by_signedness
 def test_copy_between_same_layout_is_bit_exact(info, signed):
     """Same format, block size and signedness: codes and scales are copied, not requantized (so a
@@ -1302,12 +1342,12 @@ bf16-sr: 2.0001220703125
     def test_unsupported_view_message(self):
         with self.assertRaises(NotImplementedError) as caught:
             get_format("8bit").zeros((3, 100)).transpose(0, 1)
-        self.assertExpectedInline(str(caught.exception), """OptimState8bit ('8bit' state format) does not support aten.transpose.int: it returns a view, which a quantized state cannot provide: call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)).""")
+        self.assertExpectedInline(str(caught.exception), """OptimState8bit ('8bit' state format) does not support aten.transpose.int: it returns a view, which a quantized state cannot provide: call .dequantize() first, and to write, copy_ the edited values back (v = state.dequantize(); v[...] = x; state.copy_(v)); a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd).""")
 
     def test_slice_message(self):
         with self.assertRaises(ValueError) as caught:
             get_format("8bit").zeros((4, 128))[1:3]
-        self.assertExpectedInline(str(caught.exception), """cannot slice OptimState8bit ('8bit' state format) rows [1:3] of shape (4, 128): elements [128:384] do not start and end on block boundaries (block_size=256). Slice at multiples of 256 elements or call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)).""")
+        self.assertExpectedInline(str(caught.exception), """cannot slice OptimState8bit ('8bit' state format) rows [1:3] of shape (4, 128): elements [128:384] do not start and end on block boundaries (block_size=256). Slice at multiples of 256 elements or call .dequantize() first, and to write, copy_ the edited values back (v = state.dequantize(); v[...] = x; state.copy_(v)); a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd).""")
 
     def test_block_size_message(self):
         with self.assertRaises(ValueError) as caught:

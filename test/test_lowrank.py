@@ -266,7 +266,7 @@ class TestMessages(expecttest.TestCase):
     def test_row_slices_are_refused(self):
         with self.assertRaises(NotImplementedError) as caught:
             FMT.zeros((64, 48))[0:32]
-        self.assertExpectedInline(str(caught.exception), """OptimState8bitLowRank ('8bit-lowrank' state format) of shape (64, 48) cannot be cut into rows [0:32]: its rank-32 part spans every row: call .dequantize() first (a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd)), or use a blockwise format where states are resharded""")
+        self.assertExpectedInline(str(caught.exception), """OptimState8bitLowRank ('8bit-lowrank' state format) of shape (64, 48) cannot be cut into rows [0:32]: its rank-32 part spans every row: call .dequantize() first, and to write, copy_ the edited values back (v = state.dequantize(); v[...] = x; state.copy_(v)); a whole optimizer state dict: lowbit_optim.dequantize_state_dict(sd), or use a blockwise format where states are resharded""")
 
     def test_repr(self):
         self.assertExpectedInline(repr(FMT.zeros((64, 48))), """OptimState8bitLowRank(shape=(64, 48), signed=True, block_size=256, rank=32, dtype=torch.float32, device=cpu)""")
