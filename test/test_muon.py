@@ -224,24 +224,28 @@ def test_muon_step_refuses_what_muon_refuses_before_writing():
 @pytest.mark.parametrize(
     "refused",
     [
-        pytest.param(dict(adamw=dict(block_size=16384), fused=True), id="kernel-refuses-adamws-part"),
+        pytest.param(dict(half_embedding=True, fused=True), id="kernel-refuses-adamws-part"),
         pytest.param(dict(sparse=True), id="sparse-embedding-gradient"),
     ],
 )
 def test_muon_with_adamw_refuses_before_either_part_steps(refused):
-    """What AdamW's part refuses in a step (fused=True where the kernel's chunks cannot hold the
-    embedding's blocks; a sparse embedding gradient) is refused before Muon's part steps: a caught
-    error leaves both as they were."""
+    """What AdamW's part refuses in a step (fused=True where the embedding was made fp16 through
+    .data, which the kernel does not take; a sparse embedding gradient) is refused before Muon's part
+    steps: a caught error leaves both as they were."""
     options = dict(refused)
     model = TinyLM()
     model.embed.sparse = options.pop("sparse", False)
+    half_embedding = options.pop("half_embedding", False)
     model.bfloat16()
     if "fused" not in options:  # (fused=True contradicts the eager step)
         options["compile"] = False
     opt = lowbit_optim.MuonWithAdamW(model, state_format="8bit", min_quantize_numel=0, **options)
     model(torch.randint(0, 50, (2, 5))).float().square().mean().backward()
+    if half_embedding:
+        weight = model.embed.weight
+        weight.data, weight.grad = weight.data.half(), weight.grad.half()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(50, 16\): block_size 16384|sparse gradients"):
+    with pytest.raises(RuntimeError, match=r"fused=True, but the fused CPU kernel cannot step a parameter of shape \(50, 16\): parameter dtype torch.float16|sparse gradients"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(int(state["step"]) == 0 for state in opt.state.values())  # (the check may make states, stepping none)

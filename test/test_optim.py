@@ -739,6 +739,25 @@ def test_optimizers_compile_their_own_copy_of_a_public_step_function():
     assert torch._dynamo.eval_frame._debug_get_cache_entry_list(lowbit_optim.adam_step.__code__) == []
 
 
+def test_a_process_may_compile_more_graphs_than_dynamos_accumulated_limit(monkeypatch):
+    """Every optimizer, format and flag of a process compiles on one code object: a long notebook or
+    sweep reached dynamo's accumulated_recompile_limit (256), after which every new configuration's
+    step failed for good (a review's 93rd). The compiled call raises that limit as it raises
+    recompile_limit (here the process's is 1, and two configurations step)."""
+    counter, real_compile = CompileCounter(), torch.compile
+    with monkeypatch.context() as patched:  # the optimizers' own compiled call (its limits), with dynamo's eager backend
+        patched.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, fullgraph=True, dynamic=True))
+        compiled = lowbit_optim.base._compiled(lowbit_optim.adam_step, lowbit_optim.adam_step)
+    monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: compiled)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
+    for maximize in (False, True):
+        p = nn.Parameter(torch.randn(64))
+        opt = lowbit_optim.AdamW([p], state_format="fp32", fused=False, maximize=maximize)
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert counter.frame_count == 2 and torch._dynamo.config.accumulated_recompile_limit == 1
+
+
 def test_a_step_function_that_is_no_function_gets_a_copy_of_its_own():
     """A step function may be any callable torch.compile takes (a functools.partial, an object with
     __call__): its private copy is a function that calls it, under a code object of its own."""
@@ -1126,6 +1145,40 @@ def materialized_after_a_meta_step(kwargs: dict | None = None, groups: int = 1) 
 
 
 STEP_PATHS = [dict(), dict(fused=False), dict(compile=False), dict(state_format="8bit", min_quantize_numel=0), dict(state_format="8bit", min_quantize_numel=0, fused=False)]
+
+
+@pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
+def test_a_state_replaced_by_one_of_another_shape_is_refused(kwargs):
+    """Any state, not only a parameter's first: a second moment replaced by hand with a flat one
+    stepped silently (or failed in dynamo's words), and its checkpoint was refused at load."""
+    p = nn.Parameter(torch.randn(20, 15))
+    opt = lowbit_optim.AdamW([p], **kwargs)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p]["exp_avg_sq"] = torch.zeros(300)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(20, 15\) has a 'exp_avg_sq' state of shape \(300,\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
+def test_deleting_a_frozen_parameters_states_frees_them(kwargs):
+    """del opt.state[p] (a layer frozen for good) gives its states' memory back, as under torch.optim:
+    the kernel's cached verdict on them had held them until the optimizer died (a review: 128 MiB)."""
+    import gc
+    import weakref
+
+    head, body = nn.Parameter(torch.randn(64)), nn.Parameter(torch.randn(20, 15))
+    opt = lowbit_optim.AdamW([head, body], **kwargs)
+    for _ in range(2):
+        head.grad, body.grad = torch.randn_like(head), torch.randn_like(body)
+        opt.step()
+    states = [weakref.ref(t) for t in opt.state[body].values()]
+    body.grad = None
+    del opt.state[body]
+    head.grad = torch.randn_like(head)
+    opt.step()
+    gc.collect()
+    assert [r() for r in states] == [None] * len(states)
 
 
 @pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
