@@ -1922,20 +1922,14 @@ def _check_state_tensor(where: str, state: StateTensor, signed: bool | None = No
 def _explain_inconsistent_states(optimizer: LowBitOptimizer, params: list[Tensor], error: Exception) -> None:
     """Raise a ValueError naming the first of ``params`` whose states no longer fit it (inner tensors
     replaced or resized after the checks), from ``error``, their compiled step's failure."""
-    for p in params:
-        for name, value in optimizer.state.get(p, {}).items():
+    for p in params:  # (a plain state of another shape is refused before any step: _check_states_fit)
+        for value in optimizer.state.get(p, {}).values():
             value = local(value)
             if isinstance(value, StateTensor):
                 try:
                     value.check_layout()
-                    continue
                 except ValueError as inconsistent:
-                    problem = str(inconsistent)
-            elif name != "step" and isinstance(value, Tensor) and value.shape != local(p).shape:  # (one set by hand)
-                problem = f"its {name} state has shape {tuple(value.shape)}"
-            else:
-                continue
-            raise ValueError(f"the compiled step cannot step a parameter of shape {tuple(p.shape)}: {problem}") from error
+                    raise ValueError(f"the compiled step cannot step a parameter of shape {tuple(p.shape)}: {inconsistent}") from error
 
 
 def _check_no_shared_memory(entries: list[tuple[str, object]]) -> None:
