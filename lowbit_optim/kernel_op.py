@@ -496,8 +496,7 @@ def fused_step_cpu(
     per_param, required = len(spec.states), spec.states[: spec.required]
     states_at, states_end = w.states_at, w.states_at + per_param * w.state_size
     kinds = _plain_kind_codes(k)
-    if len(_checked) > max(_CHECKED_KEPT, 2 * count):  # states replaced over a long run (loads, conversions)
-        _checked.clear()
+    _checked.age(max(_CHECKED_KEPT, 2 * count))  # states replaced over a long run (loads, conversions)
     with memoryview(entries).cast("B") as buffer:
         for i, (param, grad, step) in enumerate(zip(params, grads, steps)):
             keys = tuple(state_formats[i * per_param : (i + 1) * per_param])
@@ -549,11 +548,35 @@ class _Checked:
     addends: tuple[tuple[int, str], ...]
 
 
-# check_inputs' verdicts by what it reads (_Checked): an entry per parameter the op steps (about 2 KiB),
-# and one more each time its states are replaced (a load, a conversion), until there are more than
-# _CHECKED_KEPT (and twice a call's parameters): then they all go. Every call is one param group's, so
-# the bound must hold every group's parameters of every optimizer in the process, or each call misses
-_checked: dict = {}
+class _KeptVerdicts:
+    """check_inputs' verdicts by what it reads (_Checked): an entry per parameter the op steps (about
+    2 KiB), and one more each time its states are replaced (a load, a conversion). In two generations:
+    once the recent one holds more than a bound it becomes the older one, and the older one's entries
+    go, except those used again meanwhile, which move back. Every call is one param group's: the
+    parameters of every optimizer in the process, however many, are found again each step (clearing
+    all at the bound had checked all 16800 parameters of three optimizers anew at every call)."""
+
+    def __init__(self):
+        self.recent: dict = {}
+        self.older: dict = {}
+
+    def get(self, key) -> "_Checked | None":
+        found = self.recent.get(key)
+        if found is None:
+            found = self.older.pop(key, None)
+            if found is not None:
+                self.recent[key] = found
+        return found
+
+    def __setitem__(self, key, checked: "_Checked") -> None:
+        self.recent[key] = checked
+
+    def age(self, bound: int) -> None:
+        if len(self.recent) > bound:
+            self.older, self.recent = self.recent, {}
+
+
+_checked = _KeptVerdicts()
 _CHECKED_KEPT = 16384
 
 

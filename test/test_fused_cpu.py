@@ -1676,8 +1676,21 @@ def checked_shapes(monkeypatch):
     checked = []
     original = kernel_op.check_inputs
     monkeypatch.setattr(kernel_op, "check_inputs", lambda *a, **k: checked.append(a[0].shape) or original(*a, **k))
-    monkeypatch.setattr(kernel_op, "_checked", {})
+    monkeypatch.setattr(kernel_op, "_checked", kernel_op._KeptVerdicts())
     return checked
+
+
+def test_op_finds_every_parameter_again_when_the_process_holds_more_than_its_bound(checked_shapes, monkeypatch):
+    """The op's memory of checked states is bounded (states replaced over a long run leave entries):
+    with more parameters in the process than that bound (3 calls of 2, a bound of 4 here; 16800 in a
+    review), every call still finds its parameters again, rather than checking them all anew (which
+    tripled the step time)."""
+    monkeypatch.setattr(kernel_op, "_CHECKED_KEPT", 2)
+    calls = [list(op_arguments("8bit")) for _ in range(3)]
+    for _ in range(3):
+        for arguments in calls:
+            torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+    assert len(checked_shapes) == 6
 
 
 def test_op_checks_each_states_once_and_again_when_their_tensors_change(checked_shapes):
@@ -1835,7 +1848,7 @@ def test_op_refuses_an_addend_beside_other_codes(monkeypatch):
     a part outside its codes is refused, not decoded without it."""
     arguments = op_arguments("fp8")
     monkeypatch.setattr(OptimStateFp8, "has_addend", property(lambda self: True))
-    monkeypatch.setattr(kernel_op, "_checked", {})  # verdicts on the class as it was
+    monkeypatch.setattr(kernel_op, "_checked", kernel_op._KeptVerdicts())  # verdicts on the class as it was
     addends = [torch.zeros(71 * 64), torch.zeros(71 * 64)]
     with pytest.raises(ValueError, match="the exp_avg state keeps a part outside its e4m3 codes"):
         torch.ops.lowbit_optim.fused_step_cpu(*arguments[:8], addends)
