@@ -203,8 +203,10 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
     chunks, filling = [], {}  # filling: kind -> (its open chunk, that chunk's elements)
     for item in compiled:
         _, call, mode = item
-        # the device once, the parameter's (a graph's tensors share one): a.device costs a new object each
-        kind = (call[0].device, mode, *((type(a), a.dtype) if isinstance(a, Tensor) else a for a in call))
+        # the device once, the parameter's (a graph's tensors share one): a.device costs a new object each.
+        # Which tensors have a size of 1 (a 1-element parameter, a state of one block), which dynamo
+        # specializes: a chunk that mixed them compiled a graph per arrangement (16 for 256 parameters)
+        kind = (call[0].device, mode, *((type(a), a.dtype, *_sizes_of_one(a)) if isinstance(a, Tensor) else a for a in call))
         chunk, elements = filling.get(kind, (None, 0))
         n = call[0].numel()
         if chunk is None or len(chunk) == FOREACH_CHUNK or elements + n > FOREACH_ELEMENTS:
@@ -213,6 +215,11 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
         chunk.append(item)
         filling[kind] = (chunk, elements + n)
     return chunks
+
+
+def _sizes_of_one(t: Tensor) -> tuple[bool, ...]:
+    """Whether each of the tensors a step reads of ``t`` (a state's inner ones) has one element."""
+    return tuple(inner.numel() == 1 for inner in t._inner().values()) if isinstance(t, StateTensor) else (t.numel() == 1,)
 
 
 # elements per call of an elementwise compiled step on a large CPU parameter: its scratch (a few fp32

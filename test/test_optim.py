@@ -774,6 +774,25 @@ def test_a_step_function_that_is_no_function_gets_a_copy_of_its_own():
     assert lowbit_optim.base._inductor_options(functools.partial(lowbit_optim.muon_step, nesterov=False)) == lowbit_optim.muon_step.inductor_options
 
 
+@pytest.mark.parametrize("state_format, small", [("fp32", 1), ("8bit", 64)], ids=["1-element", "one block"])
+def test_foreach_graphs_do_not_depend_on_where_sizes_of_one_fall(monkeypatch, state_format, small):
+    """dynamo specializes a size of 1 (a 1-element parameter, the scale of a state of one block): a
+    chunk holding one at another place compiled a graph of its own (a review: 16 graphs for 256
+    parameters). Such parameters now fill chunks of their own: 2 graphs here, where there had been 5
+    (one per chunk), counted with dynamo's eager backend on the optimizers' own compiled call."""
+    counter, real_compile = CompileCounter(), torch.compile
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, fullgraph=True, dynamic=True))
+        step_each = lowbit_optim.base.compiled_foreach_step.__wrapped__(lowbit_optim.adam_step)
+    monkeypatch.setattr(lowbit_optim.base, "compiled_foreach_step", lambda step_function: step_each)
+    params = [nn.Parameter(torch.randn(small if i % 17 == 5 else 512)) for i in range(68)]  # at another place in each chunk of 16
+    opt = lowbit_optim.AdamW(params, state_format=state_format, min_quantize_numel=0, fused=False, foreach=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert counter.frame_count == 2
+
+
 def test_graph_count_does_not_grow_with_parameter_rank(monkeypatch):
     """An MLP whose first parameter is 1-D (as when a LayerNorm comes first), then 3-D and 4-D conv
     weights and a (1, N) weight (a Linear(N, 1) head) must add no graphs: the step sees flat,
