@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from . import formats
-from .base import check_flag
+from .base import check_element_count, check_flag
 from .optim import Adam, AdamW, AdEMAMix, Lion, SGD
 
 # ------------------------------------------------------------------------------------------------
@@ -191,6 +191,7 @@ def _bitsandbytes_options(name: str, args, min_8bit_size: int, is_paged: bool, p
     }
     check_flag("is_paged", is_paged)
     check_flag("block_wise", block_wise)
+    check_element_count("min_8bit_size", min_8bit_size)  # (else named min_quantize_numel)
     values = dict(args=args, is_paged=is_paged, percentile_clipping=percentile_clipping, block_wise=block_wise, max_unorm=max_unorm)
     for key, (bad, why) in refused.items():
         if bad:

@@ -595,8 +595,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if state.when is not None and state.when not in group:
                 raise TypeError(f"{type(self).__name__}'s state {state.name!r} exists when={state.when!r}, which is no option of its groups: name one of {sorted(k for k in group if k != 'params')}")
         self._check_hyper_parameters(group)
-        if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
-            raise ValueError(f"invalid min_quantize_numel {group['min_quantize_numel']!r}: use an int >= 0")
+        check_element_count("min_quantize_numel", group["min_quantize_numel"])
         no_kernel = _no_kernel_reason(type(self))
         if group["fused"] and no_kernel is not None:
             raise ValueError(f"fused=True, but {no_kernel}. Pass fused=None (the default) or False")
@@ -1514,6 +1513,12 @@ def _check_torch_keywords(fused, foreach, capturable: bool, differentiable: bool
             "differentiable=True is not supported: quantized states cannot carry gradients through the step. "
             "Pass differentiable=False, or use torch.optim for a differentiable optimizer"
         )
+
+
+def check_element_count(key: str, value) -> None:
+    """Refuses a number of elements (min_quantize_numel) that is not an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"invalid {key} {value!r}: use an int >= 0")
 
 
 def check_flag(key: str, value) -> None:

@@ -1277,6 +1277,7 @@ BAD_INPUT = {
     "a group's bf16_stochastic_round='False'": lambda: lowbit_optim.AdamW([{"params": [nn.Parameter(torch.randn(8))], "bf16_stochastic_round": "False"}]),
     "AnyPrecisionAdamW(use_kahan_summation='False')": lambda: lowbit_optim.AnyPrecisionAdamW([nn.Parameter(torch.randn(8))], use_kahan_summation="False"),
     "AdamW8bit(block_wise='False')": lambda: lowbit_optim.AdamW8bit([nn.Parameter(torch.randn(8))], block_wise="False"),
+    "AdamW8bit(min_8bit_size=-1)": lambda: lowbit_optim.AdamW8bit([nn.Parameter(torch.randn(8))], min_8bit_size=-1),
     "add_param_group given a list": lambda: with_one_param()().add_param_group([nn.Parameter(torch.randn(8))]),
     "AnyPrecisionAdamW.add_param_group given a list": lambda: lowbit_optim.AnyPrecisionAdamW([nn.Parameter(torch.randn(8))]).add_param_group([nn.Parameter(torch.randn(8))]),
     "AdamW(decoupled_weight_decay=False)": with_one_param(decoupled_weight_decay=False),
@@ -1378,6 +1379,7 @@ bf16_stochastic_round='False': ValueError: bf16_stochastic_round must be True or
 a group's bf16_stochastic_round='False': ValueError: bf16_stochastic_round must be True or False (or 1 or 0), got 'False'
 AnyPrecisionAdamW(use_kahan_summation='False'): ValueError: use_kahan_summation must be True or False (or 1 or 0), got 'False'
 AdamW8bit(block_wise='False'): ValueError: block_wise must be True or False (or 1 or 0), got 'False'
+AdamW8bit(min_8bit_size=-1): ValueError: invalid min_8bit_size -1: use an int >= 0
 add_param_group given a list: TypeError: param_group must be a dict such as {'params': [...], 'lr': 1e-3}, got list
 AnyPrecisionAdamW.add_param_group given a list: TypeError: param_group must be a dict such as {'params': [...], 'lr': 1e-3}, got list
 AdamW(decoupled_weight_decay=False): ValueError: AdamW always decouples weight decay; use lowbit_optim.Adam for L2 regularization
