@@ -1169,10 +1169,13 @@ STEP_PATHS = [dict(), dict(fused=False), dict(compile=False), dict(state_format=
 @pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
 def test_a_state_replaced_by_one_of_another_shape_is_refused(kwargs):
     """Any state, not only a parameter's first: a second moment replaced by hand with a flat one
-    stepped silently (or failed in dynamo's words), and its checkpoint was refused at load."""
+    stepped silently (or failed in dynamo's words), and its checkpoint was refused at load. A key
+    the optimizer does not keep is the user's, and is not checked."""
     p = nn.Parameter(torch.randn(20, 15))
     opt = lowbit_optim.AdamW([p], **kwargs)
     p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p]["update_count"] = torch.tensor(1.0)  # a key of the user's: ignored, as torch.optim ignores it
     opt.step()
     opt.state[p]["exp_avg_sq"] = torch.zeros(300)
     with pytest.raises(ValueError, match=r"a parameter of shape \(20, 15\) has a 'exp_avg_sq' state of shape \(300,\)"):
