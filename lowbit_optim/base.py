@@ -623,7 +623,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for name in used.values():
             fmt = formats.get_format(name)
             if group["block_size"] is not None and formats.is_blockwise(fmt):
-                check_block_size(group["block_size"], fmt.bits)
+                check_block_size(group["block_size"], fmt.bits, chosen=True)
         if block_size_given and group["block_size"] is not None and not any(formats.is_blockwise(formats.get_format(n)) for n in used.values()):
             raise ValueError(
                 f"block_size={group['block_size']} applies to blockwise state formats (8bit, 4bit, fp8, ...), but "
@@ -640,7 +640,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if reason is not None:  # (a RuntimeError, as torch.optim's fused=True refuses a parameter)
                     raise RuntimeError(_kernel_refuses(p, reason))
             blockwise = group["block_size"] is not None and any(formats.is_blockwise(formats.get_format(n)) for n in used.values())
-            reason = fused_cpu.block_size_unsupported_reason(group["block_size"]) if blockwise else None
+            quantized = any(p.numel() >= group["min_quantize_numel"] for p in group["params"])  # (smaller ones keep fp32 states)
+            reason = fused_cpu.block_size_unsupported_reason(group["block_size"]) if blockwise and quantized else None
             if reason is not None:
                 raise RuntimeError(f"fused=True, but the fused CPU kernel cannot step {reason}. Pass a smaller block_size, or fused=None to step such states with the compiled step")
         self._remember_group(group)

@@ -80,9 +80,10 @@ def param_unsupported_reason(param: Tensor, step: Tensor, states: dict, param_up
 
 
 def block_size_unsupported_reason(block_size: int) -> str | None:
-    """Why the kernel cannot step blockwise states of ``block_size`` (None if it can)."""
-    kernel, why = kernel_abi.load()
-    return why if kernel is None else kernel_op.block_size_unsupported(block_size)
+    """Why the kernel cannot step blockwise states of ``block_size`` (None if it can, or if there is
+    no kernel: param_unsupported_reason says that)."""
+    kernel, _ = kernel_abi.load()
+    return None if kernel is None else kernel_op.block_size_unsupported(block_size)
 
 
 def step(optimizer: str, items: list[tuple], hyper: dict, corrections: list[Tensor | None] | None = None) -> None:

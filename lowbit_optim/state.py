@@ -168,14 +168,17 @@ def computes_as(cls, base, *methods: str) -> bool:
 
 
 # a block holds one scale, so blocks larger than a few thousand elements save nothing, while every
-# state is padded to whole blocks: a larger block_size is a typo (2**40 bytes at the first step)
+# state is padded to whole blocks: a larger block_size chosen now is a typo (2**40 bytes at the first
+# step). A saved state's is its own (an earlier release took any): it loads, converted if need be
 MAX_BLOCK_SIZE = 2**16
 
 
-def check_block_size(block_size, bits: int = 8) -> int:
+def check_block_size(block_size, bits: int = 8, chosen: bool = False) -> int:
+    """``block_size`` if it is a power of two that holds whole bytes of ``bits``-bit codes (and, if
+    ``chosen`` now for new states, at most MAX_BLOCK_SIZE), else a ValueError."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two (e.g. 128 or 256), got {block_size!r}")
-    if block_size > MAX_BLOCK_SIZE:
+    if chosen and block_size > MAX_BLOCK_SIZE:
         raise ValueError(
             f"block_size {block_size} is beyond the largest, {MAX_BLOCK_SIZE}: a block holds one scale, so larger blocks "
             "save no memory, and each state is padded to whole blocks. Use e.g. 256"
@@ -658,7 +661,7 @@ class OptimState(StateTensor):
     @classmethod
     def _zero_blocks(cls, numel: int, signed: bool, block_size: int | None, device) -> tuple[Tensor, Tensor, int]:
         """(codes, scale, block_size) of ``numel`` zeros."""
-        block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits)
+        block_size = check_block_size(cls.default_block_size if block_size is None else block_size, cls.bits, chosen=True)
         blocks = quant.num_blocks(numel, block_size)
         codes = cls.encode(torch.zeros(block_size, dtype=torch.float32, device=device), signed)  # zero's code, once
         packed = quant.pack_codes(codes, cls.bits, block_size)  # one block's bytes: packing all would hold int32 copies of every code

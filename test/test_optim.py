@@ -1256,7 +1256,7 @@ BAD_INPUT = {
     "block_size=0": with_one_param(state_format="8bit", block_size=0),
     "block_size with fp32 states": with_one_param(state_format="fp32", block_size=64),
     "block_size=2**40": with_one_param(state_format="8bit", block_size=2**40),  # (a typo: 4 TB at the first step)
-    "fused=True, block_size=2**14": with_one_param(state_format="8bit", block_size=2**14, fused=True),
+    "fused=True, block_size=2**14": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(64, 64))], state_format="8bit", block_size=2**14, fused=True),
     "betas=(0.9,)": with_one_param(betas=(0.9,)),
     "float64 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4, dtype=torch.float64))]),
     "float8 parameter": lambda: lowbit_optim.AdamW([nn.Parameter(torch.randn(4).to(torch.float8_e4m3fn))]),
@@ -1307,6 +1307,39 @@ def test_a_beta_that_float32_holds_far_off_warns():
         for betas in ((0.9, 0.999), (0.9, 0.99999), (0.0, 0.0)):
             lowbit_optim.AdamW([nn.Parameter(torch.zeros(4))], betas=betas)
         lowbit_optim.Lion([nn.Parameter(torch.zeros(4))], betas=(0.9, 0.9999999))  # (Lion's enter as 1 - beta, from float64)
+
+
+def test_a_saved_state_of_blocks_beyond_the_largest_choice_loads_converted(monkeypatch):
+    """block_size above 2**16 is refused as a choice (a typo), but a state an earlier release saved
+    with one is its own: a load converts it to the optimizer's block size, not "corrupt"."""
+    p = nn.Parameter(torch.randn(2**17))
+    with monkeypatch.context() as earlier:  # what an earlier release took
+        earlier.setattr(lowbit_optim.state, "MAX_BLOCK_SIZE", 2**20)
+        opt = lowbit_optim.AdamW([p], state_format="8bit", block_size=2**17)
+        p.grad = torch.randn_like(p)
+        opt.step()
+    saved = save_and_load(opt.state_dict())
+    assert saved["state"][0]["exp_avg"].block_size == 2**17
+    fresh = lowbit_optim.AdamW([p], state_format="8bit")
+    fresh.load_state_dict(saved)
+    state = fresh.state[p]["exp_avg"]
+    assert state.block_size == 256
+    expected = lowbit_optim.formats.get_format("8bit").from_float(saved["state"][0]["exp_avg"].dequantize(torch.float32), True, 256)
+    assert torch.equal(state.dequantize(), expected.dequantize())
+
+
+def test_fused_true_refuses_a_long_block_size_only_where_a_state_would_have_blocks(monkeypatch):
+    """Blocks longer than the kernel's chunks are refused when built with fused=True, but only where
+    a parameter is large enough to be quantized (smaller ones keep fp32 states, which the kernel
+    steps); without a kernel, its own reason is given at the step, not a block size's."""
+    params = [nn.Parameter(torch.randn(1024)), nn.Parameter(torch.randn(64))]
+    opt = lowbit_optim.AdamW(params, state_format="8bit", block_size=2**14, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert all(type(opt.state[p]["exp_avg"]) is torch.Tensor for p in params)
+    monkeypatch.setattr(lowbit_optim.kernel_abi, "load", lambda: (None, "no C compiler found (set CC)"))
+    lowbit_optim.AdamW([nn.Parameter(torch.randn(64, 64, device="meta"))], state_format="8bit", block_size=256, fused=True)
 
 
 def test_betas_without_a_bias_correction_may_round_to_one_in_fp32():
