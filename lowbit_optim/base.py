@@ -63,6 +63,14 @@ _OWN_STATE_NAMES = ("step", "compensation", "param_correction")
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
+@dataclass(frozen=True)
+class InFloat64:
+    """A number of an optimizer's ``_step_arguments`` that its step takes in float64 (every other
+    arrives in fp32): ``value``, a number or a tensor."""
+
+    value: object
+
+
 @functools.cache
 def compiled_step(step_function):
     """``step_function`` under torch.compile, one compiled function per step function, shared by
@@ -494,8 +502,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Raise a ValueError naming a bad hyper-parameter of ``group`` (lr is checked already)."""
 
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
-        """The step function's numbers (after the states and ``param_extra``: floats become fp32
-        0-d tensors, tensors keep their dtype) and its flags (keywords that pick a graph)."""
+        """The step function's numbers (after the states and ``param_extra``: numbers and tensors
+        become fp32 0-d tensors, those wrapped in ``InFloat64`` float64 ones) and its flags (keywords
+        that pick a graph)."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no _step_arguments(group): return (numbers, flags), the numbers its step_function "
             "takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does"
@@ -1150,13 +1159,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _tensor_arguments(self, group: dict, device) -> tuple[list[Tensor], dict]:
         numbers, flags = self._step_arguments(group)
-        # fp32, as a Python float's value is, unless the optimizer's arguments computed it in float64:
-        # a tensor lr the user made float64 steps as that float does (the kernel takes it so)
-        given = {id(v) for v in group.values() if isinstance(v, Tensor)}
-        tensors = [
-            v.to(device) if isinstance(v, Tensor) and v.dtype == torch.float64 and id(v) not in given else torch.as_tensor(v, dtype=torch.float32).to(device)
-            for v in numbers
-        ]
+        # fp32, as a Python float's value is (the kernel takes them so), a float64 tensor too (a tensor
+        # lr or betas a user made float64: it had stepped otherwise than the kernel); only those the
+        # optimizer marks (Muon's lr, AdEMAMix's warm-ups) in float64
+        tensors = [torch.as_tensor(v.value, dtype=torch.float64) if isinstance(v, InFloat64) else torch.as_tensor(v, dtype=torch.float32) for v in numbers]
+        tensors = [t.to(device) for t in tensors]
         # 0-d, as a number: a one-element tensor of another shape (lr=torch.tensor([[1e-3]])) would broadcast the flat states
         return [t.reshape(()) if t.dim() and t.numel() == 1 else t for t in tensors], flags
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
-from .base import SCRATCH_ELEMENTS, LowBitOptimizer, State, check_betas, check_nonnegative, element_runs, sequence_given
+from .base import SCRATCH_ELEMENTS, InFloat64, LowBitOptimizer, State, check_betas, check_nonnegative, element_runs, sequence_given
 from .distributed import is_dtensor, local, map_local
 from .muon_parts import MuonParts
 from .state import StateTensor
@@ -237,7 +237,7 @@ class Muon(LowBitOptimizer):
         lr64 = lr.detach().double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
         decay = 1 - lr64 * group["weight_decay"]  # float64, rounded once to fp32 as torch's Python float is
         flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"])
-        return (lr64, decay.float(), momentum, 1 - momentum, group["eps"]), flags
+        return (InFloat64(lr64), decay.float(), momentum, 1 - momentum, group["eps"]), flags
 
     def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
         """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
@@ -304,7 +304,7 @@ class AdEMAMix(LowBitOptimizer):
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         beta1, beta2, beta3 = group["betas"]
         t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]
-        exact = [torch.tensor(float(v), dtype=torch.float64) for v in (group["alpha"], t_alpha or 1, beta3, t_beta3 or 1)]
+        exact = [InFloat64(float(v)) for v in (group["alpha"], t_alpha or 1, beta3, t_beta3 or 1)]
         numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2, *exact)
         return numbers, dict(maximize=group["maximize"], schedule_alpha=t_alpha is not None, schedule_beta3=t_beta3 is not None)
 

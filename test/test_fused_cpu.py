@@ -11,6 +11,7 @@ raise with fused=True.
 
 import contextlib
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -137,13 +138,16 @@ def test_fused_matches_compiled_flags(case):
     assert_identical(run(True, **kwargs), run(False, **kwargs))
 
 
-def test_a_float64_tensor_lr_steps_as_its_value_does_on_every_path():
-    """An lr given as a float64 tensor (torch.as_tensor of a NumPy float) steps as the same lr given
-    as a Python float, on each path: the kernel, the compiled and the eager step (the compiled step
-    had kept it in float64, where the kernel rounds lr to fp32 as it does a float's: 1.2e-7 apart)."""
-    lr, kwargs = 1e-3, dict(state_format="fp32", weight_decay=0.01)  # (an ulp apart in a few elements: some lr and data only)
-    for options in (dict(fused=True), dict(fused=False), dict(fused=False, compile=False)):
-        assert_identical(run(**options, **kwargs, lr=torch.tensor(lr, dtype=torch.float64)), run(**options, **kwargs, lr=lr))
+def test_float64_tensor_options_step_as_their_values_do_on_every_path():
+    """An lr or betas given as float64 tensors (torch.as_tensor of a NumPy float) step as the same
+    numbers given as Python floats, on each path: the kernel, the compiled and the eager step (the
+    compiled step had kept them in float64, where the kernel rounds them to fp32 as it does a
+    float's: 1.2e-7 and 2.4e-7 apart)."""
+    kwargs = dict(state_format="fp32", weight_decay=0.01)  # (an ulp apart in a few elements: some numbers and data only)
+    as_float64 = functools.partial(torch.tensor, dtype=torch.float64)
+    for given, floats in ((dict(lr=as_float64(1e-3)), dict(lr=1e-3)), (dict(betas=(as_float64(0.9), as_float64(0.999))), dict(betas=(0.9, 0.999)))):
+        for options in (dict(fused=True), dict(fused=False), dict(fused=False, compile=False)):
+            assert_identical(run(**options, **kwargs, **given), run(**options, **kwargs, **floats))
 
 
 def test_a_factored_state_of_subnormal_values_reads_them_on_every_path():
