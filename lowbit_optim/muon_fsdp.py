@@ -25,12 +25,17 @@ from .muon_parts import MuonParts
 
 def check_sharding(param) -> None:
     """Raise a ValueError unless ``param`` is sharded as FSDP2 shards it: rows over a 1-D mesh."""
-    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-        raise ValueError(
-            f"Muon steps DTensor parameters sharded by rows over a 1-D mesh (FSDP2's fully_shard); a parameter of shape "
-            f"{tuple(param.shape)} has placements {tuple(param.placements)} over a {param.device_mesh.ndim}-D mesh (tensor "
-            "parallelism's): step it with AdamW (build Muon and AdamW from muon_split(model)'s two lists, moving it to the second), or shard it by rows alone"
+    if param.device_mesh.ndim == 1 and tuple(param.placements) == (Shard(0),):
+        return
+    given = f"a parameter of shape {tuple(param.shape)} has placements {tuple(param.placements)} over a {param.device_mesh.ndim}-D mesh"
+    if param.device_mesh.ndim != 1:  # HSDP, FSDP2 with tensor parallelism: every matrix is so
+        fix = "Muon does not step a matrix sharded over a 2-D mesh (HSDP, FSDP2 with tensor parallelism): shard over a 1-D mesh, or use AdamW"
+    else:
+        fix = (
+            "step it with AdamW (build Muon and AdamW from muon_split(model)'s two lists, moving it to the second), or shard "
+            "it by rows alone"
         )
+    raise ValueError(f"Muon steps DTensor parameters sharded by rows over a 1-D mesh (FSDP2's fully_shard); {given}: {fix}")
 
 
 def step(optimizer, group: dict, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:

@@ -520,7 +520,7 @@ def _sequence_parallel_scenario(rank: int, world: int) -> dict:
     reduces them, as torch.optim's DTensor arithmetic does (it had stepped each rank's part: half the
     update, the replicas apart), and max_grad_norm's norm counts a Replicate gradient once (it had
     counted it once a rank): both as torch.optim and get_total_norm give them. Muon refuses a matrix
-    that tensor parallelism shards by columns, naming it and the fix."""
+    that tensor parallelism shards by columns, or HSDP over a 2-D mesh, naming it and the fix."""
     import lowbit_optim
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -556,6 +556,13 @@ def _sequence_parallel_scenario(rank: int, world: int) -> dict:
         lowbit_optim.Muon([block[2].weight])  # RowwiseParallel's: Shard(1)
     except ValueError as refused:
         out["Muon's refusal"] = str(refused)
+    from torch.distributed.fsdp import fully_shard
+
+    hybrid = fully_shard(torch.nn.Linear(8, 16), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")))
+    try:
+        lowbit_optim.Muon([hybrid.weight])  # HSDP's: (Replicate(), Shard(0)) over a 2-D mesh
+    except ValueError as refused:
+        out["Muon's refusal of HSDP"] = str(refused)
     return out
 
 
@@ -932,7 +939,8 @@ def test_partial_gradients_of_sequence_parallelism_are_reduced(job):
         for ours, theirs in zip(result["lowbit"], result["torch"]):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
         torch.testing.assert_close(result["last_grad_norm"], result["total norm"], rtol=1e-6, atol=0)
-        assert "a parameter of shape (16, 32) has placements (Shard(dim=1),) over a 1-D mesh (tensor parallelism's): step it with AdamW" in result.get("Muon's refusal", "")
+        assert "a parameter of shape (16, 32) has placements (Shard(dim=1),) over a 1-D mesh: step it with AdamW" in result.get("Muon's refusal", "")
+        assert "over a 2-D mesh: Muon does not step a matrix sharded over a 2-D mesh (HSDP, " in result.get("Muon's refusal of HSDP", "")
     for ours, theirs in zip(job[0]["sequence_parallel"]["lowbit norm replica"], job[1]["sequence_parallel"]["lowbit norm replica"]):
         assert torch.equal(ours, theirs)  # the Replicate parameters stay replicas
 
