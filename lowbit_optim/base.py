@@ -1726,7 +1726,7 @@ def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> Non
                 f"there, so for the first ~{1 / (1 - b):.0e} steps a step is up to {abs(_step_size_off(i, off)):.1%} "
                 f"{'larger' if _step_size_off(i, off) > 0 else 'smaller'} than torch.optim's. Use a beta that float32 holds more "
                 "closely (0.99999 is 0.14 % off)",
-                stacklevel=2,
+                stacklevel=_outside_stacklevel(),
             )
 
 
