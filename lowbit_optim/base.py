@@ -60,6 +60,14 @@ _STATE_KEYS = ("state_format", "block_size", "min_quantize_numel", "param_update
 # the per-parameter states lowbit_optim keeps beside an optimizer's declared ones
 _OWN_STATE_NAMES = ("step", "compensation", "param_correction")
 
+# the state names of the optimizers this process knows (torch.optim's, and each LowBitOptimizer
+# subclass adds its own): a checkpoint's key among them that an optimizer does not keep says the
+# checkpoint is another optimizer's; any other key is its user's, kept as torch.optim keeps it
+_OPTIMIZER_STATE_NAMES = {
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta", "sum",
+    "mu", "eta", "ax", "prev", "step_size", "mu_product", "exp_avg_slow",
+}  # fmt: skip
+
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
@@ -424,6 +432,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if cls.step_function is None and cls.states:
             raise TypeError(f"{cls.__name__} declares states but no step_function: set step_function = staticmethod(your_step)")
         names = [s.name for s in cls.states]
+        _OPTIMIZER_STATE_NAMES.update(names)
         reserved = sorted(set(_OWN_STATE_NAMES) & set(names))
         if reserved:
             raise TypeError(f"{cls.__name__} declares a state named {reserved[0]!r}, a name lowbit_optim keeps for its own: rename that state")
@@ -995,7 +1004,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if has_states and not state or extra and extra not in state or not declared <= state.keys():
             self._init_state(p, group, state)  # (a parameter cast to bf16 after its first step, amsgrad turned on)
         for name, value in state.items():  # (a loop: all() of a generator cost 0.2 us a parameter)
-            if not isinstance(value, Tensor):  # set by hand: the kernel or a trace would fail deep inside
+            # set by hand: the kernel or a trace would fail deep inside (a key of the user's is theirs)
+            if not isinstance(value, Tensor) and (name in declared or name in _OWN_STATE_NAMES):
                 raise TypeError(
                     f"the {name!r} state of a parameter of shape {tuple(p.shape)} is {repr(value)[:60]}, not a tensor: "
                     f"delete the parameter's states (del opt.state[p]) to start them afresh, or load a checkpoint with load_state_dict"
@@ -1319,12 +1329,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
                 f"not a checkpoint of {self._family}{' with ' + ', '.join(options) if options else ''}"
             )
-        foreign = sorted(set(state) - {*_OWN_STATE_NAMES, *(s.name for s in self.states)})
+        others = set(state) - {*_OWN_STATE_NAMES, *(s.name for s in self.states)}
+        foreign = sorted(others & _OPTIMIZER_STATE_NAMES)
         if foreign:
             raise ValueError(
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) holds {foreign}, which "
                 f"{self._family} does not keep: it is a checkpoint of another optimizer"
             )
+        for name in others:  # the user's (timm's Lookahead keeps its slow weights here): on the parameter's device and
+            value = state[name]  # floating dtype, as torch.optim's load puts them
+            if isinstance(value, Tensor):
+                state[name] = value.to(param.device, param.dtype if value.is_floating_point() else None)
         names = self._state_names(param, group)
         # a declared state that its option has switched off for now (SGD's momentum 0 for a phase, amsgrad
         # off) stays, checked and converted, as a run keeps it and torch.optim's load does: switched on
@@ -1332,7 +1347,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         dormant = [s.name for s in self.states if s.name in state and s.name not in names]
         kept = _loaded_precision_buffers(param, group, state, index)
         for name in list(state):
-            if name not in ("step", *names, *dormant, *kept):
+            if name not in ("step", *names, *dormant, *kept, *others):
                 del state[name]  # a precision buffer this parameter's param_update does not keep
         for name in names + dormant:
             value = state.get(name)

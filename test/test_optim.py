@@ -1182,6 +1182,31 @@ def test_a_state_replaced_by_one_of_another_shape_is_refused(kwargs):
         opt.step()
 
 
+def test_a_key_of_the_users_steps_and_survives_a_checkpoint():
+    """A key the optimizer does not keep is its user's (timm's Lookahead keeps its slow weights in the
+    optimizer's state): it steps, and a checkpoint with it loads and resumes, as under torch.optim
+    (its load had called it another optimizer's checkpoint, and a number there failed the step). A
+    key of another optimizer's states still says so (test_optimizers' table)."""
+    runs = []
+    for resumed in (False, True):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(20, 15))
+        opt = lowbit_optim.AdamW([p], state_format="8bit", min_quantize_numel=0)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        opt.state[p]["lookahead_slow_buff"] = p.detach().clone()
+        opt.state[p]["count"] = 3
+        if resumed:
+            saved = save_and_load(opt.state_dict())
+            opt = lowbit_optim.AdamW([p], state_format="8bit", min_quantize_numel=0)
+            opt.load_state_dict(saved)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["lookahead_slow_buff"], opt.state[p]["count"]))
+    (a, slow_a, count_a), (b, slow_b, count_b) = runs
+    assert torch.equal(a, b) and torch.equal(slow_a, slow_b) and count_a == count_b == 3
+
+
 @pytest.mark.parametrize("kwargs", STEP_PATHS, ids=str)
 def test_deleting_a_frozen_parameters_states_frees_them(kwargs):
     """del opt.state[p] (a layer frozen for good) gives its states' memory back, as under torch.optim:
