@@ -30,7 +30,7 @@ from .formats import (
 )
 from .functional import adam_step, ademamix_step, lion_step, muon_step, sgd_step
 from .precision import PARAM_UPDATES
-from .base import InFloat64, LowBitOptimizer, State, StateFormatError
+from .base import LowBitOptimizer, State, StateFormatError
 from .optim import AdEMAMix, Adam, AdamW, Lion, Muon, SGD, bytes_per_param, dequantize_state_dict, param_groups_by_module
 from .muon import MuonWithAdamW, muon_split
 from .aliases import (
@@ -93,7 +93,6 @@ __all__ = [
     "LogBlockFloatState",
     "StochasticRounding",
     "State",
-    "InFloat64",
     "StateFormatError",
     "StateTensor",
     "adam_step",

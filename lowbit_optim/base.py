@@ -71,14 +71,6 @@ _OPTIMIZER_STATE_NAMES = {
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
-@dataclass(frozen=True)
-class InFloat64:
-    """A number of an optimizer's ``_step_arguments`` that its step takes in float64 (every other
-    arrives in fp32): ``value``, a number or a tensor."""
-
-    value: object
-
-
 @functools.cache
 def compiled_step(step_function):
     """``step_function`` under torch.compile, one compiled function per step function, shared by
@@ -510,10 +502,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """Raise a ValueError naming a bad hyper-parameter of ``group`` (lr is checked already)."""
 
+    # the positions of _step_arguments' numbers that the step takes in float64 (the others: fp32)
+    float64_numbers: tuple[int, ...] = ()
+
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         """The step function's numbers (after the states and ``param_extra``: numbers and tensors
-        become fp32 0-d tensors, those wrapped in ``InFloat64`` float64 ones) and its flags (keywords
-        that pick a graph)."""
+        become fp32 0-d tensors, those at the positions ``float64_numbers`` names float64 ones) and
+        its flags (keywords that pick a graph)."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no _step_arguments(group): return (numbers, flags), the numbers its step_function "
             "takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does"
@@ -1171,8 +1166,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         numbers, flags = self._step_arguments(group)
         # fp32, as a Python float's value is (the kernel takes them so), a float64 tensor too (a tensor
         # lr or betas a user made float64: it had stepped otherwise than the kernel); only those the
-        # optimizer marks (Muon's lr, AdEMAMix's warm-ups) in float64
-        tensors = [torch.as_tensor(v.value, dtype=torch.float64) if isinstance(v, InFloat64) else torch.as_tensor(v, dtype=torch.float32) for v in numbers]
+        # optimizer names (float64_numbers: Muon's lr, AdEMAMix's warm-ups) in float64
+        tensors = [torch.as_tensor(v, dtype=torch.float64 if i in self.float64_numbers else torch.float32) for i, v in enumerate(numbers)]
         tensors = [t.to(device) for t in tensors]
         # 0-d, as a number: a one-element tensor of another shape (lr=torch.tensor([[1e-3]])) would broadcast the flat states
         return [t.reshape(()) if t.dim() and t.numel() == 1 else t for t in tensors], flags

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional, fused_cpu, muon_fsdp
-from .base import SCRATCH_ELEMENTS, InFloat64, LowBitOptimizer, State, check_betas, check_nonnegative, element_runs, sequence_given
+from .base import SCRATCH_ELEMENTS, LowBitOptimizer, State, check_betas, check_nonnegative, element_runs, sequence_given
 from .distributed import is_dtensor, local, map_local
 from .muon_parts import MuonParts
 from .state import StateTensor
@@ -232,12 +232,14 @@ class Muon(LowBitOptimizer):
         if len(sharded) < len(items):
             super()._step_group(group, [item for item in items if not is_dtensor(item[0])])
 
+    float64_numbers = (0,)  # lr: scaled by the matrix's shape in float64 and rounded once (functional.muon_step)
+
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         lr, momentum = group["lr"], group["momentum"]
         lr64 = lr.detach().double() if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
         decay = 1 - lr64 * group["weight_decay"]  # float64, rounded once to fp32 as torch's Python float is
         flags = dict(nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"])
-        return (InFloat64(lr64), decay.float(), momentum, 1 - momentum, group["eps"]), flags
+        return (lr64, decay.float(), momentum, 1 - momentum, group["eps"]), flags
 
     def _fused_step(self, items: list[tuple], group: dict, corrections: list) -> None:
         """The momentum of every (param, grad, step, momentum_buffer) in the fused CPU kernel, written
@@ -301,10 +303,12 @@ class AdEMAMix(LowBitOptimizer):
         if group["t_beta3"] is not None and not (beta1 > 0 and beta3 > 0):
             raise ValueError(f"t_beta3 warms beta3 up from beta1 in log space: beta1 and beta3 must be > 0, got betas {group['betas']!r}")
 
+    float64_numbers = (7, 8, 9, 10)  # alpha, t_alpha, beta3, t_beta3: the warm-ups in float64 (functional.ademamix_step)
+
     def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
         beta1, beta2, beta3 = group["betas"]
         t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]
-        exact = [InFloat64(float(v)) for v in (group["alpha"], t_alpha or 1, beta3, t_beta3 or 1)]
+        exact = [float(v) for v in (group["alpha"], t_alpha or 1, beta3, t_beta3 or 1)]  # (float64_numbers)
         numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], 1 - beta1, 1 - beta2, *exact)
         return numbers, dict(maximize=group["maximize"], schedule_alpha=t_alpha is not None, schedule_beta3=t_beta3 is not None)
 

@@ -823,6 +823,29 @@ class LrTwice(lowbit_optim.AdamW):
         return (2 * lr, *numbers), flags
 
 
+class MuonLrTwice(lowbit_optim.Muon):
+    """A subclass that scales a float64 number (Muon's lr, at a position float64_numbers names)."""
+
+    def _step_arguments(self, group: dict) -> tuple[tuple, dict]:
+        (lr, *numbers), flags = super()._step_arguments(group)
+        return (2 * lr, *numbers), flags
+
+
+def test_a_subclass_may_scale_the_numbers_its_step_takes_in_float64():
+    """The numbers a step takes in float64 are named by position (float64_numbers), so a subclass
+    may compute with them as super()._step_arguments returns them (a wrapper around them had failed
+    such arithmetic): twice Muon's lr steps as lr=0.04 does, bit for bit."""
+    runs = []
+    for cls, lr in ((MuonLrTwice, 0.02), (lowbit_optim.Muon, 0.04)):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(32, 16))
+        opt = cls([p], lr=lr, weight_decay=0.0, fused=False)  # (the decay is computed from the group's lr)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        runs.append(p.detach().clone())
+    assert torch.equal(*runs)
+
+
 def test_a_subclass_with_its_own_step_takes_the_compiled_step():
     """The fused CPU kernel computes the step of the class that defines ``_fused_step``: a subclass
     with its own step function, numbers (``_step_arguments``) or states takes the compiled step,
