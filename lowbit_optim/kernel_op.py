@@ -552,9 +552,10 @@ class _KeptVerdicts:
     """check_inputs' verdicts by what it reads (_Checked): an entry per parameter the op steps (about
     2 KiB), and one more each time its states are replaced (a load, a conversion). In two generations:
     once the recent one holds more than a bound it becomes the older one, and the older one's entries
-    go, except those used again meanwhile, which move back. Every call is one param group's: the
-    parameters of every optimizer in the process, however many, are found again each step (clearing
-    all at the bound had checked all 16800 parameters of three optimizers anew at every call)."""
+    go, except those used again meanwhile, which move back. Every call is one param group's: where
+    the process steps up to about twice the bound's parameters, in calls of any size, they are found
+    again each step (clearing all at the bound had checked all 16800 parameters of three optimizers
+    anew at every call); beyond, or in calls too small to fill a generation, some are checked anew."""
 
     def __init__(self):
         self.recent: dict = {}
