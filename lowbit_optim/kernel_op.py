@@ -550,31 +550,36 @@ class _Checked:
 
 class _KeptVerdicts:
     """check_inputs' verdicts by what it reads (_Checked): an entry per parameter the op steps (about
-    2 KiB), and one more each time its states are replaced (a load, a conversion). In two generations:
-    once the recent one holds more than a bound it becomes the older one, and the older one's entries
-    go, except those used again meanwhile, which move back. Every call is one param group's: where
-    the process steps up to about twice the bound's parameters, in calls of any size, they are found
-    again each step (clearing all at the bound had checked all 16800 parameters of three optimizers
-    anew at every call); beyond, or in calls too small to fill a generation, some are checked anew."""
+    2 KiB), and one more each time its states are replaced (a load, a conversion), which is never
+    used again. In two generations: past a bound, the recent one becomes the older one and the older
+    one's entries go, except those used again meanwhile, which move back. It ages only once an entry
+    has been used again in it (a full cycle of the process's calls: every parameter of every
+    optimizer was found in it), or past twice the bound (entries of replaced states alone), so that up
+    to twice the bound's parameters, in calls of any size, are found again each step (clearing all at
+    the bound had checked all 16800 parameters of three optimizers anew at every call). An optimizer
+    that steps several times between the others' steps ends a cycle early: theirs may be checked anew."""
 
     def __init__(self):
         self.recent: dict = {}
         self.older: dict = {}
+        self.cycled = False  # an entry of the recent generation was used again in it
 
     def get(self, key) -> "_Checked | None":
         found = self.recent.get(key)
-        if found is None:
-            found = self.older.pop(key, None)
-            if found is not None:
-                self.recent[key] = found
+        if found is not None:
+            self.cycled = True
+            return found
+        found = self.older.pop(key, None)
+        if found is not None:
+            self.recent[key] = found
         return found
 
     def __setitem__(self, key, checked: "_Checked") -> None:
         self.recent[key] = checked
 
     def age(self, bound: int) -> None:
-        if len(self.recent) > bound:
-            self.older, self.recent = self.recent, {}
+        if len(self.recent) > bound and (self.cycled or len(self.recent) > 2 * bound):
+            self.older, self.recent, self.cycled = self.recent, {}, False
 
 
 _checked = _KeptVerdicts()

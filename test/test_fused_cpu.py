@@ -1686,15 +1686,23 @@ def checked_shapes(monkeypatch):
 
 def test_op_finds_every_parameter_again_when_the_process_holds_more_than_its_bound(checked_shapes, monkeypatch):
     """The op's memory of checked states is bounded (states replaced over a long run leave entries):
-    with more parameters in the process than that bound (3 calls of 2, a bound of 4 here; 16800 in a
-    review), every call still finds its parameters again, rather than checking them all anew (which
-    tripled the step time)."""
+    with more parameters in the process than that bound (3 or 4 calls of 2 against a bound of 4 here;
+    16800 in a review, and 400 groups of 100), every call still finds its parameters again, rather
+    than checking them all anew (which tripled the step time). States replaced at every call still
+    leave at most about four times the bound."""
     monkeypatch.setattr(kernel_op, "_CHECKED_KEPT", 2)
-    calls = [list(op_arguments("8bit")) for _ in range(3)]
-    for _ in range(3):
-        for arguments in calls:
-            torch.ops.lowbit_optim.fused_step_cpu(*arguments)
-    assert len(checked_shapes) == 6
+    for count in (3, 4):
+        calls = [list(op_arguments("8bit", seed=count)) for _ in range(count)]
+        checked_shapes.clear()  # (what the optimizers that made them checked: each stepped alone)
+        monkeypatch.setattr(kernel_op, "_checked", kernel_op._KeptVerdicts())
+        for _ in range(3):
+            for arguments in calls:
+                torch.ops.lowbit_optim.fused_step_cpu(*arguments)
+        assert len(checked_shapes) == 2 * count
+    for _ in range(12):  # new states at every call: entries never used again
+        torch.ops.lowbit_optim.fused_step_cpu(*op_arguments("8bit"))
+    kept = kernel_op._checked
+    assert len(kept.recent) + len(kept.older) <= 4 * 4 + 2
 
 
 def test_op_checks_each_states_once_and_again_when_their_tensors_change(checked_shapes):
