@@ -227,7 +227,8 @@ def _foreach_chunks(compiled: list[tuple]) -> list[list[tuple]]:
 
 def _sizes_of_one(t: Tensor) -> tuple[bool, ...]:
     """Whether each of the tensors a step reads of ``t`` (a state's inner ones) has one element."""
-    return tuple(inner.numel() == 1 for inner in t._inner().values()) if isinstance(t, StateTensor) else (t.numel() == 1,)
+    # (by name, not through _inner()'s dict: this runs per state and step on the foreach path)
+    return tuple(getattr(t, name).numel() == 1 for name in t.inner_names) if isinstance(t, StateTensor) else (t.numel() == 1,)
 
 
 # elements per call of an elementwise compiled step on a large CPU parameter: its scratch (a few fp32
