@@ -1219,24 +1219,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
         reproduces, or of bitsandbytes' version of it, see ``foreign.from_bitsandbytes``): states
         are converted to this optimizer's formats; a checkpoint of the same format resumes
         bit-exactly."""
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            if found == ["adamw", "muon"]:
-                raise ValueError(
-                    "this is a MuonWithAdamW checkpoint ({'muon': ..., 'adamw': ...}), of two optimizers: load it into a "
-                    "MuonWithAdamW, or load one part, e.g. state_dict['adamw'], into the optimizer that holds its parameters"
-                )
-            raise ValueError(
-                f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
-                "Pass what optimizer.state_dict() returned (not model.state_dict())"
-            )
-        norm, state_dict = _take_last_grad_norm(state_dict)
-        source = "checkpoint"
-        if foreign.is_bitsandbytes_state_dict(state_dict, [s.name for s in self.states]):
-            state_dict = foreign.from_bitsandbytes(state_dict, self)  # validated, in our names
-            source = "bitsandbytes checkpoint"
+        if not isinstance(state_dict, dict):  # (torch.optim's load would fail copying it)
+            _refuse_as_no_state_dict(state_dict)
         structural = [{k: g[k] for k in _STRUCTURAL_KEYS + self._structural_keys if k in g} for g in self.param_groups]
-        saved = {}
+        saved, source, norm = {}, "checkpoint", None
+
+        def prepare(optimizer, loaded: dict) -> dict:
+            # after the user's pre-hooks, which may unwrap what their state_dict post-hooks wrapped
+            nonlocal source, norm
+            if not {"state", "param_groups"} <= loaded.keys():
+                _refuse_as_no_state_dict(loaded)
+            norm, loaded = _take_last_grad_norm(loaded)
+            if foreign.is_bitsandbytes_state_dict(loaded, [s.name for s in self.states]):
+                loaded = foreign.from_bitsandbytes(loaded, self)  # validated, in our names
+                source = "bitsandbytes checkpoint"
+            return loaded
 
         def check_hyper_parameters(optimizer, loaded: dict) -> None:
             # the constructor's checks, before anything is loaded: a step must not run on what it refuses
@@ -1281,6 +1278,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                         self._convert_loaded_state(p, group, self.state[p], i)
 
         hooks = [
+            self.register_load_state_dict_pre_hook(prepare),
             self.register_load_state_dict_pre_hook(check_hyper_parameters),
             self.register_load_state_dict_pre_hook(keep_saved_tensors),
             self.register_load_state_dict_post_hook(convert, prepend=True),
@@ -1302,11 +1300,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = None
 
     def state_dict(self) -> dict:
-        state_dict = super().state_dict()
-        if self.last_grad_norm is not None:  # the clipping of the next step in backward depends on it
+        if self.last_grad_norm is None:
+            return super().state_dict()
+
+        def add_last_grad_norm(optimizer, state_dict: dict) -> None:  # the next step in backward clips with it
             for group in state_dict["param_groups"]:  # (torch.optim's state_dict makes new group dicts)
                 group[_LAST_GRAD_NORM] = float(self.last_grad_norm)
-        return state_dict
+
+        # before the user's post-hooks, which see it and may return another dict (one that wraps it)
+        hook = self.register_state_dict_post_hook(add_last_grad_norm, prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            hook.remove()
 
     _structural_keys: tuple[str, ...] = ()  # an optimizer's own group keys that a checkpoint must not change
 
@@ -1610,6 +1616,20 @@ def _check_parameter_ids(loaded: dict, source: str) -> None:
             f"the {source} holds states of parameters {few(unlisted)} that no param group lists (it lists {few(listed)}): "
             "it is corrupt, or its param groups were edited"
         )
+
+
+def _refuse_as_no_state_dict(value) -> None:
+    """Raise the ValueError for a checkpoint that is no optimizer state dict, naming what it is."""
+    found = sorted(value) if isinstance(value, dict) else type(value).__name__
+    if found == ["adamw", "muon"]:
+        raise ValueError(
+            "this is a MuonWithAdamW checkpoint ({'muon': ..., 'adamw': ...}), of two optimizers: load it into a "
+            "MuonWithAdamW, or load one part, e.g. state_dict['adamw'], into the optimizer that holds its parameters"
+        )
+    raise ValueError(
+        f"not an optimizer state dict: it needs the keys 'state' and 'param_groups', got {found}. "
+        "Pass what optimizer.state_dict() returned (not model.state_dict())"
+    )
 
 
 def _take_last_grad_norm(state_dict: dict) -> tuple[float | None, dict]:

@@ -234,16 +234,22 @@ def test_max_grad_norm_clips_with_an_estimate_of_the_steps_norm():
         assert_same_bits(p, q, tuple(p.shape))
 
 
-@pytest.mark.parametrize("how", ["state_dict", "get_state_dict"])
+@pytest.mark.parametrize("how", ["state_dict", "get_state_dict", "wrapped by hooks"])
 def test_max_grad_norm_resumes_exactly(how):
     """The last norm travels in the state dict, also through torch.distributed.checkpoint's
-    get_optimizer_state_dict (which keeps only states and groups): a resumed run clips its next
-    step as the original."""
+    get_optimizer_state_dict (which keeps only states and groups), and through a state_dict
+    post-hook that wraps the dict and a load pre-hook that unwraps it, as torch.optim allows (the
+    norm was added after the user's post-hooks: a KeyError; the load checked the dict before the
+    user's pre-hooks: refused): a resumed run clips its next step as the original."""
     models, opts = _clipped_pair(0.05)
     _train_clipped(models, opts, 0.05, range(2))
     resumed_model = copy.deepcopy(models[1])
     resumed = SGD_INFO.make(resumed_model.parameters(), state_format="8bit", min_quantize_numel=0, step_in_backward=True, max_grad_norm=0.05)
     if how == "state_dict":
+        resumed.load_state_dict(torch.load(_saved(opts[1].state_dict()), weights_only=True))
+    elif how == "wrapped by hooks":
+        opts[1].register_state_dict_post_hook(lambda optimizer, state_dict: {"version": 2, "optimizer": state_dict})
+        resumed.register_load_state_dict_pre_hook(lambda optimizer, wrapped: wrapped["optimizer"])
         resumed.load_state_dict(torch.load(_saved(opts[1].state_dict()), weights_only=True))
     else:
         saved = torch.load(_saved(get_optimizer_state_dict(models[1], opts[1])), weights_only=True)
