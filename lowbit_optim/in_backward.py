@@ -140,6 +140,10 @@ def _refuse_steps_of_others() -> None:
         _REFUSING.append(register_optimizer_step_pre_hook(_refuse_a_step_of_another))
 
 
+# the wrappers warned that they step through an optimizer that steps in backward (once each)
+_WARNED_WRAPPERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
     if not _STEPPING_IN_BACKWARD or getattr(type(optimizer), "owns_in_backward", False):
         return  # (lowbit_optim's own take parameters over when built, and warn)
@@ -150,13 +154,24 @@ def _refuse_a_step_of_another(optimizer, args, kwargs) -> None:
 def _refuse_if_owned(optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            owner = _owner(p)  # (a wrapper, e.g. timm's Lookahead, holds its owner's group dicts: it steps through it)
-            if owner is not None and owner is not optimizer and not any(group is g for g in owner.param_groups):
+            owner = _owner(p)
+            if owner is None or owner is optimizer:
+                continue
+            if not any(group is g for g in owner.param_groups):
                 raise RuntimeError(
                     f"this {type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} that an optimizer "
                     f"built with step_in_backward=True ({type(owner).__name__}) steps in backward, freeing its gradient "
                     "first; that optimizer is still alive (held by a name, a scheduler, a Trainer): drop every "
                     "reference to it, or build it with step_in_backward=False"
+                )
+            if optimizer not in _WARNED_WRAPPERS:  # a wrapper (timm's Lookahead) holds its owner's group dicts: it steps through it
+                _WARNED_WRAPPERS.add(optimizer)
+                warnings.warn(
+                    f"{type(optimizer).__name__} steps through {type(owner).__name__}, built with step_in_backward=True, "
+                    "which steps each parameter in backward and frees its gradient: the wrapper finds no gradients, and "
+                    "what it does with them is skipped (timm's Lookahead keeps no slow weights: plain "
+                    f"{type(owner).__name__}). Build {type(owner).__name__} with step_in_backward=False to combine them",
+                    stacklevel=3,
                 )
 
 
