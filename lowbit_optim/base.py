@@ -638,7 +638,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             fmt = formats.get_format(name)
             if group["block_size"] is not None and formats.is_blockwise(fmt):
                 check_block_size(group["block_size"], fmt.bits, chosen=True)
-        if block_size_given and group["block_size"] is not None and not any(formats.is_blockwise(formats.get_format(n)) for n in used.values()):
+        blockwise = group["block_size"] is not None and any(formats.is_blockwise(formats.get_format(n)) for n in used.values())
+        if block_size_given and group["block_size"] is not None and not blockwise:
             raise ValueError(
                 f"block_size={group['block_size']} applies to blockwise state formats (8bit, 4bit, fp8, ...), but "
                 f"state_format {group['state_format']!r} has no blocks: drop block_size or pick a blockwise format"
@@ -653,7 +654,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 reason = None if p.device.type == "meta" else fused_cpu.param_unsupported_reason(local(p), None, {}, param_update_of(p, group))
                 if reason is not None:  # (a RuntimeError, as torch.optim's fused=True refuses a parameter)
                     raise RuntimeError(_kernel_refuses(p, reason))
-            blockwise = group["block_size"] is not None and any(formats.is_blockwise(formats.get_format(n)) for n in used.values())
             quantized = any(p.numel() >= group["min_quantize_numel"] for p in group["params"])  # (smaller ones keep fp32 states)
             reason = fused_cpu.block_size_unsupported_reason(group["block_size"]) if blockwise and quantized else None
             if reason is not None:
@@ -887,7 +887,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Step one parameter of ``group`` (the step in backward's hook)."""
         self._check_edits([group])
         self._check_stepped(param, grad, group)
-        self._step_group(group, [(param, param, laid_out_like(grad, param))])
+        self._step_group(group, [(param, param, grad)])  # (laid out like the parameter by the hook)
         self._has_stepped = True
 
     @contextlib.contextmanager
@@ -1074,7 +1074,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         _check_grad_shape(p, grad)
         state = self.state.get(p)
         if state:
-            _check_states_fit(p, state, self.states)
+            _check_states_fit(p, state, _kept_names(type(self)))
         if p.dtype not in _STEPPED_DTYPES:  # made float64 (or complex) after the constructor checked it
             _check_param(p, self.torch_name)
         _check_fp16_update(group, [p])
@@ -1168,8 +1168,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # fp32, as a Python float's value is (the kernel takes them so), a float64 tensor too (a tensor
         # lr or betas a user made float64: it had stepped otherwise than the kernel); only those the
         # optimizer names (float64_numbers: Muon's lr, AdEMAMix's warm-ups) in float64
-        tensors = [torch.as_tensor(v, dtype=torch.float64 if i in self.float64_numbers else torch.float32) for i, v in enumerate(numbers)]
-        tensors = [t.to(device) for t in tensors]
+        tensors = [torch.as_tensor(v, dtype=torch.float64 if i in self.float64_numbers else torch.float32).to(device) for i, v in enumerate(numbers)]
         # 0-d, as a number: a one-element tensor of another shape (lr=torch.tensor([[1e-3]])) would broadcast the flat states
         return [t.reshape(()) if t.dim() and t.numel() == 1 else t for t in tensors], flags
 
@@ -1331,7 +1330,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"checkpoint state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: it is "
                 f"not a checkpoint of {self._family}{' with ' + ', '.join(options) if options else ''}"
             )
-        others = set(state) - {*_OWN_STATE_NAMES, *(s.name for s in self.states)}
+        others = set(state) - _kept_names(type(self))
         foreign = sorted(others & _OPTIMIZER_STATE_NAMES)
         if foreign:
             raise ValueError(
@@ -1884,17 +1883,23 @@ def _refers_to(ref: "weakref.ref | None", tensor: Tensor | None) -> bool:
     return tensor is None if ref is None else ref() is tensor
 
 
-def _check_states_fit(param: Tensor, state: dict, declared: "Sequence[State]") -> None:
+@functools.cache
+def _kept_names(cls: type) -> frozenset[str]:
+    """The per-parameter state names an optimizer of ``cls`` keeps: its declared states' and
+    lowbit_optim's own (the step counter, precision buffers); any other key is its user's."""
+    return frozenset({*(s.name for s in cls.states), *_OWN_STATE_NAMES})
+
+
+def _check_states_fit(param: Tensor, state: dict, kept: frozenset[str]) -> None:
     # a parameter reshaped through .data (a weight transposed, of as many elements) would be stepped
     # with states that belong to other elements, or its kernel step refused after other groups stepped;
     # one materialized in place (to_empty with swapped tensors, as FSDP2's are) kept states on the meta
     # device, which each path refused in words of its own after other groups stepped. Every state: one
     # replaced by hand (opt.state[p]["exp_avg_sq"] = ...) steps silently, and its checkpoint is refused
-    # (each step pays ~0.2 us per state). The states it keeps, not a key of the user's (torch.optim
-    # ignores those), nor the step counter
-    names = {*(s.name for s in declared), *_OWN_STATE_NAMES} - {"step"}
+    # (each step pays ~0.2 us per state). The states it keeps (``kept``), not a key of the user's
+    # (torch.optim ignores those), nor the step counter
     for name, value in state.items():
-        if name not in names or not isinstance(value, Tensor):
+        if name == "step" or name not in kept or not isinstance(value, Tensor):
             continue
         if value.shape != param.shape:
             raise ValueError(

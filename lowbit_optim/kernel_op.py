@@ -149,8 +149,8 @@ def state_unsupported(name: str, state: Tensor, contiguous: bool = False) -> str
         if not isinstance(state, StateTensor):  # a plain state the user swapped in (the kernel's are fp32 or bf16)
             return f"the {name} state is {describe_tensor(state)} (the kernel's plain states are contiguous float32 or bfloat16)"
         return f"the {name} state {type(state).__name__} (a format with its own encoding or block scales)"
-    if isinstance(state, OptimState) and block_size_unsupported(state.block_size):
-        return block_size_unsupported(state.block_size, f" of the {name} state")
+    if isinstance(state, OptimState) and (too_long := block_size_unsupported(state.block_size, f" of the {name} state")):
+        return too_long
     if isinstance(state, StateTensor) and state.has_addend and _stored_kind(state) != "codebook":  # chunk_io.h adds it to codebook codes only
         return f"the {name} state keeps a part outside its {_stored_kind(state)} codes (the kernel takes one beside codebook codes only)"
     return None

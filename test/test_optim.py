@@ -739,15 +739,21 @@ def test_optimizers_compile_their_own_copy_of_a_public_step_function():
     assert torch._dynamo.eval_frame._debug_get_cache_entry_list(lowbit_optim.adam_step.__code__) == []
 
 
+def counted_compile(monkeypatch, build):
+    """(a counter of graphs, what ``build()`` returns): one of the optimizers' own compiled calls (with
+    its configuration, its limits) built under dynamo's eager backend, which counts its graphs."""
+    counter, real_compile = CompileCounter(), torch.compile
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, fullgraph=True, dynamic=True))
+        return counter, build()
+
+
 def test_a_process_may_compile_more_graphs_than_dynamos_accumulated_limit(monkeypatch):
     """Every optimizer, format and flag of a process compiles on one code object: a long notebook or
     sweep reached dynamo's accumulated_recompile_limit (256), after which every new configuration's
     step failed for good (a review's 93rd). The compiled call raises that limit as it raises
     recompile_limit (here the process's is 1, and two configurations step)."""
-    counter, real_compile = CompileCounter(), torch.compile
-    with monkeypatch.context() as patched:  # the optimizers' own compiled call (its limits), with dynamo's eager backend
-        patched.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, fullgraph=True, dynamic=True))
-        compiled = lowbit_optim.base._compiled(lowbit_optim.adam_step, lowbit_optim.adam_step)
+    counter, compiled = counted_compile(monkeypatch, lambda: lowbit_optim.base._compiled(lowbit_optim.adam_step, lowbit_optim.adam_step))
     monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: compiled)
     monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
     for maximize in (False, True):
@@ -780,10 +786,7 @@ def test_foreach_graphs_do_not_depend_on_where_sizes_of_one_fall(monkeypatch, st
     chunk holding one at another place compiled a graph of its own (a review: 16 graphs for 256
     parameters). Such parameters now fill chunks of their own: 2 graphs here, where there had been 5
     (one per chunk), counted with dynamo's eager backend on the optimizers' own compiled call."""
-    counter, real_compile = CompileCounter(), torch.compile
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, fullgraph=True, dynamic=True))
-        step_each = lowbit_optim.base.compiled_foreach_step.__wrapped__(lowbit_optim.adam_step)
+    counter, step_each = counted_compile(monkeypatch, lambda: lowbit_optim.base.compiled_foreach_step.__wrapped__(lowbit_optim.adam_step))
     monkeypatch.setattr(lowbit_optim.base, "compiled_foreach_step", lambda step_function: step_each)
     params = [nn.Parameter(torch.randn(small if i % 17 == 5 else 512)) for i in range(68)]  # at another place in each chunk of 16
     opt = lowbit_optim.AdamW(params, state_format=state_format, min_quantize_numel=0, fused=False, foreach=True)
