@@ -48,6 +48,16 @@ def _unless_v_is_zero(update: Tensor, v: Tensor) -> Tensor:
     return torch.where(v == 0, 0.0, update)
 
 
+def _second_moment(exp_avg_sq: Tensor, g: Tensor, one_minus_beta2: Tensor) -> Tensor:
+    """Adam's and AdEMAMix's second moment, ``exp_avg_sq.lerp(g², 1 - beta2)``. Where ``g²`` overflows
+    fp32 (a finite gradient element above ~1.8e19) the moment is ``(v - w v) + (w g) g`` instead:
+    multiplying by ``w = 1 - beta2`` before the second factor, as torch.optim does, keeps a spike up to
+    ~5.8e20 finite where an inf moment would NaN the next step. The kernel's is csrc/update.h's."""
+    v, square = exp_avg_sq.float(), g.square()
+    spike = (v - one_minus_beta2 * v) + (one_minus_beta2 * g) * g
+    return torch.where(square.isinf() & g.isfinite(), spike, v.lerp(square, one_minus_beta2))
+
+
 def adam_step(
     param: Tensor,
     grad: Tensor,
@@ -90,7 +100,7 @@ def adam_step(
 
     # keep the fp32 moments for this step's update; only the stored copies are quantized
     m = exp_avg.float().lerp(g, one_minus_beta1)
-    v = exp_avg_sq.float().lerp(g.square(), one_minus_beta2)
+    v = _second_moment(exp_avg_sq, g, one_minus_beta2)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if max_exp_avg_sq is not None:
@@ -230,7 +240,7 @@ def ademamix_step(
 
     m = exp_avg.float().lerp(g, one_minus_beta1)
     m_slow = exp_avg_slow.float().lerp(g, one_minus_beta3)
-    v = exp_avg_sq.float().lerp(g.square(), one_minus_beta2)
+    v = _second_moment(exp_avg_sq, g, one_minus_beta2)
     exp_avg.copy_(m)
     exp_avg_slow.copy_(m_slow)
     exp_avg_sq.copy_(v)

@@ -967,6 +967,33 @@ def test_no_update_where_the_second_moment_is_zero(cls, flag):
 
 
 @build_flags
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+@pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
+def test_a_gradient_whose_square_overflows_steps_as_torch_optim_does(cls, state_format, flag):
+    """A finite gradient element whose square overflows fp32 (here 1e20 and -5e20) leaves a finite
+    second moment, as torch.optim's, which multiplies by 1 - beta2 before it squares: an inf one had
+    NaN'd the next step. The same bits in the vector loop and its scalar tail (298) of every build as
+    in the compiled step; AdamW's fp32 state as torch.optim.AdamW's."""
+    def stepped(opt_cls, **kwargs):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+        opt = opt_cls([param], lr=1e-2, **kwargs)
+        for spike in (True, False):
+            grad = torch.linspace(1, 2, 300)
+            if spike:
+                grad[[7, 298]], grad[40] = 1e20, -5e20
+            param.grad = grad
+            opt.step()
+        return param.detach()
+
+    with kernel_built_with(flag):
+        kernel = stepped(cls, state_format=state_format, min_quantize_numel=0, fused=True)
+    compiled = stepped(cls, state_format=state_format, min_quantize_numel=0, fused=False)
+    assert torch.equal(kernel, compiled) and bool(kernel.isfinite().all())
+    if cls is lowbit_optim.AdamW and state_format == "fp32":
+        torch.testing.assert_close(compiled, stepped(torch.optim.AdamW), rtol=1e-5, atol=1e-6)
+
+
+@build_flags
 @pytest.mark.parametrize("case", NON_FINITE_CASES, ids=list(NON_FINITE_CASES))
 def test_non_finite_gradients_match_the_compiled_step(case, flag):
     """A NaN and an inf in the gradient poison the same blocks as in the compiled step: same

@@ -61,16 +61,25 @@ static inline void prefetch_next(const chunk_t *c, int64_t i) {
 typedef struct {
     float coeff;
     int high;
+    float weight;  /* w itself */
 } lerp_weight_t;
 
 static inline lerp_weight_t lerp_weight(float w) {
-    lerp_weight_t l = {w, fabsf(w) >= 0.5f};
+    lerp_weight_t l = {w, fabsf(w) >= 0.5f, w};
     if (l.high) l.coeff = -(1.0f - w);
     return l;
 }
 
 static inline float lerp(float start, float end, float coeff, int high) {
     return (high ? end : start) + coeff * (end - start);
+}
+
+/* Adam's and AdEMAMix's second moment, lerp(v, g * g, w); where g * g overflows and g is finite,
+ * (v - w v) + (w g) g, which keeps a gradient spike up to ~5.8e20 finite (functional._second_moment) */
+static inline float second_moment(float v, float g, float coeff, int high, float w) {
+    float square = g * g, lerped = lerp(v, square, coeff, high), spike = (v - w * v) + (w * g) * g;
+    uint32_t overflow = 0u - (uint32_t)((square == INFINITY) & (fabsf(g) != INFINITY));  /* a mask, not a branch: the loop vectorizes */
+    return float_of((bits_of(spike) & overflow) | (bits_of(lerped) & ~overflow));
 }
 
 /* Adam's and AdEMAMix's update, but none where the second moment v is 0 (functional.adam_step):
@@ -82,6 +91,17 @@ static inline float unless_v_is_zero(float update, float v) {
 #ifdef VECTOR_LANES
 static inline vec_t vec_lerp(vec_t start, vec_t end, vec_t coeff, int high) {  /* lerp, a vector at a time */
     return vec_add(high ? end : start, vec_mul(coeff, vec_sub(end, start)));
+}
+
+/* second_moment, a vector at a time; a spike is rare, so a branch around its arithmetic */
+static inline vec_t vec_second_moment(vec_t v, vec_t g, vec_t coeff, int high, vec_t w) {
+    vec_t square = vec_mul(g, g), lerped = vec_lerp(v, square, coeff, high);
+    mask_t overflow = vec_equal(square, vec_set1(INFINITY));
+    if (__builtin_expect(mask_any(overflow), 0)) {
+        vec_t spike = vec_add(vec_sub(v, vec_mul(w, v)), vec_mul(vec_mul(w, g), g));
+        lerped = vec_select(mask_and_not(overflow, vec_zero_or_not_finite(g)), spike, lerped);
+    }
+    return lerped;
 }
 
 /* a first moment divided by its bias correction (exactly: divide.h) in a vector update; bf16 states'

@@ -37,7 +37,7 @@ static inline __attribute__((always_inline)) void adam_elements(const adam_hyper
                                                                 void *restrict m, void *restrict v, void *restrict vmax) {
     /* in locals: stores to the arrays cannot change them */
     float lr = h->lr, lr_wd = k->lr_times_wd, wd = h->weight_decay, eps = h->eps;
-    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff;
+    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff, w2 = k->w2.weight;
     int high1 = k->w1.high, high2 = k->w2.high;
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     #pragma omp simd
@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void adam_elements(const adam_hyper
             P = P - lr_wd * P;
         else
             G = G + wd * P;
-        float M = lerp(read_value(m, j, bf16), G, c1, high1), V = lerp(read_value(v, j, bf16), G * G, c2, high2);
+        float M = lerp(read_value(m, j, bf16), G, c1, high1), V = second_moment(read_value(v, j, bf16), G, c2, high2, w2);
         write_value(m, j, M, bf16);
         write_value(v, j, V, bf16);
         if (amsgrad) {  /* torch.maximum: NaN propagates, else std::max(vmax, v) */
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), wd = vec_set1(h->weight_decay);
-    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), nan = vec_set1(NAN);
+    vec_t eps = vec_set1(h->eps), w_1 = vec_set1(w1.coeff), w_2 = vec_set1(w2.coeff), weight_2 = vec_set1(w2.weight), nan = vec_set1(NAN);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
@@ -101,9 +101,8 @@ static inline __attribute__((always_inline)) int64_t adam_vectors(const adam_hyp
             P = vec_sub(P, vec_mul(lr_wd, P));
         else
             G = vec_add(G, vec_mul(wd, P));
-        vec_t M = vec_read_value(m, i, bf16), V = vec_read_value(v, i, bf16), G2 = vec_mul(G, G);
-        M = vec_lerp(M, G, w_1, high1);
-        V = vec_lerp(V, G2, w_2, high2);
+        vec_t M = vec_lerp(vec_read_value(m, i, bf16), G, w_1, high1);
+        vec_t V = vec_second_moment(vec_read_value(v, i, bf16), G, w_2, high2, weight_2);
         vec_write_value(m, i, M, bf16);
         vec_write_value(v, i, V, bf16);
         if (amsgrad) {  /* torch.maximum, as in adam_elements */

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
                                                                     int64_t n, float *restrict p, const float *restrict g, void *restrict m,
                                                                     void *restrict m_slow, void *restrict v) {
     float lr = h->lr, lr_wd = k->lr_times_wd, eps = h->eps, alpha = k->alpha;
-    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff, c3 = k->w3.coeff;
+    float bc1 = k->bias_correction1, sbc2 = k->sqrt_bias_correction2, c1 = k->w1.coeff, c2 = k->w2.coeff, c3 = k->w3.coeff, w2 = k->w2.weight;
     int high1 = k->w1.high, high2 = k->w2.high, high3 = k->w3.high;
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     #pragma omp simd
@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void ademamix_elements(const ademam
         P = P - lr_wd * P;
         float M = lerp(read_value(m, j, bf16), G, c1, high1);
         float S = lerp(read_value(m_slow, j, bf16), G, c3, high3);
-        float V = lerp(read_value(v, j, bf16), G * G, c2, high2);
+        float V = second_moment(read_value(v, j, bf16), G, c2, high2, w2);
         write_value(m, j, M, bf16);
         write_value(m_slow, j, S, bf16);
         write_value(v, j, V, bf16);
@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
     divisor_t bc1 = exact_divisor(k->bias_correction1), sbc2 = exact_divisor(k->sqrt_bias_correction2);
     int root = root_ready(&sbc2);
     vec_t lr = vec_set1(h->lr), lr_wd = vec_set1(k->lr_times_wd), eps = vec_set1(h->eps), alpha = vec_set1(k->alpha);
-    vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff);
+    vec_t w_1 = vec_set1(k->w1.coeff), w_2 = vec_set1(k->w2.coeff), w_3 = vec_set1(k->w3.coeff), weight_2 = vec_set1(k->w2.weight);
     uint32_t flip = h->maximize ? 0x80000000u : 0;
     int64_t i = 0;
     for (; i + VECTOR_LANES <= c->n; i += VECTOR_LANES) {
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) int64_t ademamix_vectors(const adem
         P = vec_sub(P, vec_mul(lr_wd, P));
         vec_t M = vec_lerp(vec_read_value(m, i, bf16), G, w_1, high1);
         vec_t S = vec_lerp(vec_read_value(m_slow, i, bf16), G, w_3, high3);
-        vec_t V = vec_lerp(vec_read_value(v, i, bf16), vec_mul(G, G), w_2, high2);
+        vec_t V = vec_second_moment(vec_read_value(v, i, bf16), G, w_2, high2, weight_2);
         vec_write_value(m, i, M, bf16);
         vec_write_value(m_slow, i, S, bf16);
         vec_write_value(v, i, V, bf16);
