@@ -20,8 +20,6 @@ import inspect
 import itertools
 import math
 import numbers
-import os
-import sys
 import types
 import warnings
 import weakref
@@ -31,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import foreign, formats, fused_cpu, in_backward, precision, step_op
+from . import foreign, formats, fused_cpu, in_backward, kernel_build, precision, step_op
 from .distributed import is_dtensor, laid_out_like, like_param, local, map_local, shard_like
 from .state import StateTensor, check_block_size, describe_tensor, not_plain, signedness_mismatch
+from .user_frame import outside_stacklevel
 
 # Per format x param dtype x flag combination there is one graph; more than dynamo's default limit
 # of 8 per function is normal here and must not silently fall back to eager.
@@ -102,7 +101,7 @@ def _compiled(function, step_function):
                 warnings.warn(
                     f"lowbit_optim: torch.compile found no C++ compiler ({type(missing).__name__}), so steps run "
                     "eagerly instead: the same formulas, slower. Install g++ (or set CXX), or pass compile=False to choose this",
-                    stacklevel=2,
+                    stacklevel=outside_stacklevel(),
                 )
         return function(*args, **kwargs)
 
@@ -131,15 +130,20 @@ def private_copy(function, owner: str):
 _WITHOUT_COMPILER: list = []  # the error that showed torch.compile has no C++ compiler here (then steps run eagerly)
 
 
-def _lacks_compiler(error: BaseException) -> BaseException | None:
-    """The InvalidCxxCompiler behind ``error`` (inductor's, wrapped), or None."""
+def _behind(error: BaseException, matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception in ``error``'s chain (inductor's wrapped ones included) that ``matches``, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if type(error).__name__ == "InvalidCxxCompiler":
+        if matches(error):
             return error
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
     return None
+
+
+def _lacks_compiler(error: BaseException) -> BaseException | None:
+    """The InvalidCxxCompiler behind ``error``, or None."""
+    return _behind(error, lambda e: type(e).__name__ == "InvalidCxxCompiler")
 
 
 def _on_meta(first) -> bool:
@@ -512,7 +516,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         its flags (keywords that pick a graph)."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no _step_arguments(group): return (numbers, flags), the numbers its step_function "
-            "takes after the states (e.g. (group['lr'], group['eps'])) and a dict of flags, as examples/custom_optimizer.py does"
+            "takes after the states and a dict of the keywords that pick its graph, e.g. "
+            "return (group['lr'], group['eps']), dict(maximize=group['maximize'])"
         )
 
     # it takes over parameters that another optimizer steps in backward when it is built, so that
@@ -844,7 +849,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         params = self._params()
         with_grads, grads, positions = step_op.with_grads(params)
         if params and not with_grads and not self.state and not self._has_stepped:
-            warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=_outside_stacklevel())
+            warnings.warn(NO_GRADIENT.format(name=type(self).__name__, count=len(params)), stacklevel=outside_stacklevel())
         self._step_params(with_grads, grads, positions)
         return loss
 
@@ -945,7 +950,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     self._step_compiled(group, calls, *arguments[device])
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
-                if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+                unwritable = _behind(error, lambda e: isinstance(e, OSError) and e.errno in kernel_build.UNWRITABLE)
+                if unwritable is not None:  # not the format's fault: say so, and where torch.compile writes
+                    error.add_note(
+                        f"lowbit_optim: torch.compile could not write its cache ({unwritable}): set TORCHINDUCTOR_CACHE_DIR "
+                        "to a writable directory, or pass compile=False (the eager step)"
+                    )
+                elif isinstance(error, torch._dynamo.exc.TorchDynamoException):
                     error.add_note(
                         f"lowbit_optim: torch.compile failed on the step of this group's parameters (state_format "
                         f"{group['state_format']!r}). A format of your own whose encode or decode torch.compile cannot "
@@ -1491,16 +1502,6 @@ def _no_kernel_reason(cls: type) -> str | None:
     return None
 
 
-def _outside_stacklevel() -> int:
-    """warnings.warn's stacklevel, for its caller, of the first frame outside lowbit_optim and torch:
-    the user's opt.step(), through torch's step hooks, an lr scheduler's wrapper or MuonWithAdamW."""
-    inside = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (sys.modules[__package__], torch))
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 # torch.optim steps nothing here, silently; the usual cause is a model wrapped after the optimizer was built
 NO_GRADIENT = (
     "{name}.step() found no gradient on any of its {count} parameters, so nothing stepped. If the model was "
@@ -1756,7 +1757,7 @@ def check_betas(betas, who: str, example: tuple, bias_corrected: int = 0) -> Non
                 f"there, so for the first ~{1 / (1 - b):.0e} steps a step is up to {abs(_step_size_off(i, off)):.1%} "
                 f"{'larger' if _step_size_off(i, off) > 0 else 'smaller'} than torch.optim's. Use a beta that float32 holds more "
                 "closely (0.99999 is 0.14 % off)",
-                stacklevel=_outside_stacklevel(),
+                stacklevel=outside_stacklevel(),
             )
 
 
@@ -1847,7 +1848,7 @@ def _loaded_precision_buffers(param: Tensor, group: dict, state: dict, index: in
         warnings.warn(
             f"the checkpoint's {' and '.join(found)} buffers (of bf16 weights, below their precision) are dropped: this "
             f"optimizer's param_update ({group['param_update']!r}) keeps none",
-            stacklevel=_outside_stacklevel(),
+            stacklevel=outside_stacklevel(),
         )
         return set()
     for name in found:

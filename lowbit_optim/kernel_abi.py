@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 from . import kernel_build
+from .user_frame import outside_stacklevel
 
 _SCALARS = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64, "f32": ctypes.c_float, "f64": ctypes.c_double, "ptr": ctypes.c_void_p}
 
@@ -228,11 +229,13 @@ def load() -> tuple[Kernel | None, str | None]:
         return None, str(error)
     except OSError as error:  # a failed build, an unloadable library, a LayoutMismatch
         why = f"building it failed ({error})" if not isinstance(error, LayoutMismatch) else f"its structures do not match ({error})"
+        if error.errno in kernel_build.UNWRITABLE:
+            why += "; it is built in torch's inductor cache: set TORCHINDUCTOR_CACHE_DIR to a writable directory"
         warnings.warn(
             f"lowbit_optim: the fused CPU kernel is unavailable, steps use torch.compile instead (fused=True refuses to), and low-rank states' products "
             f"fall back to torch's matmul (another summation order: compiled and eager steps agree, but not bit for bit with a "
             f"built kernel): {why}",
-            stacklevel=2,
+            stacklevel=outside_stacklevel(),
         )
         return None, why
     return kernel, None

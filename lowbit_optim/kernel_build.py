@@ -9,6 +9,7 @@ cut short by a crash or a copy is built again, never mapped (which killed the pr
 """
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -22,6 +23,7 @@ import threading
 from . import affine_codes, precision, quant, stochastic_bf16
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # an OSError's errno where the cache cannot be written
 MAIN_SOURCE = SOURCE_DIR / "fused_step.c"  # the one translation unit; it includes the others
 # -ffp-contract=off: no FMA contraction, so the kernel rounds as the compiled step does
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -110,8 +112,8 @@ def flags() -> list[str]:
 
 
 def sources() -> list[pathlib.Path]:
-    """Every file the build reads."""
-    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
+    """Every file the build reads (not an editor's lock or backup file, .#x.h)."""
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h") and not p.name.startswith("."))
 
 
 def _machine_key(cc: str) -> str:

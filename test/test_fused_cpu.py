@@ -780,14 +780,14 @@ for compile_ in (True, False):
             p.grad = torch.linspace(-1, 1, 300)
             opt.step()
     results.append(p.detach().clone())
-    print(sum("torch.compile found no C++ compiler" in str(w.message) for w in caught))
+    print(sum("torch.compile found no C++ compiler" in str(w.message) and w.filename == "<string>" for w in caught))  # at opt.step()
 print(torch.equal(*results))
 """
 
 
 def test_without_a_cxx_compiler_steps_run_eagerly_with_one_warning(tmp_path):
     """Where torch.compile has no C++ compiler (a laptop without one), the first step failed inside
-    inductor; now one warning says so and steps run eagerly: compile=False's bits. (A child process
+    inductor; now one warning says so, at the user's opt.step(), and steps run eagerly: compile=False's bits. (A child process
     with an empty compile cache, so that inductor must compile.)"""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", NO_CXX], env=env, capture_output=True, text=True, timeout=300)
@@ -823,18 +823,49 @@ def test_threads_that_first_need_the_kernel_at_once_build_it_once(monkeypatch, t
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
-    """A compiler that cannot build the kernel: a warning with the compiler's message, then the
-    compiled step (fused=None), or an error naming the failure (fused=True)."""
+    """A compiler that cannot build the kernel: a warning with the compiler's message, at the user's
+    opt.step(), then the compiled step (fused=None), or an error naming the failure (fused=True)."""
     monkeypatch.setattr(kernel_build, "FLAGS", [*kernel_build.FLAGS, "-fno-such-flag"])
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path)
     kernel_abi.load.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="fused CPU kernel is unavailable.*no-such-flag"):
+        with pytest.warns(UserWarning, match="fused CPU kernel is unavailable.*no-such-flag") as caught:
             assert_identical(run(None, state_format="8bit", shapes=[(64, 96)]), run(False, state_format="8bit", shapes=[(64, 96)]))
+        assert {w.filename for w in caught if "kernel is unavailable" in str(w.message)} == {__file__}  # run()'s opt.step()
         with pytest.raises(RuntimeError, match="building it failed"):
             run(True, state_format="8bit", shapes=[(64, 96)])
     finally:
         kernel_abi.load.cache_clear()
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_fix(monkeypatch):
+    """A read-only inductor cache failed the kernel's build and then torch.compile: the warning and
+    the error's note name the cache and TORCHINDUCTOR_CACHE_DIR (the note had blamed a format of
+    the user's own, for a built-in one)."""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", "/cache/lowbit_optim")
+
+    monkeypatch.setattr(kernel_build, "build", read_only)
+    kernel_abi.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="kernel is unavailable.*Read-only file system.*set TORCHINDUCTOR_CACHE_DIR to a writable"):
+            assert kernel_abi.load()[0] is None
+    finally:
+        kernel_abi.load.cache_clear()
+    param = torch.nn.Parameter(torch.ones(300))
+    opt = lowbit_optim.AdamW([param], state_format="8bit", min_quantize_numel=0, fused=False)
+    param.grad = torch.ones(300)
+
+    def compile_fails(*args):  # inductor's error, caused by the cache's
+        raise RuntimeError("InductorError") from OSError(errno.EROFS, "Read-only file system", "/cache/73")
+
+    monkeypatch.setattr(opt, "_step_compiled", compile_fails)
+    with pytest.raises(RuntimeError) as failed:
+        opt.step()
+    notes = "\n".join(failed.value.__notes__)
+    assert "could not write its cache" in notes and "TORCHINDUCTOR_CACHE_DIR" in notes and "format of your own" not in notes
 
 
 def test_a_cached_library_cut_short_is_built_again(tmp_path):
@@ -1522,17 +1553,30 @@ def test_tuning_follows_the_cpu_and_keys_the_build(monkeypatch, cpuinfo, expecte
 
 
 def test_package_ships_every_source():
-    """pyproject's package data covers every file the build reads (an installed package builds too)."""
+    """pyproject's package data covers every file the build reads (an installed package builds too),
+    and the license it names exists."""
     import fnmatch
     import pathlib
     import tomllib
 
-    pyproject = tomllib.loads((pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["lowbit_optim"]
-    package = kernel_build.SOURCE_DIR.parent
+    root = pathlib.Path(__file__).parent.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "lowbit_optim.csrc" in pyproject["tool"]["setuptools"]["packages"]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["lowbit_optim.csrc"]
     for source in kernel_build.sources():
-        relative = source.relative_to(package).as_posix()
-        assert any(fnmatch.fnmatch(relative, g) for g in globs), f"{relative} is not in the package data {globs}"
+        assert any(fnmatch.fnmatch(source.name, g) for g in globs), f"{source.name} is not in the package data {globs}"
+    assert all((root / name).is_file() for name in pyproject["project"]["license-files"])
+
+
+def test_an_editors_lock_file_beside_the_sources_is_not_one(monkeypatch, tmp_path):
+    """Emacs keeps a dangling link .#update.h beside a header it edits: the build key read it and
+    the kernel was unavailable (an editable install) while the file was open."""
+    for source in kernel_build.sources():
+        shutil.copy(source, tmp_path / source.name)
+    (tmp_path / ".#update.h").symlink_to("user@host.1234:1700000000")
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", tmp_path)
+    assert [s.name for s in kernel_build.sources()] == sorted(s.name for s in tmp_path.iterdir() if s.name != ".#update.h")
+    kernel_build.sources_digest()  # read them all: the link had raised FileNotFoundError
 
 
 def test_hyper_parameters_are_checked_by_name():
