@@ -170,8 +170,8 @@ Adam4bit = _fixed_format_alias(Adam, "4bit", "Adam4bit")
 AdamW4bit = _fixed_format_alias(AdamW, "4bit", "AdamW4bit")
 # torchao keeps fp32 state for a tensor that is not whole blocks: so do its FP8 aliases (its own
 # names). The 8-bit ones are bitsandbytes' names too, which quantize such a tensor, as "8bit" does.
-AdamFp8 = _fixed_format_alias(Adam, "fp8", "AdamFp8", whole_blocks_only=True)
-AdamWFp8 = _fixed_format_alias(AdamW, "fp8", "AdamWFp8", whole_blocks_only=True)
+AdamFp8 = _fixed_format_alias(Adam, "fp8-torchao", "AdamFp8", whole_blocks_only=True)
+AdamWFp8 = _fixed_format_alias(AdamW, "fp8-torchao", "AdamWFp8", whole_blocks_only=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class BlockFloatState(OptimState):
     whole_state_names = ("writes",)
     stochastic = True
     positive_stays_positive = True  # says (for the tests) that unsigned, quant.small_float_codes rounds no nonzero value to 0
+    floors_positive = False  # (so its quantize_ needs no OptimState.positive_floor)
     log_unbiased = False  # a nonnegative state's writes keep log(value) unbiased, not the value (LogBlockFloatState)
     power_of_two_scale = False  # block scales rounded up to a power of two: the grid moves only when a block's absmax changes binade
 

@@ -115,6 +115,8 @@ class AbsmaxScales:
     extreme, so that a negative one is rounded toward zero to the lowest code at each write (-0.99297
     of the 8-bit tree, -0.8875 of torchao's 4-bit one). Put it before the format in the bases."""
 
+    floors_positive = False  # their nearest code, 0 included
+
     @classmethod
     def scale_min(cls, signed: bool) -> float:
         return -float(cls.scale_max)
@@ -319,6 +321,14 @@ class OptimStateFp8(OptimState):
         return KernelLayout("e4m3") if same and cls.fp8_dtype == torch.float8_e4m3fn else None
 
 
+class OptimStateFp8Torchao(OptimStateFp8):
+    """``fp8`` with torchao's rounding of a second moment (AdamWFp8's, to give torchao's numbers): a
+    positive value below half the smallest subnormal code is stored as 0."""
+
+    name = "fp8-torchao"
+    floors_positive = False
+
+
 from .factored import FactoredState  # noqa: E402  (registered after the block formats)
 from .lowrank import LowRankState, OptimState4bitLowRank, OptimState4bitLowRankMuLaw, OptimState8bitLowRank  # noqa: E402
 from .stochastic_bf16 import StochasticBF16State  # noqa: E402
@@ -346,6 +356,7 @@ __all__ = [
     "OptimState4bitCalibrated",
     "OptimStateNF4",
     "OptimStateFp8",
+    "OptimStateFp8Torchao",
     "PlainFormat",
     "StochasticBF16State",
     "check_block_size",

@@ -560,6 +560,10 @@ class OptimState(StateTensor):
     default_block_size: ClassVar[int] = 256
     scale_max: ClassVar[float] = 1.0  # the code value a block's largest value (its absmax, mostly) maps to
     independent_blocks = True
+    # a nonnegative state's positive value that rounds to the code of 0 takes the smallest positive
+    # code instead (positive_floor): an Adam second moment read as 0 beside a first moment that is
+    # not made steps 30-60x too large where a block's gradients span 1e4 (False: torchao's rounding)
+    floors_positive: ClassVar[bool] = True
 
     codes: Tensor
     scale: Tensor
@@ -625,6 +629,15 @@ class OptimState(StateTensor):
         """A strictly increasing map of normalized values (float64): ``encode`` picks the code
         nearest to a value in this space. The identity: the nearest value."""
         return values
+
+    @classmethod
+    def positive_floor(cls, signed: bool) -> tuple[int, int] | None:
+        """(the code of 0, the smallest positive code) where a positive value of a nonnegative state
+        that encodes to the former takes the latter (``floors_positive``), or None: a signed state,
+        codes of more than 8 bits, or no code of 0 (4-bit second moments, block floats)."""
+        if signed or not cls.floors_positive or cls.bits > 8:
+            return None
+        return _positive_floor(cls)
 
     @classmethod
     def calibrated(cls, signed: bool) -> bool:
@@ -694,6 +707,10 @@ class OptimState(StateTensor):
         """Overwrite codes and scales with the quantization of float tensor ``x`` (same numel)."""
         normalized, scale = self._normalized_blocks(x)
         codes = self.encode_blocks(normalized, scale, self.signed)
+        floor = type(self).positive_floor(self.signed)
+        if floor is not None:
+            zero, smallest = floor
+            codes = torch.where((codes == zero) & (normalized > 0), smallest, codes)
         if self.calibrated(self.signed):
             scale = quant.calibrated_scale(scale, normalized, self.decode(codes, self.signed))
         self._store(codes, scale)
@@ -824,6 +841,18 @@ class CodebookState(OptimState):
         tables = _table_values(cls, signed)
         text = repr([tables[name][0] for name in ("codebook", "threshold")])
         return extend_fingerprint(super()._numerics_fingerprint(signed), text)
+
+
+@functools.cache
+def _positive_floor(cls) -> tuple[int, int] | None:
+    """OptimState.positive_floor of a nonnegative state: from its decoded codes, once per format
+    (with real tensors even where the first call comes from inside a trace, as _table_values)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        values = cls.decode(torch.arange(2**cls.bits, dtype=torch.uint8), False)
+        positive = torch.where(values > 0, values, math.inf)
+        if not bool((values == 0).any() and positive.isfinite().any()):
+            return None
+        return int((values == 0).int().argmax()), int(positive.argmin())  # the first code of 0 (fp8's +0)
 
 
 def _codebook_tensor(cls, signed: bool, device: torch.device) -> Tensor:

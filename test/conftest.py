@@ -208,7 +208,7 @@ class FormatInfo:
 FORMATS = [FormatInfo(name, fmt) for name, fmt in registered_formats().items()]
 QUANTIZED_FORMATS = [f for f in FORMATS if f.quantized]  # every state subclass
 BLOCKWISE_FORMATS = [f for f in FORMATS if f.blockwise]  # codes + block scales
-BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-torchao", "8bit-linear", "fp8", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr", "10bit-sr", "8bit-log"]
+BUILTIN_FORMAT_NAMES = ["fp32", "bf16", "8bit", "4bit-torchao", "nf4", "4bit-precond", "4bit-uncalibrated", "4bit-calibrated", "4bit", "8bit-sr", "8bit-torchao", "8bit-linear", "fp8", "fp8-torchao", "factored", "8bit-lowrank", "4bit-lowrank", "4bit-lowrank-mulaw", "bf16-sr", "10bit-sr", "8bit-log"]
 
 all_formats = pytest.mark.parametrize("info", FORMATS, ids=[f.name for f in FORMATS])
 quantized_formats = pytest.mark.parametrize("info", QUANTIZED_FORMATS, ids=[f.name for f in QUANTIZED_FORMATS])

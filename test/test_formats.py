@@ -336,6 +336,24 @@ def test_positive_values_stay_positive(info):
     assert set(signed.unique().tolist()) == {0.0, smallest} and abs(float(signed.double().mean()) - smallest / 4) < smallest / 20
 
 
+@pytest.mark.parametrize("info", BLOCKWISE_FORMATS, ids=str)
+def test_a_nonnegative_states_positive_values_are_not_stored_as_0(info):
+    """A second moment stored as 0 beside a first moment that is not made Adam's next step 30-60x
+    too large where a block's gradients span 1e4 (a review's unnormalized features: final loss +51 %
+    in 8bit, +1023 % in fp8; +1.1 % and +11 % now). A positive value of a nonnegative state is stored
+    as at least the smallest positive code (OptimState.positive_floor), in every format but those
+    that reproduce torchao's rounding; 0 stays 0 where a code reads 0."""
+    fmt, n = info.fmt, info.fmt.default_block_size
+    block = torch.cat([torch.ones(1), torch.logspace(-37, -1, n - 2), torch.zeros(1)])
+    x = torch.cat([block, block * 3e-12])  # (the second block's values below fp32's normal range too)
+    values = fmt.from_float(x, signed=False, block_size=n).dequantize()
+    reads_0 = 0 in info.code_values(False)  # (a 4-bit second moment's codes have no 0)
+    assert bool((values[x == 0] == 0).all()) or not reads_0
+    lost = int(((values == 0) & (x > 0)).sum())
+    torchao_rounding = reads_0 and not (getattr(fmt, "floors_positive", True) or info.positive_stays_positive)
+    assert (lost > 0) == torchao_rounding, f"{lost} positive values stored as 0"
+
+
 def _slow_average_error(fmt, signed: bool, steps: int = 1000, beta: float = 0.999, n: int = 8192) -> float:
     """The rms error, relative to the exact average's rms, of a state that holds a moving average of
     random gradients (squared for an unsigned state), as an optimizer's moments do."""
@@ -1221,6 +1239,12 @@ fp8 signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
 fp8 unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
   first: -1, -0.928571, -0.857143, -0.785714
   last:  0.785714, 0.857143, 0.928571, 1
+fp8-torchao signed: n=253 min=-1 max=1 smallest_positive=4.35965e-06
+  first: -1, -0.928571, -0.857143, -0.785714
+  last:  0.785714, 0.857143, 0.928571, 1
+fp8-torchao unsigned: n=253 min=-1 max=1 smallest_positive=4.35965e-06
+  first: -1, -0.928571, -0.857143, -0.785714
+  last:  0.785714, 0.857143, 0.928571, 1
 8bit-lowrank signed: n=255 min=-1 max=1 smallest_positive=0.00787402
   first: -1, -0.992126, -0.984252, -0.976378
   last:  0.976378, 0.984252, 0.992126, 1
@@ -1303,6 +1327,7 @@ OptimState8bitSR(shape=(3, 100), signed=True, block_size=256, dtype=torch.float3
 OptimState8bitTorchao(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 OptimState8bitLinear(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 OptimStateFp8(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
+OptimStateFp8Torchao(shape=(3, 100), signed=True, block_size=256, dtype=torch.float32, device=cpu)
 FactoredState(shape=(3, 100), signed=False, factors=(3, 100), dtype=torch.float32, device=cpu)
 OptimState8bitLowRank(shape=(3, 100), signed=True, block_size=256, rank=3, dtype=torch.float32, device=cpu)
 OptimState4bitLowRank(shape=(3, 100), signed=True, block_size=128, rank=3, dtype=torch.float32, device=cpu)
@@ -1331,6 +1356,7 @@ nf4: 0.53125
 8bit-torchao: 1.015625
 8bit-linear: 1.015625
 fp8: 1.015625
+fp8-torchao: 1.015625
 factored: 0.03125
 8bit-lowrank: 2.015625
 4bit-lowrank: 2.53125

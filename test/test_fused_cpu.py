@@ -975,11 +975,12 @@ def test_gcc_vectorizes_every_update_loop(march, tmp_path):
 @build_flags
 @pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
 def test_no_update_where_the_second_moment_is_zero(cls, flag):
-    """Where v is exactly 0 (rounded to 0 in 8bit; then a zero gradient) the update is 0, in the
-    vector loop and its scalar tail of every build, as in the compiled step: the same bits."""
+    """Where v is exactly 0 (rounded to 0 by torchao's rounding, 8bit-torchao's; then a zero gradient)
+    the update is 0, in the vector loop and its scalar tail of every build, as in the compiled step:
+    the same bits."""
     def stepped(fused):
         param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
-        opt = cls([param], lr=1e-2, weight_decay=0.0, state_format="8bit", min_quantize_numel=0, fused=fused)
+        opt = cls([param], lr=1e-2, weight_decay=0.0, state_format="8bit-torchao", min_quantize_numel=0, fused=fused)
         steps = []
         for zeros in (False, True):
             grad = torch.linspace(1, 2, 300)

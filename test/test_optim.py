@@ -261,7 +261,7 @@ def test_compiled_step_matches_eager(info):
 # 3. Same numbers as torchao
 # ------------------------------------------------------------------------------------------------
 
-TORCHAO_CLASSES = {"8bit-torchao": "AdamW8bit", "4bit-torchao": "AdamW4bit", "fp8": "AdamWFp8"}
+TORCHAO_CLASSES = {"8bit-torchao": "AdamW8bit", "4bit-torchao": "AdamW4bit", "fp8-torchao": "AdamWFp8"}
 
 
 STEP_KINDS = {"eager": dict(compile=False), "compiled": dict(fused=False), "fused": dict(fused=True)}
@@ -319,12 +319,13 @@ def test_matches_torchao_with_bf16_params(alias, monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel", "compiled"])
-@pytest.mark.parametrize("state_format", ["8bit", "fp8"])
+@pytest.mark.parametrize("state_format", ["8bit-torchao", "fp8-torchao"])
 @pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
 def test_a_second_moment_rounded_to_zero_moves_no_weight(cls, state_format, fused):
-    """8bit and fp8 round a second moment far below its block's largest to 0 (as torchao's and
-    bitsandbytes' do), while the first moment keeps a value: where a later gradient is exactly 0 the
-    update would be m / eps. Where v is 0 there is no update (torch.optim's would be 0.0067 there)."""
+    """torchao's rounding (8bit-torchao's, fp8-torchao's; bitsandbytes' too) stores a second moment
+    far below its block's largest as 0, while the first moment keeps a value: where a later gradient
+    is exactly 0 the update would be m / eps. Where v is 0 there is no update (torch.optim's would be
+    0.0067 there). (The other formats store it as their smallest positive code: test_formats.)"""
     grad = torch.ones(256)
     grad[7] = 1e-5  # its square is 1e-10 of the block's largest: rounded to 0
     param = nn.Parameter(torch.zeros(256))
@@ -401,6 +402,7 @@ class TestStateBytes(expecttest.TestCase):
 8bit-torchao: 2.0313
 8bit-linear: 2.0313
   fp8: 2.0313
+fp8-torchao: 2.0313
 4bit+factored: 0.5508
 8bit-lowrank: 2.6563
 4bit-lowrank: 2.3125
@@ -999,8 +1001,8 @@ ALIASES = {
     "AdamW8bit": "8bit",
     "Adam4bit": "4bit",
     "AdamW4bit": "4bit",
-    "AdamFp8": "fp8",
-    "AdamWFp8": "fp8",
+    "AdamFp8": "fp8-torchao",
+    "AdamWFp8": "fp8-torchao",
 }
 TORCHAO_SIGNATURE = [
     ("self", "POSITIONAL_OR_KEYWORD"),

@@ -1,6 +1,6 @@
 """torchao optimizer checkpoints (torchao's own state subclasses) load into lowbit_optim and training
 resumes: bit-exactly where the formats coincide (AdamW8bit -> "8bit-torchao", AdamW4bit -> "4bit-torchao",
-AdamWFp8 -> "fp8"), converted where they do not (AdamW4bit -> lowbit_optim's "4bit"). lowbit_optim's
+AdamWFp8 -> "fp8-torchao"), converted where they do not (AdamW4bit -> lowbit_optim's "4bit"). lowbit_optim's
 AdamW8bit ("8bit") loads torchao's codes and scales as they are and goes on with its own block scales.
 
 Checkpoints go through torch.save and torch.load(weights_only=True), which accepts torchao's classes
@@ -30,7 +30,7 @@ STEPS = 3  # before the checkpoint, and after it in both runs
 MIGRATED = {
     "8bit-torchao": lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="8bit-torchao"),
     "4bit-torchao": lambda params: lowbit_optim.AdamW(params, lr=LR, state_format="4bit-torchao"),
-    "fp8": lambda params: lowbit_optim.AdamWFp8(params, lr=LR),
+    "fp8-torchao": lambda params: lowbit_optim.AdamWFp8(params, lr=LR),
 }
 
 
@@ -70,7 +70,7 @@ def test_torchao_checkpoint_resumes_bit_exactly(state_format, step_kind):
     check_resume(state_format, model, reference, checkpoint, resumed_model, resumed, atol=0 if step_kind == "eager" else 1e-6)
 
 
-@pytest.mark.parametrize("state_format", ["4bit-torchao", "fp8"])
+@pytest.mark.parametrize("state_format", ["4bit-torchao", "fp8-torchao"])
 def test_torchao_checkpoint_of_partial_blocks_resumes_bit_exactly(state_format):
     """torchao keeps fp32 state for a tensor that is not a whole number of its blocks (here a 71 x 64
     weight of 4544 elements, and the biases); ``AdamWFp8`` and ``4bit-torchao`` do too, so such a

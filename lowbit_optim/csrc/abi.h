@@ -65,6 +65,8 @@ DECLARE_STRUCT(buckets_t, BUCKET_FIELDS)
     FIELD(S, const float *, threshold)                                                                        \
     FIELD(S, const float *, thresholds)     /* KIND_CODEBOOK: sorted decision thresholds, NaN-padded */       \
     FIELD(S, int32_t, nan_code)             /* the code the tables give NaN and infinities */                 \
+    FIELD(S, int32_t, zero_code)            /* a positive value encoded to this code (of 0) takes */          \
+    FIELD(S, int32_t, smallest_code)        /* this one, the smallest positive (OptimState.positive_floor); -1: none */ \
     FIELD(S, const int32_t *, near_code)    /* KIND_CODEBOOK, 8 bits: both tables packed in one */            \
     FIELD(S, const uint8_t *, value_bytes)  /* KIND_CODEBOOK, 8 bits: byte k of code c's value at [256k+c] */ \
     FIELD(S, const affine_code_t *, affine) /* KIND_CODEBOOK, 8 bits: its codes as an affine map (or NULL) */ \

@@ -156,6 +156,7 @@ static void store_state(const state_t *s, int64_t start, int64_t n, float *x, do
     uint8_t *dst = s->bits == 8 ? (uint8_t *)s->data + start : codes;
     for (int64_t b = 0; b * bs < padded; b++) {
         encode_block(s, x + b * bs, scales[b], bs, dst + b * bs, &cal);
+        if (s->zero_code >= 0) floor_positive(s, x + b * bs, scales[b], bs, dst + b * bs, &cal);
         s->scale[(start + b * bs) / bs] = cal.vv ? calibrated_scale(&cal, scales[b], bs) : scales[b];
     }
     if (s->bits == 4) {

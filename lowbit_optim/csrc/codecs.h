@@ -475,18 +475,26 @@ static inline __attribute__((always_inline)) void encode_nearest(const state_t *
 static void encode_block(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
     if (!s->stochastic || s->kind != KIND_CODEBOOK) {  /* (fused_cpu gives stochastic codebooks only) */
         encode_nearest(s, x, scale, bs, codes, cal, NULL);
-        return;
-    }
-    if (s->bits == 4) {
+    } else if (s->bits == 4) {
         encode_stochastic4(s, x, scale, bs, codes, cal);
-        return;
+    } else {
+        float normalized[bs];
+        calibration_t none = {NULL, NULL, NULL};  /* the products wait for the final codes */
+        encode_nearest(s, x, scale, bs, codes, &none, normalized);
+        round_stochastically(s, normalized, scale, bs, codes);
+        if (cal->vv)
+            for (int64_t j = 0; j < bs; j++) store_product(cal, j, normalized[j], codes[j]);
     }
-    float normalized[bs];
-    calibration_t none = {NULL, NULL, NULL};  /* the products wait for the final codes */
-    encode_nearest(s, x, scale, bs, codes, &none, normalized);
-    round_stochastically(s, normalized, scale, bs, codes);
-    if (cal->vv)
-        for (int64_t j = 0; j < bs; j++) store_product(cal, j, normalized[j], codes[j]);
+}
+
+/* OptimState.quantize_ after encode: a nonnegative state's positive value encoded to the code of 0
+ * takes the smallest positive code (and a calibrated block's product with it) */
+static void floor_positive(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
+    for (int64_t j = 0; j < bs; j++)
+        if (codes[j] == s->zero_code && x[j] / scale > 0) {
+            codes[j] = (uint8_t)s->smallest_code;
+            if (cal->vv) store_product(cal, j, x[j] / scale, codes[j]);
+        }
 }
 
 /* quant.calibrated_scale: scale * sum(v * v) / sum(v * Q(v)) over the block, the sums taken by
