@@ -932,13 +932,13 @@ SLICES_OFF_BLOCKS = [(6, slice(1, 3)), (6, slice(0, 3)), (5, slice(1, None))]
 def test_slice_on_block_boundaries(info, rows, rows_slice):
     """Row slices made of whole blocks (or ending at the partial last block) are views (FSDP2 / DCP
     take row shards this way): right values, shared storage, writes reach the parent."""
-    state = info.fmt.from_float(sample((rows, info.block_size // 2)))
+    state = info.fmt.from_float(any_sample(info, (rows, info.block_size // 2)))
     before = state.dequantize()
     part = state[rows_slice]
     assert type(part) is info.fmt
     assert torch.equal(part.dequantize(), before[rows_slice])
     assert shares_storage(part.codes, state.codes) and shares_storage(part.scale, state.scale)
-    new = sample(part.shape, seed=5)
+    new = any_sample(info, part.shape, seed=5)
     alone = copy.deepcopy(part)  # the same write to a state of its own (a write count, if any, copied)
     alone.copy_(new)
     part.copy_(new)
@@ -950,7 +950,7 @@ def test_slice_on_block_boundaries(info, rows, rows_slice):
 @blockwise_formats
 @pytest.mark.parametrize("rows, rows_slice", SLICES_OFF_BLOCKS, ids=str)
 def test_slice_off_block_boundaries_raises(info, rows, rows_slice):
-    state = info.fmt.from_float(sample((rows, info.block_size // 2)))
+    state = info.fmt.from_float(any_sample(info, (rows, info.block_size // 2)))
     with pytest.raises(ValueError, match="block boundaries"):
         state[rows_slice]
 
