@@ -87,8 +87,7 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
             "optimizer_cls_and_kwargs(model, args, ...), or lr=... to use another",
             stacklevel=2,
         )
-    parameters = inspect.signature(optimizer_cls).parameters  # **kwargs passes it on (a subclass of AdamW)
-    takes_decay = "weight_decay" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    takes_decay = _takes_keyword(_unwrapped(optimizer_cls)[0], "weight_decay")
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
     return _Factory(_OptimizerFactory, optimizer_cls, overrides, takes_decay, args), kwargs
 
@@ -133,6 +132,21 @@ class _OptimizerFactory:
         if issubclass(cls, Adam):
             options.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         return options
+
+
+def _takes_keyword(cls: type, name: str) -> bool:
+    """Whether building ``cls`` takes keyword ``name``: an ``__init__`` up its classes names it and
+    each one below passes it on through ``**kwargs`` (a subclass of AdamW). LowBitOptimizer's
+    ``**unknown`` takes none: an optimizer of one's own without weight decay is given none."""
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters
+        if name in parameters:
+            return True
+        if klass is LowBitOptimizer or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return False
+    return False
 
 
 def _unwrapped(optimizer_cls) -> tuple:
