@@ -916,9 +916,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         strided = []  # (item, correction) of those it steps through contiguous scratch copies, one at a time
         compiled = {}  # by device: (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
+        own = _declared_outside(type(self))
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
+            first = own and p not in self.state  # (an optimizer of one's own steps a new state eagerly: see _step_compiled)
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
             if mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
                 fold_stale_buffers(param, state)
@@ -942,12 +944,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 shaped(param), shaped(grad), step, *(shaped(v) if v is not None else None for v in values),
                 shaped(state[extra]) if extra else None,
             )  # fmt: skip
-            compiled.setdefault(param.device, []).append((param, call, mode))
+            compiled.setdefault((param.device, first), []).append((param, call, mode))
             owners.append(p)
         if compiled:
             try:
-                for device, calls in compiled.items():
-                    self._step_compiled(group, calls, *arguments[device])
+                for (device, first), calls in compiled.items():
+                    self._step_compiled(group, calls, *arguments[device], eagerly=first)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
                 unwritable = _behind(error, lambda e: isinstance(e, OSError) and e.errno in kernel_build.UNWRITABLE)
@@ -1148,13 +1150,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_decays(group)
         self._check_running_maxima(group)
 
-    def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict) -> None:
+    def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict, eagerly: bool = False) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
-        parameter, or all in one graph (``foreach``)."""
+        parameter, or all in one graph (``foreach``). ``eagerly``: the first step of a new state of an
+        optimizer declared outside lowbit_optim, whose writes (a value its states cannot hold: a
+        negative one into a state declared nonnegative) a compiled step cannot check."""
         foreach = group["foreach"]
         if foreach is None:  # as torch.optim: together on an accelerator, where host time per call dominates
             foreach = len(compiled) > 1 and compiled[0][0].device.type != "cpu"
-        together = self._compile and foreach
+        together = self._compile and foreach and not eagerly
+        step_fn = type(self).step_function if eagerly else self._step_fn
         grouped, alone = [], []  # a slice fills a foreach chunk alone: the per-parameter graph steps it
         for p, call, mode in compiled:
             # slices small enough for the CPU's caches there; elsewhere few calls, each ~200 us of host time
@@ -1169,7 +1174,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for chunk in _foreach_chunks(grouped):
                 step_each([call for _, call, _ in chunk], numbers, tuple(mode for _, _, mode in chunk), flags)
         for piece, mode in alone:
-            self._step_fn(*piece, *numbers, **flags, param_update=mode)
+            step_fn(*piece, *numbers, **flags, param_update=mode)
         for param, (stepped, *_), _ in compiled:
             if stepped is not param and not param.is_contiguous():
                 param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back
@@ -1885,6 +1890,14 @@ def _refers_to(ref: "weakref.ref | None", tensor: Tensor | None) -> bool:
 
 
 @functools.cache
+@functools.cache
+def _declared_outside(cls: type) -> bool:
+    """Whether ``cls``'s step function or its states are declared outside lowbit_optim (an optimizer
+    of one's own), so that a mistake in them (a signed state declared nonnegative) is the user's."""
+    owners = [next(k for k in cls.__mro__ if name in vars(k)) for name in ("step_function", "states")]
+    return any(not k.__module__.startswith(__package__ + ".") for k in owners)
+
+
 def _kept_names(cls: type) -> frozenset[str]:
     """The per-parameter state names an optimizer of ``cls`` keeps: its declared states' and
     lowbit_optim's own (the step counter, precision buffers); any other key is its user's."""

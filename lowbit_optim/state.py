@@ -1171,7 +1171,8 @@ def _copy_(func, args, kwargs):
         if not dst.signed and type(values) in PLAIN_TENSOR_TYPES and not values.is_meta and bool((values < 0).any()):
             raise ValueError(
                 f"copy_ of a negative value ({float(values.min()):.3g}) into {_format_name(dst)}, a nonnegative state "
-                "(a second moment): write values >= 0 (e.g. values.clamp(min=0))"
+                "(a second moment): write values >= 0 (e.g. values.clamp(min=0)), or, in an optimizer of your own "
+                "whose state this is and may be negative, declare it State(..., signed=True)"
             )
         dst.quantize_(values)
     return dst

@@ -960,3 +960,36 @@ def test_an_incomplete_optimizer_class_says_what_it_lacks():
     # a start that depends on the group (as ``decay`` does) crashed in torch.full at the first step
     with pytest.raises(TypeError, match="State 'sum': initial must be a number, the same for every group"):
         lowbit_optim.State("sum", signed=False, initial=lambda group: group["initial_accumulator_value"])
+
+
+@pytest.mark.parametrize("path", [dict(), dict(fused=False)], ids=["default", "compiled"])
+def test_an_optimizer_of_ones_own_that_writes_a_negative_value_into_a_nonnegative_state_is_told(path):
+    """A state declared nonnegative (signed=False) that the step writes negative values into was kept
+    at 0 by the compiled step, silently (eagerly copy_ refused it). An optimizer declared outside
+    lowbit_optim steps a new state eagerly first, so the mistake is named; declared signed, it trains."""
+    from lowbit_optim import precision
+
+    def velocity_step(param, grad, step, velocity, param_extra, lr, momentum, *numbers, param_update, **flags):
+        p = precision.read_param(param, param_extra, param_update)
+        v = velocity.float() * momentum + grad.float()
+        velocity.copy_(v)
+        precision.write_param(param, param_extra, p, p - lr * v, param_update)
+
+    class Declared(lowbit_optim.SGD):  # SGD's numbers and flags, a step and a state of its own
+        step_function = staticmethod(velocity_step)
+        states = (lowbit_optim.State("velocity", signed=True, when="momentum", decay=lambda group: group["momentum"]),)
+
+    class MisDeclared(Declared):
+        states = (lowbit_optim.State("velocity", signed=False, when="momentum", decay=lambda group: group["momentum"]),)
+
+    for cls in (MisDeclared, Declared):
+        param = torch.nn.Parameter(torch.zeros(300))
+        opt = cls([param], lr=0.1, momentum=0.9, state_format="8bit", min_quantize_numel=0, **path)
+        param.grad = torch.linspace(-1, 1, 300)
+        if cls is MisDeclared:
+            with pytest.raises(ValueError, match=r"negative value .* declare it State\(\.\.\., signed=True\)"):
+                opt.step()
+            continue
+        for _ in range(2):
+            opt.step()
+        assert float(opt.state[param]["velocity"].dequantize()[0]) == pytest.approx(-1.9, rel=0.01)
