@@ -920,7 +920,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
-            first = own and p not in self.state  # (an optimizer of one's own steps a new state eagerly: see _step_compiled)
+            first = own and p not in self.state  # (an optimizer of one's own: its new states' writes checked, _step_compiled)
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
             if mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
                 fold_stale_buffers(param, state)
@@ -949,7 +949,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if compiled:
             try:
                 for (device, first), calls in compiled.items():
-                    self._step_compiled(group, calls, *arguments[device], eagerly=first)
+                    self._step_compiled(group, calls, *arguments[device], check=first)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
                 unwritable = _behind(error, lambda e: isinstance(e, OSError) and e.errno in kernel_build.UNWRITABLE)
@@ -1150,16 +1150,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_decays(group)
         self._check_running_maxima(group)
 
-    def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict, eagerly: bool = False) -> None:
+    def _step_compiled(self, group: dict, compiled: list[tuple], numbers: list[Tensor], flags: dict, check: bool = False) -> None:
         """The step function on each (parameter, its flat arguments, param_update mode): per
-        parameter, or all in one graph (``foreach``). ``eagerly``: the first step of a new state of an
-        optimizer declared outside lowbit_optim, whose writes (a value its states cannot hold: a
-        negative one into a state declared nonnegative) a compiled step cannot check."""
+        parameter, or all in one graph (``foreach``). ``check``: new states of an optimizer declared
+        outside lowbit_optim, whose writes (a negative value into a state declared nonnegative) a
+        compiled step cannot check: the step function runs eagerly on copies first, whose copy_
+        checks each write (the numbers kept are the compiled step's, as on every other path)."""
+        if check and self._compile:
+            for _, call, mode in compiled:
+                copies = [copy.deepcopy(a) if isinstance(a, StateTensor) else a.clone() if isinstance(a, Tensor) else a for a in call]
+                type(self).step_function(*copies, *numbers, **flags, param_update=mode)
         foreach = group["foreach"]
         if foreach is None:  # as torch.optim: together on an accelerator, where host time per call dominates
             foreach = len(compiled) > 1 and compiled[0][0].device.type != "cpu"
-        together = self._compile and foreach and not eagerly
-        step_fn = type(self).step_function if eagerly else self._step_fn
+        together = self._compile and foreach
         grouped, alone = [], []  # a slice fills a foreach chunk alone: the per-parameter graph steps it
         for p, call, mode in compiled:
             # slices small enough for the CPU's caches there; elsewhere few calls, each ~200 us of host time
@@ -1174,7 +1178,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for chunk in _foreach_chunks(grouped):
                 step_each([call for _, call, _ in chunk], numbers, tuple(mode for _, _, mode in chunk), flags)
         for piece, mode in alone:
-            step_fn(*piece, *numbers, **flags, param_update=mode)
+            self._step_fn(*piece, *numbers, **flags, param_update=mode)
         for param, (stepped, *_), _ in compiled:
             if stepped is not param and not param.is_contiguous():
                 param.copy_(stepped.view(param.shape))  # the step updated a contiguous copy: write it back

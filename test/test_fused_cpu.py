@@ -858,7 +858,7 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_fix(monkeypatch):
     opt = lowbit_optim.AdamW([param], state_format="8bit", min_quantize_numel=0, fused=False)
     param.grad = torch.ones(300)
 
-    def compile_fails(*args):  # inductor's error, caused by the cache's
+    def compile_fails(*args, **kwargs):  # inductor's error, caused by the cache's
         raise RuntimeError("InductorError") from OSError(errno.EROFS, "Read-only file system", "/cache/73")
 
     monkeypatch.setattr(opt, "_step_compiled", compile_fails)
