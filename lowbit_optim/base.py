@@ -1894,7 +1894,6 @@ def _refers_to(ref: "weakref.ref | None", tensor: Tensor | None) -> bool:
 
 
 @functools.cache
-@functools.cache
 def _declared_outside(cls: type) -> bool:
     """Whether ``cls``'s step function or its states are declared outside lowbit_optim (an optimizer
     of one's own), so that a mistake in them (a signed state declared nonnegative) is the user's."""
@@ -1902,6 +1901,7 @@ def _declared_outside(cls: type) -> bool:
     return any(not k.__module__.startswith(__package__ + ".") for k in owners)
 
 
+@functools.cache
 def _kept_names(cls: type) -> frozenset[str]:
     """The per-parameter state names an optimizer of ``cls`` keeps: its declared states' and
     lowbit_optim's own (the step counter, precision buffers); any other key is its user's."""
