@@ -561,8 +561,8 @@ class OptimState(StateTensor):
     scale_max: ClassVar[float] = 1.0  # the code value a block's largest value (its absmax, mostly) maps to
     independent_blocks = True
     # a nonnegative state's positive value that rounds to the code of 0 takes the smallest positive
-    # code instead (positive_floor): an Adam second moment read as 0 beside a first moment that is
-    # not made steps 30-60x too large where a block's gradients span 1e4 (False: torchao's rounding)
+    # code instead (positive_floor): an Adam second moment read as 0, beside a first moment that is
+    # not, made steps 30-60x too large where a block's gradients span 1e4 (False: torchao's rounding)
     floors_positive: ClassVar[bool] = True
 
     codes: Tensor
