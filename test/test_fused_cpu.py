@@ -1247,6 +1247,32 @@ def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
     torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0)
 
 
+@codec_build_flags
+@pytest.mark.parametrize("name", ["8bit", "8bit-sr", "8bit-linear", "fp8"])
+def test_kernel_keeps_a_positive_value_above_0_where_quantize_does(name, flag):
+    """A nonnegative state's positive value whose code is 0 takes the smallest positive code
+    (positive_floor) where its quotient by the block's scale is above 0, as quantize_ divides: the
+    kernel compares it with scale * 2**-150 instead, exactly, at the edge (a quotient of exactly
+    2**-150 rounds to 0) and away from it; the same codes as quantize_ in every build."""
+    fmt = lowbit_optim.get_format(name)
+    rows = []
+    for scale in (2.0**100, 3 * 2.0**100, 1.0, 5e-20):
+        edge = torch.tensor(scale * 2.0**-150, dtype=torch.float64).float()  # exact where representable
+        near = torch.stack([edge, torch.nextafter(edge, torch.tensor(math.inf)), torch.nextafter(edge, torch.tensor(0.0))])
+        small = torch.tensor([1e-45, 1e-30, 1e-12, 1e-8, 1e-6, 0.0]) * scale
+        row = torch.cat([torch.tensor([scale * fmt.scale_max]), near, small])
+        rows.append(torch.cat([row, row.new_zeros(256 - row.numel())]))
+    x = torch.cat(rows)
+    reference = fmt.zeros(x.numel(), signed=False, block_size=256)
+    reference.quantize_(x)
+    state = fmt.zeros(x.numel(), signed=False, block_size=256)
+    with kernel_built_with(flag):
+        quantize_with_kernel(state, x)
+    assert torch.equal(state.codes, reference.codes) and torch.equal(state.scale, reference.scale)
+    floored = (reference.dequantize() > 0) & (x > 0)
+    assert 0 < int(floored.sum()) < int((x > 0).sum()), "test setup: some values floored, the edge's not"
+
+
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_8bit_codes_are_an_affine_map(signed):
     """The dynamic-tree codebook's thresholds fit affine_codes' map, so that the AVX-512 kernel

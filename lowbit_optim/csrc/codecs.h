@@ -488,12 +488,24 @@ static void encode_block(const state_t *s, const float *restrict x, float scale,
 }
 
 /* OptimState.quantize_ after encode: a nonnegative state's positive value encoded to the code of 0
- * takes the smallest positive code (and a calibrated block's product with it) */
+ * takes the smallest positive code (and a calibrated block's product with it). Where x / scale > 0
+ * as quantize_ divides: where x > scale * 2**-150, compared exactly in double (the quotient rounds
+ * to 0 at and below it), so that no division is needed and the loops vectorize; a block without a
+ * code of 0 (most) is left after one pass over its bytes. */
 static void floor_positive(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
+    uint8_t zero = (uint8_t)s->zero_code, smallest = (uint8_t)s->smallest_code;
+    int zeros = 0;
+    for (int64_t j = 0; j < bs; j++) zeros |= codes[j] == zero;
+    if (!zeros) return;
+    double least = (double)scale * 0x1p-150;  /* NaN or inf where the block's scale is: no value passes */
+    if (!cal->vv) {
+        for (int64_t j = 0; j < bs; j++) codes[j] = ((codes[j] == zero) & ((double)x[j] > least)) ? smallest : codes[j];
+        return;
+    }
     for (int64_t j = 0; j < bs; j++)
-        if (codes[j] == s->zero_code && x[j] / scale > 0) {
-            codes[j] = (uint8_t)s->smallest_code;
-            if (cal->vv) store_product(cal, j, x[j] / scale, codes[j]);
+        if (codes[j] == zero && (double)x[j] > least) {
+            codes[j] = smallest;
+            store_product(cal, j, x[j] / scale, smallest);
         }
 }
 
