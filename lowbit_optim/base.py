@@ -914,13 +914,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         declared = {s.name for s in self._declared(group)}
         fused, corrections = [], []  # what the fused CPU kernel steps, all in one call at the end
         strided = []  # (item, correction) of those it steps through contiguous scratch copies, one at a time
-        compiled = {}  # by device: (parameter, its step function arguments, param_update) for the compiled step
+        compiled = {}  # by device and check (below): (parameter, its step function arguments, param_update) for the compiled step
         owners = []  # the Parameter of each of compiled's
-        own = _declared_outside(type(self))
+        # an optimizer of one's own: each parameter's first compiled step has its writes checked (_step_compiled)
+        checked = self.__dict__.setdefault("_writes_checked", torch.utils.weak.WeakIdKeyDictionary()) if _declared_outside(type(self)) else None
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
-            first = own and p not in self.state  # (an optimizer of one's own: its new states' writes checked, _step_compiled)
+            first = checked is not None and p not in checked
             state, step, mode, extra, param, values = self._step_inputs(p, tensor, group, declared)
             if mode != group["param_update"]:  # not bf16 (now): a buffer its bf16 steps kept is stale
                 fold_stale_buffers(param, state)
@@ -950,6 +951,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             try:
                 for (device, first), calls in compiled.items():
                     self._step_compiled(group, calls, *arguments[device], check=first)
+                if checked is not None:
+                    checked.update((p, True) for p in owners)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
                 unwritable = _behind(error, lambda e: isinstance(e, OSError) and e.errno in kernel_build.UNWRITABLE)

@@ -966,7 +966,8 @@ def test_an_incomplete_optimizer_class_says_what_it_lacks():
 def test_an_optimizer_of_ones_own_that_writes_a_negative_value_into_a_nonnegative_state_is_told(path):
     """A state declared nonnegative (signed=False) that the step writes negative values into was kept
     at 0 by the compiled step, silently (eagerly copy_ refused it). An optimizer declared outside
-    lowbit_optim steps a new state eagerly first, so the mistake is named; declared signed, it trains."""
+    lowbit_optim runs each parameter's first step eagerly on copies too, so the mistake is named
+    (also where opt.state[p] holds a key of the user's already); declared signed, it trains."""
     from lowbit_optim import precision
 
     def velocity_step(param, grad, step, velocity, param_extra, lr, momentum, *numbers, param_update, **flags):
@@ -982,10 +983,12 @@ def test_an_optimizer_of_ones_own_that_writes_a_negative_value_into_a_nonnegativ
     class MisDeclared(Declared):
         states = (lowbit_optim.State("velocity", signed=False, when="momentum", decay=lambda group: group["momentum"]),)
 
-    for cls in (MisDeclared, Declared):
+    for cls, touched in ((MisDeclared, False), (MisDeclared, True), (Declared, False)):
         param = torch.nn.Parameter(torch.zeros(300))
         opt = cls([param], lr=0.1, momentum=0.9, state_format="8bit", min_quantize_numel=0, **path)
         param.grad = torch.linspace(-1, 1, 300)
+        if touched:  # a key of the user's in opt.state[param] before the first step
+            opt.state[param]["note"] = 1
         if cls is MisDeclared:
             with pytest.raises(ValueError, match=r"negative value .* declare it State\(\.\.\., signed=True\)"):
                 opt.step()
