@@ -87,7 +87,14 @@ def optimizer_cls_and_kwargs(model: nn.Module, args=None, *, optimizer_cls=AdamW
             "optimizer_cls_and_kwargs(model, args, ...), or lr=... to use another",
             stacklevel=2,
         )
-    takes_decay = _takes_keyword(_unwrapped(optimizer_cls)[0], "weight_decay")
+    takes_decay = _takes_keyword(cls, "weight_decay")
+    if not takes_decay and args is not None and getattr(args, "weight_decay", 0) and "weight_decay" not in chosen:
+        warnings.warn(
+            f"TrainingArguments' weight_decay ({args.weight_decay}) is not passed to {cls.__name__}, whose __init__ does not "
+            "name it (LowBitOptimizer's **options refuse it): name weight_decay in its __init__ to take it, or set "
+            "TrainingArguments(weight_decay=0.0)",
+            stacklevel=2,
+        )
     overrides = {nn.Embedding: "fp32"} if overrides is None else overrides
     return _Factory(_OptimizerFactory, optimizer_cls, overrides, takes_decay, args), kwargs
 

@@ -118,7 +118,8 @@ def test_helper_takes_training_arguments(tmp_path):
 def test_an_optimizer_of_ones_own_without_weight_decay_is_given_none():
     """An optimizer written as examples/custom_optimizer.py is (its hyperparameters, then **options for
     LowBitOptimizer) without weight decay: the helper passed it TrainingArguments' weight_decay,
-    which its **options refuse, so Trainer could not build it. A subclass of AdamW still gets it."""
+    which its **options refuse, so Trainer could not build it; it is now built without, with a warning
+    that names the weight decay dropped. A subclass of AdamW still gets it."""
     from types import SimpleNamespace
 
     class SignSGD(lowbit_optim.LowBitOptimizer):
@@ -134,7 +135,8 @@ def test_an_optimizer_of_ones_own_without_weight_decay_is_given_none():
 
     model = torch.nn.Linear(4, 4)
     args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
-    factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=SignSGD)
+    with pytest.warns(UserWarning, match=r"weight_decay \(0.1\) is not passed to SignSGD"):  # (not silently)
+        factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=SignSGD)
     assert all("weight_decay" not in g for g in factory()(model, **kwargs).param_groups)
     factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=MyAdamW)
     assert {g["weight_decay"] for g in factory()(model, **kwargs).param_groups} == {0.1, 0.0}
