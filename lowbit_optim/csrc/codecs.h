@@ -494,8 +494,8 @@ static void encode_block(const state_t *s, const float *restrict x, float scale,
  * code of 0 (most) is left after one pass over its bytes. */
 static void floor_positive(const state_t *s, const float *restrict x, float scale, int64_t bs, uint8_t *restrict codes, const calibration_t *cal) {
     uint8_t zero = (uint8_t)s->zero_code, smallest = (uint8_t)s->smallest_code;
-    int zeros = 0;
-    for (int64_t j = 0; j < bs; j++) zeros |= codes[j] == zero;
+    uint8_t zeros = 0;  /* (bytes: 64 codes to a vector) */
+    for (int64_t j = 0; j < bs; j++) zeros |= (uint8_t)(codes[j] == zero);
     if (!zeros) return;
     double least = (double)scale * 0x1p-150;  /* NaN or inf where the block's scale is: no value passes */
     if (!cal->vv) {
