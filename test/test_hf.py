@@ -219,7 +219,8 @@ class AdamWPassingKeywords(lowbit_optim.AdamW):
 def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
     """TrainingArguments' weight decay is not passed to an optimizer that takes none (its lr is)."""
     trainer = _trainer(tmp_path)
-    factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
+    with pytest.warns(UserWarning, match="is not passed to SGDWithoutDecay"):  # (its weight decay dropped, said)
+        factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
     opt = factory()(trainer.model, **kwargs)
     assert all(g["lr"] == trainer.args.learning_rate and g["momentum"] == 0.9 and g["weight_decay"] == 0.0 for g in opt.param_groups)
     # one that passes **kwargs on takes weight_decay: args' for matrices, none for biases and norms
