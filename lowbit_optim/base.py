@@ -918,6 +918,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         owners = []  # the Parameter of each of compiled's
         # an optimizer of one's own: each parameter's first compiled step has its writes checked (_step_compiled)
         checked = self.__dict__.setdefault("_writes_checked", torch.utils.weak.WeakIdKeyDictionary()) if _declared_outside(type(self)) else None
+        fresh = []  # the parameters of compiled's whose writes are checked in this step
         for p, tensor, grad in items:
             if grad.is_neg():  # a lazily negated view: the kernel and inductor's code read its memory, not its values
                 grad = grad.resolve_neg()
@@ -947,12 +948,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
             compiled.setdefault((param.device, first), []).append((param, call, mode))
             owners.append(p)
+            if first:
+                fresh.append(p)
         if compiled:
             try:
                 for (device, first), calls in compiled.items():
                     self._step_compiled(group, calls, *arguments[device], check=first)
-                if checked is not None:
-                    checked.update((p, True) for p in owners)
+                if fresh:
+                    checked.update((p, True) for p in fresh)
             except Exception as error:  # a state edited after its checks fails deep in a trace: say which
                 _explain_inconsistent_states(self, owners, error)
                 unwritable = _behind(error, lambda e: isinstance(e, OSError) and e.errno in kernel_build.UNWRITABLE)

@@ -346,8 +346,9 @@ def _describe_format(k: kernel_abi.Kernel, cls, signed: bool) -> bytes:
     described = k.structs["state_t"](kind=k.kinds[kind], zero_code=-1, smallest_code=-1)
     if kind in ("codebook", "e4m3", "block-float"):
         described.bits, described.scale_max, described.scale_min, described.calibrated = cls.bits, cls.scale_max, cls.scale_min(signed), cls.calibrated(signed)
-    if kind in ("codebook", "e4m3") and cls.positive_floor(signed) is not None:
-        described.zero_code, described.smallest_code = cls.positive_floor(signed)
+    floor = cls.positive_floor(signed) if kind in ("codebook", "e4m3") else None
+    if floor is not None:
+        described.zero_code, described.smallest_code = floor
     if kind == "block-float":
         described.exponent_bits, described.mantissa_bits = cls.exponent_bits(signed), cls.mantissa_bits
         described.log_unbiased, described.power_of_two_scale = cls.rounds_log_unbiased(signed), cls.power_of_two_scale
