@@ -115,33 +115,6 @@ def test_helper_takes_training_arguments(tmp_path):
     assert {(g["lr"], g["weight_decay"]) for g in trainer.create_optimizer().param_groups} == {(1e-4, 0.0)}
 
 
-def test_an_optimizer_of_ones_own_without_weight_decay_is_given_none():
-    """An optimizer written as examples/custom_optimizer.py is (its hyperparameters, then **options for
-    LowBitOptimizer) without weight decay: the helper passed it TrainingArguments' weight_decay,
-    which its **options refuse, so Trainer could not build it; it is now built without, with a warning
-    that names the weight decay dropped. A subclass of AdamW still gets it."""
-    from types import SimpleNamespace
-
-    class SignSGD(lowbit_optim.LowBitOptimizer):
-        step_function = staticmethod(lowbit_optim.functional.sgd_step)
-        states = ()
-
-        def __init__(self, params, lr=1e-3, **options):
-            super().__init__(params, dict(lr=lr), **options)
-
-    class MyAdamW(lowbit_optim.AdamW):
-        def __init__(self, params, lr=1e-3, **options):
-            super().__init__(params, lr=lr, **options)
-
-    model = torch.nn.Linear(4, 4)
-    args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
-    with pytest.warns(UserWarning, match=r"weight_decay \(0.1\) is not passed to SignSGD"):  # (not silently)
-        factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=SignSGD)
-    assert all("weight_decay" not in g for g in factory()(model, **kwargs).param_groups)
-    factory, kwargs = optimizer_cls_and_kwargs(model, args, optimizer_cls=MyAdamW)
-    assert {g["weight_decay"] for g in factory()(model, **kwargs).param_groups} == {0.1, 0.0}
-
-
 def test_helper_refuses_step_in_backward_where_trainer_uses_gradients():
     """Trainer accumulates and clips gradients after backward; the step in backward has used them."""
     from types import SimpleNamespace
@@ -211,18 +184,34 @@ class SGDWithoutDecay(lowbit_optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, state_format="8bit")
 
 
+class SignSGD(lowbit_optim.LowBitOptimizer):
+    """One written as examples/custom_optimizer.py is: its hyperparameters, then **options for
+    LowBitOptimizer, which refuse weight_decay."""
+
+    step_function = staticmethod(lowbit_optim.functional.sgd_step)
+    states = ()
+
+    def __init__(self, params, lr=1e-3, **options):
+        super().__init__(params, dict(lr=lr), **options)
+
+
 class AdamWPassingKeywords(lowbit_optim.AdamW):
     def __init__(self, params, **kwargs):
         super().__init__(params, state_format="8bit", **kwargs)
 
 
 def test_helper_builds_an_optimizer_without_weight_decay(tmp_path):
-    """TrainingArguments' weight decay is not passed to an optimizer that takes none (its lr is)."""
+    """TrainingArguments' weight decay is not passed to an optimizer that takes none (its lr is), with
+    a warning that names it dropped. One whose **options go to LowBitOptimizer (SignSGD) had been
+    passed it, which they refuse: Trainer could not build it."""
     trainer = _trainer(tmp_path)
     with pytest.warns(UserWarning, match="is not passed to SGDWithoutDecay"):  # (its weight decay dropped, said)
         factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SGDWithoutDecay, momentum=0.9)
     opt = factory()(trainer.model, **kwargs)
     assert all(g["lr"] == trainer.args.learning_rate and g["momentum"] == 0.9 and g["weight_decay"] == 0.0 for g in opt.param_groups)
+    with pytest.warns(UserWarning, match=rf"weight_decay \({trainer.args.weight_decay}\) is not passed to SignSGD"):
+        factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=SignSGD)
+    assert all("weight_decay" not in g for g in factory()(trainer.model, **kwargs).param_groups)
     # one that passes **kwargs on takes weight_decay: args' for matrices, none for biases and norms
     factory, kwargs = optimizer_cls_and_kwargs(trainer.model, trainer.args, optimizer_cls=AdamWPassingKeywords)
     opt = factory()(trainer.model, **kwargs)
