@@ -1222,19 +1222,37 @@ def test_4bit_numbers_are_counted_by_bucket():
     assert kernel_op._buckets(k, lowbit_optim.get_format("4bit-calibrated"), False, "codebook") is None
 
 
+def floor_edges(fmt) -> torch.Tensor:
+    """Blocks of 256 whose small positive values a nonnegative state's floor (positive_floor) raises
+    where their quotient by the block's scale is above 0, as quantize_ divides: the kernel compares
+    them with scale * 2**-150 instead, so at that edge (a quotient of exactly 2**-150 rounds to 0)
+    and away from it."""
+    rows = []
+    for scale in (2.0**100, 3 * 2.0**100, 1.0, 5e-20):
+        edge = torch.tensor(scale * 2.0**-150, dtype=torch.float64).float()  # exact where representable
+        near = torch.stack([edge, torch.nextafter(edge, torch.tensor(math.inf)), torch.nextafter(edge, torch.tensor(0.0))])
+        small = torch.tensor([1e-45, 1e-30, 1e-12, 1e-8, 1e-6, 0.0]) * scale
+        row = torch.cat([torch.tensor([scale * fmt.scale_max]), near, small])
+        rows.append(torch.cat([row, row.new_zeros(256 - row.numel())]))
+    return torch.cat(rows)
+
+
 @codec_build_flags
 @blockwise_formats_by_signedness
 def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
     """What a step stores (lowbit_quantize: block scales, then codes) is what quantize_ stores, for
     the encode test's adversarial values (every code, midpoints and their neighbours) times block
     scales that are no powers of two: the kernel may map x times the scale's reciprocal (the 8-bit
-    affine map) where a division would be exact, and must still give the exact quotient's codes."""
+    affine map) where a division would be exact, and must still give the exact quotient's codes.
+    Unsigned, also floor_edges' values (a positive value whose code is 0 takes the smallest)."""
     v = encode_inputs(info, signed)
     v = v[v.abs() < info.fmt.scale_max]  # each block's absmax comes from its first element
     block = 255
     v = torch.cat([v, v.new_zeros(-v.numel() % block)]).view(-1, block)
     scales = torch.tensor([0.37, 3.3e-5, 1234.5, 7.1e-21, 2.9e30, 1.0])[torch.arange(v.shape[0]) % 6, None]
     x = torch.cat([scales * float(info.fmt.scale_max), v * scales], dim=1).flatten()  # blocks of 256
+    edges = floor_edges(info.fmt) if not signed else x[:0]
+    x = torch.cat([x, edges])
     reference = info.fmt.zeros(x.numel(), signed=signed, block_size=256)
     reference.quantize_(x)
     state = info.fmt.zeros(x.numel(), signed=signed, block_size=256)
@@ -1245,32 +1263,9 @@ def test_kernel_quantizes_like_the_format_at_any_scale(info, signed, flag):
     wrong = state.codes != reference.codes
     assert not wrong.any(), f"{int(wrong.sum())} code bytes differ"
     torch.testing.assert_close(state.scale, reference.scale, rtol=0, atol=0)
-
-
-@codec_build_flags
-@pytest.mark.parametrize("name", ["8bit", "8bit-sr", "8bit-linear", "fp8"])
-def test_kernel_keeps_a_positive_value_above_0_where_quantize_does(name, flag):
-    """A nonnegative state's positive value whose code is 0 takes the smallest positive code
-    (positive_floor) where its quotient by the block's scale is above 0, as quantize_ divides: the
-    kernel compares it with scale * 2**-150 instead, exactly, at the edge (a quotient of exactly
-    2**-150 rounds to 0) and away from it; the same codes as quantize_ in every build."""
-    fmt = lowbit_optim.get_format(name)
-    rows = []
-    for scale in (2.0**100, 3 * 2.0**100, 1.0, 5e-20):
-        edge = torch.tensor(scale * 2.0**-150, dtype=torch.float64).float()  # exact where representable
-        near = torch.stack([edge, torch.nextafter(edge, torch.tensor(math.inf)), torch.nextafter(edge, torch.tensor(0.0))])
-        small = torch.tensor([1e-45, 1e-30, 1e-12, 1e-8, 1e-6, 0.0]) * scale
-        row = torch.cat([torch.tensor([scale * fmt.scale_max]), near, small])
-        rows.append(torch.cat([row, row.new_zeros(256 - row.numel())]))
-    x = torch.cat(rows)
-    reference = fmt.zeros(x.numel(), signed=False, block_size=256)
-    reference.quantize_(x)
-    state = fmt.zeros(x.numel(), signed=False, block_size=256)
-    with kernel_built_with(flag):
-        quantize_with_kernel(state, x)
-    assert torch.equal(state.codes, reference.codes) and torch.equal(state.scale, reference.scale)
-    floored = (reference.dequantize() > 0) & (x > 0)
-    assert 0 < int(floored.sum()) < int((x > 0).sum()), "test setup: some values floored, the edge's not"
+    if edges.numel() and info.fmt.positive_floor(False) is not None:
+        floored = ((reference.dequantize() > 0) & (x > 0))[-edges.numel():]
+        assert 0 < int(floored.sum()) < int((edges > 0).sum()), "test setup: some values floored, the edge's not"
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
