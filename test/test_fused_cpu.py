@@ -972,27 +972,38 @@ def test_gcc_vectorizes_every_update_loop(march, tmp_path):
     assert not scalar, f"GCC left these update loops scalar ({march}): {scalar}"
 
 
+def gradient(values: dict | None = None) -> torch.Tensor:
+    """linspace(1, 2, 300) but ``values`` ({indices: value}); element 298 lies in the scalar tail of
+    16- and 8-lane loops."""
+    grad = torch.linspace(1, 2, 300)
+    for indices, value in (values or {}).items():
+        grad[list(indices)] = value
+    return grad
+
+
+def params_after(opt_cls, grads: list[torch.Tensor], **kwargs) -> list[torch.Tensor]:
+    """A 300-element parameter after each step of ``opt_cls`` (lr 1e-2) with each of ``grads``."""
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+    opt = opt_cls([param], lr=1e-2, **kwargs)
+    steps = []
+    for grad in grads:
+        param.grad = grad.clone()
+        opt.step()
+        steps.append(param.detach().clone())
+    return steps
+
+
 @build_flags
 @pytest.mark.parametrize("cls", [lowbit_optim.AdamW, lowbit_optim.AdEMAMix], ids=["AdamW", "AdEMAMix"])
 def test_no_update_where_the_second_moment_is_zero(cls, flag):
     """Where v is exactly 0 (rounded to 0 by torchao's rounding, 8bit-torchao's; then a zero gradient)
     the update is 0, in the vector loop and its scalar tail of every build, as in the compiled step:
     the same bits."""
-    def stepped(fused):
-        param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
-        opt = cls([param], lr=1e-2, weight_decay=0.0, state_format="8bit-torchao", min_quantize_numel=0, fused=fused)
-        steps = []
-        for zeros in (False, True):
-            grad = torch.linspace(1, 2, 300)
-            grad[[7, 298]] = 0.0 if zeros else 1e-5  # 298: in the scalar tail of 16- and 8-lane loops
-            param.grad = grad
-            opt.step()
-            steps.append(param.detach().clone())
-        return steps
-
+    grads = [gradient({(7, 298): 1e-5}), gradient({(7, 298): 0.0})]
+    options = dict(weight_decay=0.0, state_format="8bit-torchao", min_quantize_numel=0)
     with kernel_built_with(flag):
-        kernel = stepped(True)
-    compiled = stepped(False)
+        kernel = params_after(cls, grads, fused=True, **options)
+    compiled = params_after(cls, grads, fused=False, **options)
     assert all(torch.equal(a, b) for a, b in zip(kernel, compiled))
     first, second = kernel
     assert torch.equal(second[[7, 298]], first[[7, 298]]) and not torch.equal(second, first)
@@ -1006,23 +1017,14 @@ def test_a_gradient_whose_square_overflows_steps_as_torch_optim_does(cls, state_
     second moment, as torch.optim's, which multiplies by 1 - beta2 before it squares: an inf one had
     NaN'd the next step. The same bits in the vector loop and its scalar tail (298) of every build as
     in the compiled step; AdamW's fp32 state as torch.optim.AdamW's."""
-    def stepped(opt_cls, **kwargs):
-        param = torch.nn.Parameter(torch.linspace(-1, 1, 300))
-        opt = opt_cls([param], lr=1e-2, **kwargs)
-        for spike in (True, False):
-            grad = torch.linspace(1, 2, 300)
-            if spike:
-                grad[[7, 298]], grad[40] = 1e20, -5e20
-            param.grad = grad
-            opt.step()
-        return param.detach()
-
+    grads = [gradient({(7, 298): 1e20, (40,): -5e20}), gradient()]
+    options = dict(state_format=state_format, min_quantize_numel=0)
     with kernel_built_with(flag):
-        kernel = stepped(cls, state_format=state_format, min_quantize_numel=0, fused=True)
-    compiled = stepped(cls, state_format=state_format, min_quantize_numel=0, fused=False)
+        kernel = params_after(cls, grads, fused=True, **options)[-1]
+    compiled = params_after(cls, grads, fused=False, **options)[-1]
     assert torch.equal(kernel, compiled) and bool(kernel.isfinite().all())
     if cls is lowbit_optim.AdamW and state_format == "fp32":
-        torch.testing.assert_close(compiled, stepped(torch.optim.AdamW), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled, params_after(torch.optim.AdamW, grads)[-1], rtol=1e-5, atol=1e-6)
 
 
 @build_flags
