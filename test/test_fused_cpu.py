@@ -1228,9 +1228,9 @@ def floor_edges(fmt) -> torch.Tensor:
     """Blocks of 256 whose small positive values a nonnegative state's floor (positive_floor) raises
     where their quotient by the block's scale is above 0, as quantize_ divides: the kernel compares
     them with scale * 2**-150 instead, so at that edge (a quotient of exactly 2**-150 rounds to 0)
-    and away from it."""
+    and away from it; 3.75 * 2**-150 is no float (it rounds up to 2**-148, which must be floored)."""
     rows = []
-    for scale in (2.0**100, 3 * 2.0**100, 1.0, 5e-20):
+    for scale in (2.0**100, 3 * 2.0**100, 1.0, 3.75, 5e-20):
         edge = torch.tensor(scale * 2.0**-150, dtype=torch.float64).float()  # exact where representable
         near = torch.stack([edge, torch.nextafter(edge, torch.tensor(math.inf)), torch.nextafter(edge, torch.tensor(0.0))])
         small = torch.tensor([1e-45, 1e-30, 1e-12, 1e-8, 1e-6, 0.0]) * scale
