@@ -238,7 +238,7 @@ def divider_seconds(isa: str, elements: int, max_divisions: int) -> dict[int, fl
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = pathlib.Path(tmp) / "divider.c", pathlib.Path(tmp) / "divider"
         source.write_text(divider_source(isa))
-        subprocess.run([cc, "-O3", ISAS[isa]["cflag"], "-mfma", "-fopenmp", str(source), "-o", str(binary)], check=True)
+        subprocess.run([*cc, "-O3", ISAS[isa]["cflag"], "-mfma", "-fopenmp", str(source), "-o", str(binary)], check=True)
         out = {}
         for k in range(max_divisions + 1):  # the fastest of three runs, the least disturbed
             runs = [subprocess.run([str(binary), str(k), str(elements)], capture_output=True, text=True, check=True) for _ in range(3)]

@@ -1,6 +1,7 @@
 """Building the fused CPU kernel (csrc/) once per machine.
 
-It is compiled with the system's C compiler ($CC, else the first of gcc, cc, clang, $CXX, g++, c++),
+It is compiled with the system's C compiler ($CC, which may carry a launcher or arguments as make's
+does, "ccache gcc"; else the first of gcc, cc, clang, $CXX, g++, c++),
 for this CPU (-march=native), and cached beside inductor's cache under a key of every source file,
 the compiler, the flags and the CPU's features (its /proc/cpuinfo flags and what -march=native
 enables): an edited header, another flag or another CPU sharing the cache directory builds anew. A
@@ -14,6 +15,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,14 +36,24 @@ class NoCompiler(OSError):
     """No C compiler: the kernel is simply unavailable (not a failure worth a warning)."""
 
 
-def compiler() -> str | None:
-    """The compiler's path: $CC where it is set (None where it names no executable), else the
-    first found of gcc, cc, clang, $CXX, g++ and c++."""
-    if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
+def compiler() -> tuple[str, ...] | None:
+    """The compiler's command, its program a path: $CC where it is set, split as a shell splits it
+    ("ccache gcc", "gcc -m64"; one word where the whole of it names a program, as a path with a
+    space may), None where its first word names no executable; else the first found of gcc, cc,
+    clang, $CXX, g++ and c++."""
+    cc = os.environ.get("CC")
+    if cc:
+        if shutil.which(cc):
+            return (shutil.which(cc),)
+        try:
+            words = shlex.split(cc)
+        except ValueError:  # an unclosed quote: no command
+            return None
+        program = shutil.which(words[0]) if words else None
+        return (program, *words[1:]) if program else None
     for name in ("gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
-            return shutil.which(name)
+            return (shutil.which(name),)
     return None
 
 
@@ -116,7 +128,7 @@ def sources() -> list[pathlib.Path]:
     return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h") and not p.name.startswith("."))
 
 
-def _machine_key(cc: str) -> str:
+def _machine_key(cc: tuple[str, ...]) -> str:
     """-march=native: a library built on one CPU may not run on another sharing the cache directory.
     The CPU's flags where /proc/cpuinfo has them (x86; aarch64's say Features) and the macros the
     compiler defines for this CPU (every architecture: what -march=native turns on)."""
@@ -124,10 +136,10 @@ def _machine_key(cc: str) -> str:
 
 
 @functools.cache
-def native_macros(cc: str) -> str:
+def native_macros(cc: tuple[str, ...]) -> str:
     """A sha256 of the macros ``cc -march=native`` predefines here (__AVX512F__, __ARM_FEATURE_SVE, ...)."""
     try:
-        target = _run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull]).stdout
+        target = _run([*cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull]).stdout
     except FileNotFoundError:  # (then the build itself says what is wrong)
         target = ""
     return hashlib.sha256(target.encode()).hexdigest()
@@ -156,18 +168,18 @@ def sources_digest(*extra: pathlib.Path):
     return digest
 
 
-def library_path(cc: str) -> pathlib.Path:
+def library_path(cc: tuple[str, ...]) -> pathlib.Path:
     """Where the library built by ``cc`` with FLAGS lies in the cache: its name is a hash of every
     source file, the compiler, the flags and this CPU's features."""
     digest = sources_digest()
-    digest.update(" ".join([cc, *flags(), _machine_key(cc)]).encode())
+    digest.update(" ".join([*cc, *flags(), _machine_key(cc)]).encode())
     return cache_dir() / f"fused_step_{digest.hexdigest()[:16]}.so"
 
 
-def command(cc: str, source: pathlib.Path, output: pathlib.Path) -> list[str]:
+def command(cc: tuple[str, ...], source: pathlib.Path, output: pathlib.Path) -> list[str]:
     """The compiler command that builds ``source`` (the kernel, or a file that includes it: its
     headers are found in SOURCE_DIR) into the shared library ``output``, as the kernel is built."""
-    return [cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *flags(), "-o", str(output), "-lm"]
+    return [*cc, "-x", "c", str(source), f"-I{SOURCE_DIR}", *flags(), "-o", str(output), "-lm"]
 
 
 def build() -> pathlib.Path:
@@ -175,7 +187,7 @@ def build() -> pathlib.Path:
     failed (NoCompiler where there is no compiler at all)."""
     cc = compiler()
     if cc is None and os.environ.get("CC"):
-        raise OSError(f"CC={os.environ['CC']!r} names no executable compiler (one program, found on PATH): fix it, or unset CC to use gcc, cc or clang")
+        raise OSError(f"CC={os.environ['CC']!r} names no executable compiler (its first word a program found on PATH): fix it, or unset CC to use gcc, cc or clang")
     if cc is None:
         raise NoCompiler("no C compiler was found to build it (install gcc or set CC; torch.compile's CPU step needs one too: without any, steps run eagerly)")
     path = library_path(cc)
@@ -188,7 +200,7 @@ def build() -> pathlib.Path:
             if result.returncode != 0:
                 raise OSError(f"{' '.join(argv)} failed:\n{result.stderr.strip()}")
             if not partial.is_file() or partial.stat().st_size == 0:  # (CC=true: a program that compiles nothing)
-                raise OSError(f"{' '.join(argv)} exited 0 but wrote no library: CC={cc!r} is no C compiler; fix it, or unset CC to use gcc, cc or clang")
+                raise OSError(f"{' '.join(argv)} exited 0 but wrote no library: CC={shlex.join(cc)!r} is no C compiler; fix it, or unset CC to use gcc, cc or clang")
         except OSError:
             with contextlib.suppress(OSError):  # (in a read-only cache: the compiler's own error says so)
                 partial.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ import os
 import pathlib
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -926,14 +927,40 @@ def test_a_compiler_that_hangs_or_a_cc_that_names_none_fails_the_build(monkeypat
     assert not list((tmp_path / "cache").glob("*.tmp"))
 
 
+def test_cc_may_name_a_launcher_and_arguments(monkeypatch, tmp_path):
+    """$CC as make reads it, "ccache gcc -m64": the build runs that command (it was refused as naming
+    no executable), a path with a space in it still names one program, and each command has a
+    build key of its own."""
+    monkeypatch.delenv("CC", raising=False)
+    plain = kernel_build.compiler()
+    if plain is None:
+        pytest.skip("no C compiler")
+    calls = tmp_path / "calls"
+    launcher = tmp_path / "a launcher"
+    launcher.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\nexec "$@"\n')
+    launcher.chmod(0o755)
+    monkeypatch.setenv("CC", f"{shlex.quote(str(launcher))} {shlex.join(plain)} -DCC_ARGUMENT=7")
+    cc = kernel_build.compiler()
+    assert cc == (str(launcher), *plain, "-DCC_ARGUMENT=7")
+    source, library = tmp_path / "answer.c", tmp_path / "answer.so"
+    source.write_text("int answer(void) { return CC_ARGUMENT; }\n")
+    subprocess.run(kernel_build.command(cc, source, library), check=True)
+    assert ctypes.CDLL(str(library)).answer() == 7
+    kernel_build.native_macros(cc)
+    assert [line.split()[0] for line in calls.read_text().splitlines()] == [plain[0]] * 2
+    assert kernel_build.library_path(cc) != kernel_build.library_path(plain)
+    monkeypatch.setenv("CC", str(launcher))  # unquoted, the whole of it a program
+    assert kernel_build.compiler() == (str(launcher),)
+
+
 def test_the_build_key_covers_what_march_native_turns_on(monkeypatch):
     """Where /proc/cpuinfo lists no flags (aarch64's say Features; none readable), the macros the
     compiler predefines for this CPU still tell two CPUs sharing a cache apart."""
     monkeypatch.setattr(kernel_build, "cpuinfo_field", {}.get)
     monkeypatch.setattr(kernel_build, "native_macros", lambda cc: "neoverse-n1")
-    key = kernel_build.library_path("cc")
+    key = kernel_build.library_path(("cc",))
     monkeypatch.setattr(kernel_build, "native_macros", lambda cc: "neoverse-v1")
-    assert kernel_build.library_path("cc") != key
+    assert kernel_build.library_path(("cc",)) != key
 
 
 def test_fused_step_bumps_version_counters():
@@ -959,9 +986,9 @@ def test_gcc_vectorizes_every_update_loop(march, tmp_path):
     vectorize: a branch around arithmetic (GCC will not speculate a division that may trap) kept
     Lion's scalar in every build, 3.5-6x slower. GCC's report names a vectorized loop in each."""
     cc = kernel_build.compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout if cc else ""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout if cc else ""
     if "gcc" not in version.lower() and "free software foundation" not in version.lower():
-        pytest.skip(f"the check reads GCC's vectorization report; the compiler here is {cc or 'none'}")
+        pytest.skip(f"the check reads GCC's vectorization report; the compiler here is {' '.join(cc or ['none'])}")
     if march == "x86-64" and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86 build")
     argv = kernel_build.command(cc, kernel_build.MAIN_SOURCE, tmp_path / "kernel.so")
@@ -1543,12 +1570,12 @@ def test_build_key_covers_every_source_and_constant(monkeypatch, tmp_path):
     for source in kernel_build.sources():
         (copy / source.name).write_bytes(source.read_bytes())
     monkeypatch.setattr(kernel_build, "SOURCE_DIR", copy)
-    before = kernel_build.library_path("cc")
+    before = kernel_build.library_path(("cc",))
     (copy / "convert.h").write_text((copy / "convert.h").read_text() + "\n/* edited */\n")
-    assert kernel_build.library_path("cc") != before
-    edited = kernel_build.library_path("cc")
+    assert kernel_build.library_path(("cc",)) != before
+    edited = kernel_build.library_path(("cc",))
     monkeypatch.setattr(quant, "MIN_BLOCK_SCALE", 1e-10)
-    assert kernel_build.library_path("cc") != edited
+    assert kernel_build.library_path(("cc",)) != edited
 
 
 @pytest.mark.parametrize(
@@ -1569,11 +1596,11 @@ def test_tuning_follows_the_cpu_and_keys_the_build(monkeypatch, cpuinfo, expecte
     fields = dict(cpuinfo)
     monkeypatch.setattr(kernel_build, "cpuinfo_field", fields.get)
     assert kernel_build.tuning() == expected
-    command = kernel_build.command("cc", kernel_build.MAIN_SOURCE, kernel_build.MAIN_SOURCE.with_suffix(".so"))
+    command = kernel_build.command(("cc",), kernel_build.MAIN_SOURCE, kernel_build.MAIN_SOURCE.with_suffix(".so"))
     assert all(command.index(flag) < command.index(kernel_build.FLAGS[0]) for flag in expected)
-    key = kernel_build.library_path("cc")
+    key = kernel_build.library_path(("cc",))
     fields["cpu family"] = "23" if expected else "26"  # the other choice, on AMD's CPUs
-    assert (kernel_build.library_path("cc") != key) == (fields.get("vendor_id") == "AuthenticAMD")
+    assert (kernel_build.library_path(("cc",)) != key) == (fields.get("vendor_id") == "AuthenticAMD")
 
 
 def test_package_ships_every_source():
