@@ -1,6 +1,8 @@
 """lowbit_optim: Adam/AdamW, SGD, Lion, AdEMAMix and Muon with 8-bit, 4-bit, FP8, bf16 or fp32 optimizer state,
 one compiled step."""
 
+__version__ = "0.1.0"
+
 from .formats import (
     BF16,
     FP32,

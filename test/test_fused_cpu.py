@@ -1605,8 +1605,9 @@ def test_tuning_follows_the_cpu_and_keys_the_build(monkeypatch, cpuinfo, expecte
 
 def test_package_ships_every_source():
     """pyproject's package data covers every file the build reads (an installed package builds too),
-    and the license it names exists."""
+    the license it names exists, and the version it gives is lowbit_optim.__version__."""
     import fnmatch
+    import importlib.metadata
     import pathlib
     import tomllib
 
@@ -1617,6 +1618,8 @@ def test_package_ships_every_source():
     for source in kernel_build.sources():
         assert any(fnmatch.fnmatch(source.name, g) for g in globs), f"{source.name} is not in the package data {globs}"
     assert all((root / name).is_file() for name in pyproject["project"]["license-files"])
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lowbit_optim.__version__"}
+    assert importlib.metadata.version("lowbit_optim") == lowbit_optim.__version__, "reinstall: pip install -e ."
 
 
 def test_an_editors_lock_file_beside_the_sources_is_not_one(monkeypatch, tmp_path):
