@@ -43,8 +43,9 @@ def compiler() -> tuple[str, ...] | None:
     clang, $CXX, g++ and c++."""
     cc = os.environ.get("CC")
     if cc:
-        if shutil.which(cc):
-            return (shutil.which(cc),)
+        whole = shutil.which(cc)
+        if whole:
+            return (whole,)
         try:
             words = shlex.split(cc)
         except ValueError:  # an unclosed quote: no command
