@@ -638,7 +638,8 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
-    cmap = plt.get_cmap("tab10")
+    palette = 10 if len(labels) <= 10 else 20  # past 20 rows a color repeats, with another marker
+    cmap = plt.get_cmap(f"tab{palette}")
     mlp = args.task == "mlp"
     points = "train_set_history" if mlp else "val_history"  # the dots: whole training set (mlp), val batches (gpt)
     for i, label in enumerate(labels):
@@ -651,8 +652,9 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
         same = [r for r in mine if len(r[points]) == len(val_steps)]  # a diverged run stops early
         val_mean = [statistics.fmean(r[points][k][1] for r in same) for k in range(len(val_steps))]
         for axis in (ax, zoom):
-            axis.plot(range(1, n + 1), mean, style, color=cmap(i % 10), label=label, linewidth=1.2)
-            axis.plot(val_steps, val_mean, "o", color=cmap(i % 10), markersize=4)
+            color, marker = cmap(i % palette), "os^"[i // palette % 3]
+            axis.plot(range(1, n + 1), mean, style, color=color, label=label if axis is zoom else None, linewidth=1.2)
+            axis.plot(val_steps, val_mean, marker, color=color, markersize=4)
     counts = sorted({sum(r["label"] == label for r in runs) for label in labels})
     seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     dots = "training-set loss" if mlp else "val loss"
@@ -675,10 +677,11 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
         axis.grid(alpha=0.3)
         if mlp:
             axis.set_yscale("log")
-    zoom.legend(fontsize=8)
+    # beside the plots, not over them: with every format there are ~26 rows
+    zoom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1 if len(labels) <= 16 else 2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
