@@ -636,12 +636,14 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
     palette = 10 if len(labels) <= 10 else 20  # past 20 rows a color repeats, with another marker
     cmap = plt.get_cmap(f"tab{palette}")
     mlp = args.task == "mlp"
     points = "train_set_history" if mlp else "val_history"  # the dots: whole training set (mlp), val batches (gpt)
+    handles = []  # a curve's line and its dots' marker, which tell apart rows that share a color
     for i, label in enumerate(labels):
         mine = [r for r in runs if r["label"] == label]
         n = min(len(r["train_losses"]) for r in mine)
@@ -653,8 +655,9 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
         val_mean = [statistics.fmean(r[points][k][1] for r in same) for k in range(len(val_steps))]
         for axis in (ax, zoom):
             color, marker = cmap(i % palette), "os^"[i // palette % 3]
-            axis.plot(range(1, n + 1), mean, style, color=color, label=label if axis is zoom else None, linewidth=1.2)
+            axis.plot(range(1, n + 1), mean, style, color=color, linewidth=1.2)
             axis.plot(val_steps, val_mean, marker, color=color, markersize=4)
+        handles.append(Line2D([], [], linestyle=style, marker=marker, color=color, markersize=4, linewidth=1.2, label=label))
     counts = sorted({sum(r["label"] == label for r in runs) for label in labels})
     seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     dots = "training-set loss" if mlp else "val loss"
@@ -678,7 +681,7 @@ def plot(runs: list[dict], labels: list[str], args, path: pathlib.Path) -> None:
         if mlp:
             axis.set_yscale("log")
     # beside the plots, not over them: with every format there are ~26 rows
-    zoom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1 if len(labels) <= 16 else 2)
+    zoom.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1 if len(labels) <= 16 else 2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
