@@ -39,8 +39,8 @@ class NoCompiler(OSError):
 def compiler() -> tuple[str, ...] | None:
     """The compiler's command, its program a path: $CC where it is set, split as a shell splits it
     ("ccache gcc", "gcc -m64"; one word where the whole of it names a program, as a path with a
-    space may), None where its first word names no executable; else the first found of gcc, cc,
-    clang, $CXX, g++ and c++."""
+    space may), None where its first word names no executable (an OSError where a quote is not
+    closed); else the first found of gcc, cc, clang, $CXX, g++ and c++."""
     cc = os.environ.get("CC")
     if cc:
         whole = shutil.which(cc)
@@ -48,8 +48,8 @@ def compiler() -> tuple[str, ...] | None:
             return (whole,)
         try:
             words = shlex.split(cc)
-        except ValueError:  # an unclosed quote: no command
-            return None
+        except ValueError as error:
+            raise OSError(f"CC={cc!r} cannot be split as a shell splits it ({error}): fix its quotes, or unset CC to use gcc, cc or clang") from None
         program = shutil.which(words[0]) if words else None
         return (program, *words[1:]) if program else None
     for name in ("gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):

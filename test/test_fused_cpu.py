@@ -898,15 +898,16 @@ def running_sleep(pid: str) -> bool:
 
 def test_a_compiler_that_hangs_or_a_cc_that_names_none_fails_the_build(monkeypatch, tmp_path):
     """A compiler that never finishes is stopped once, with what it started (the first step hung
-    for ever); a CC naming no executable is refused by name (another compiler was used in silence);
-    one that exits 0 writing nothing is named (the error named a missing temporary file). Each
-    warns and falls back."""
+    for ever); a CC naming no executable is refused by name (another compiler was used in silence),
+    one with an unclosed quote as such; one that exits 0 writing nothing is named (the error named a
+    missing temporary file). Each warns and falls back."""
     hanging, started = tmp_path / "hanging-cc", tmp_path / "started"
     hanging.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >> {started}\nwait\n")
     hanging.chmod(0o755)
     monkeypatch.setattr(kernel_build, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(kernel_build, "BUILD_TIMEOUT_S", 1)
     cases = [(str(hanging), f"{hanging} did not finish in 1 s"), ("/no/such/gcc", "CC='/no/such/gcc' names no executable compiler")]
+    cases.append(("gcc -DNAME='x", "cannot be split as a shell splits it (No closing quotation)"))  # (not: names no compiler)
     cases.append((shutil.which("true"), "exited 0 but wrote no library"))
     for cc, message in cases:
         monkeypatch.setenv("CC", cc)
