@@ -757,13 +757,15 @@ def test_a_process_may_compile_more_graphs_than_dynamos_accumulated_limit(monkey
     recompile_limit (here the process's is 1, and two configurations step)."""
     counter, compiled = counted_compile(monkeypatch, lambda: lowbit_optim.base._compiled(lowbit_optim.adam_step, lowbit_optim.adam_step))
     monkeypatch.setattr(lowbit_optim.base, "compiled_step", lambda step_function: compiled)
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1)
-    for maximize in (False, True):
-        p = nn.Parameter(torch.randn(64))
-        opt = lowbit_optim.AdamW([p], state_format="fp32", fused=False, maximize=maximize)
-        p.grad = torch.randn_like(p)
-        opt.step()
-    assert counter.frame_count == 2 and torch._dynamo.config.accumulated_recompile_limit == 1
+    # config.patch, not monkeypatch: pytest 9.2's undo deletes an attribute missing from the module's
+    # __dict__, and a config module's are not there, so the entry was gone for every later test
+    with torch._dynamo.config.patch(accumulated_recompile_limit=1):
+        for maximize in (False, True):
+            p = nn.Parameter(torch.randn(64))
+            opt = lowbit_optim.AdamW([p], state_format="fp32", fused=False, maximize=maximize)
+            p.grad = torch.randn_like(p)
+            opt.step()
+        assert counter.frame_count == 2 and torch._dynamo.config.accumulated_recompile_limit == 1
 
 
 def test_a_step_function_that_is_no_function_gets_a_copy_of_its_own():
