@@ -12,6 +12,7 @@ import copy
 import functools
 import io
 import operator
+import pathlib
 import pickle
 import re
 import subprocess
@@ -297,8 +298,11 @@ def check_step_inside_torch_compile(make, lr: float, mlp=make_mlp) -> None:
                     step_fn()
                 m.zero_grad()
                 o.param_groups[0]["lr"] = lr / (step + 2)
-    # torch's own DeprecationWarnings (torch.jit inside inductor) are not ours to fix
-    assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
+    # torch's own warnings are not ours to fix: DeprecationWarnings (torch.jit inside inductor), and
+    # on Python 3.13.0 dynamo's "Guards may run slower" (warned from torch's files)
+    torch_files = str(pathlib.Path(torch.__file__).parent)
+    ours = [w for w in caught if not issubclass(w.category, DeprecationWarning) and not w.filename.startswith(torch_files)]
+    assert [str(w.message) for w in ours] == []
     assert sum(counters["graph_break"].values()) == 0
     assert compiles.frame_count == 1
     assert_same_training(reference_model, reference, model, opt)
