@@ -52,10 +52,9 @@ def compiler() -> tuple[str, ...] | None:
             raise OSError(f"CC={cc!r} cannot be split as a shell splits it ({error}): fix its quotes, or unset CC to use gcc, cc or clang") from None
         program = shutil.which(words[0]) if words else None
         return (program, *words[1:]) if program else None
-    for name in ("gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return (shutil.which(name),)
-    return None
+    found = (shutil.which(name) for name in ("gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++") if name)
+    path = next((p for p in found if p), None)
+    return (path,) if path else None
 
 
 def cache_dir() -> pathlib.Path:
